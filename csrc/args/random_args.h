@@ -1,0 +1,24 @@
+// Argument checks of philox_uniform, shared by its CPU and CUDA kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "../common/checks.h"
+
+namespace dspark_ops {
+
+inline void check_philox_uniform_args(const at::Tensor& seed, const at::Tensor& position,
+                                      int64_t purpose, int64_t count) {
+  constexpr const char* op = "philox_uniform";
+  check_dim(op, "seed", seed, {1}, "1-D [N]");
+  check_dtype(op, "seed", seed, {at::kLong});
+  check_device(op, "position", position, seed, "seed");
+  check_dtype(op, "position", position, {at::kLong});
+  check_shape(op, "position", position, {seed.size(0)}, "[N]");
+  TORCH_CHECK_VALUE(purpose >= 0 && purpose <= UINT32_MAX, op,
+                    "(): 'purpose' must lie in [0, 2^32), got ", purpose);
+  TORCH_CHECK_VALUE(count >= 0 && count <= (int64_t{1} << 32), op,
+                    "(): 'count' must lie in [0, 2^32], got ", count);
+}
+
+}  // namespace dspark_ops

@@ -1,0 +1,104 @@
+#include "verify_args.h"
+
+#include <ATen/ATen.h>
+
+#include "../common/checks.h"
+
+namespace dspark_ops {
+
+namespace {
+constexpr const char* kOp = "verify";
+
+// Kernels index along the vocabulary with unit stride; other strides are honoured.
+at::Tensor unit_stride_vocab(const at::Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+at::Tensor check_per_request(const char* name, const at::Tensor& t, at::ScalarType dtype,
+                             const at::Tensor& reference, int64_t batch) {
+  check_device(kOp, name, t, reference, "target_logits");
+  check_dtype(kOp, name, t, {dtype});
+  check_shape(kOp, name, t, {batch}, "[B]");
+  return t.contiguous();
+}
+}  // namespace
+
+VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                             const at::Tensor& num_draft, const at::Tensor& temperature,
+                             const at::Tensor& seed, const at::Tensor& position,
+                             const std::optional<at::Tensor>& draft_logits,
+                             const std::optional<at::Tensor>& target_start,
+                             const std::optional<at::Tensor>& draft_temperature) {
+  const auto float_types = {at::kFloat, at::kBFloat16, at::kHalf};
+  VerifyArgs a;
+
+  check_dim(kOp, "draft_tokens", draft_tokens, {2}, "2-D [B, G]");
+  check_device(kOp, "draft_tokens", draft_tokens, target_logits, "target_logits");
+  check_dtype(kOp, "draft_tokens", draft_tokens, {at::kLong, at::kInt});
+  a.batch = draft_tokens.size(0);
+  a.block = draft_tokens.size(1);
+  a.draft_tokens = draft_tokens;
+
+  check_dim(kOp, "target_logits", target_logits, {2, 3}, "2-D [R, V] or 3-D [B, G+1, V]");
+  check_dtype(kOp, "target_logits", target_logits, float_types);
+  a.vocab = target_logits.size(-1);
+  TORCH_CHECK_VALUE(a.vocab >= 1 && a.vocab <= INT32_MAX, kOp,
+                    "(): 'target_logits' must have a vocabulary size in [1, 2^31), got ", a.vocab);
+  if (target_logits.dim() == 3) {
+    check_shape(kOp, "target_logits", target_logits, {a.batch, a.block + 1, a.vocab},
+                "[B, G+1, V]");
+  }
+  a.target = unit_stride_vocab(target_logits.reshape({-1, a.vocab}));
+  a.rows = a.target.size(0);
+
+  a.num_draft = check_per_request("num_draft", num_draft, at::kInt, target_logits, a.batch);
+  a.temperature = check_per_request("temperature", temperature, at::kFloat, target_logits, a.batch);
+  a.seed = check_per_request("seed", seed, at::kLong, target_logits, a.batch);
+  a.position = check_per_request("position", position, at::kLong, target_logits, a.batch);
+
+  if (draft_logits.has_value()) {
+    const auto& d = *draft_logits;
+    check_device(kOp, "draft_logits", d, target_logits, "target_logits");
+    check_dtype(kOp, "draft_logits", d, float_types);
+    check_shape(kOp, "draft_logits", d, {a.batch, a.block, a.vocab}, "[B, G, V]");
+    a.draft_logits = unit_stride_vocab(d);
+  }
+  if (draft_temperature.has_value()) {
+    a.draft_temperature = check_per_request("draft_temperature", *draft_temperature, at::kFloat,
+                                            target_logits, a.batch);
+  }
+  if (target_start.has_value()) {
+    a.target_start =
+        check_per_request("target_start", *target_start, at::kInt, target_logits, a.batch);
+  } else {
+    TORCH_CHECK_VALUE(a.rows == a.batch * (a.block + 1), kOp,
+                      "(): without 'target_start', 'target_logits' must hold B*(G+1) = ",
+                      a.batch * (a.block + 1), " rows (the padded layout), got ", a.rows);
+  }
+
+  if (value_checks_enabled(target_logits) && a.batch > 0) {
+    check_values_in_range(kOp, "num_draft", a.num_draft, 0, a.block);
+    const auto j = at::arange(a.block, draft_tokens.options().dtype(at::kInt));
+    check_values_in_range(kOp, "draft_tokens", draft_tokens, 0, a.vocab - 1,
+                          j.unsqueeze(0) < a.num_draft.unsqueeze(1));
+    check_finite_non_negative(kOp, "temperature", a.temperature);
+    if (a.draft_temperature.defined()) {
+      check_finite_non_negative(kOp, "draft_temperature", a.draft_temperature);
+    }
+    if (a.target_start.defined()) {
+      check_values_in_range(kOp, "target_start", a.target_start, 0, a.rows - 1);
+      check_values_in_range(kOp, "target_start + num_draft", a.target_start + a.num_draft, 0,
+                            a.rows - 1);
+    }
+  }
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_verify_outputs(const VerifyArgs& a) {
+  const auto options = a.target.options();
+  return {at::empty({a.batch, a.block + 1}, options.dtype(at::kLong)),
+          at::empty({a.batch}, options.dtype(at::kInt)),
+          at::empty({a.batch}, options.dtype(at::kBool))};
+}
+
+}  // namespace dspark_ops

@@ -1,0 +1,50 @@
+#include "checks.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace dspark_ops {
+
+namespace {
+bool debug_env() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DSPARK_OPS_DEBUG");
+    return v != nullptr && std::strcmp(v, "0") != 0 && std::strcmp(v, "") != 0;
+  }();
+  return enabled;
+}
+
+std::string index_string(const at::Tensor& bad) {
+  const auto where = bad.nonzero()[0].cpu();
+  std::ostringstream out;
+  out << "[";
+  for (int64_t i = 0; i < where.numel(); ++i) out << (i ? ", " : "") << where[i].item<int64_t>();
+  out << "]";
+  return out.str();
+}
+}  // namespace
+
+bool value_checks_enabled(const at::Tensor& t) { return !t.is_cuda() || debug_env(); }
+
+void check_values_in_range(const char* op, const char* name, const at::Tensor& values,
+                           int64_t low, int64_t high, const at::Tensor& selected) {
+  auto bad = (values < low).logical_or_(values > high);
+  if (selected.defined()) bad.logical_and_(selected);
+  if (!bad.any().item<bool>()) return;
+  const auto at_index = index_string(bad);
+  const auto value = values.flatten()[bad.flatten().nonzero()[0][0]];
+  TORCH_CHECK_VALUE(false, op, "(): '", name, "' values must lie in [", low, ", ", high, "], got ",
+                    value.item<int64_t>(), " at index ", at_index);
+}
+
+void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values) {
+  const auto bad = values.isfinite().logical_not_().logical_or_(values < 0);
+  if (!bad.any().item<bool>()) return;
+  const auto value = values.flatten()[bad.flatten().nonzero()[0][0]];
+  TORCH_CHECK_VALUE(false, op, "(): '", name, "' must be finite and >= 0, got ",
+                    value.item<double>(), " at index ", index_string(bad));
+}
+
+}  // namespace dspark_ops

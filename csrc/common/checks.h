@@ -1,0 +1,65 @@
+// Argument checks with messages that name the op, the argument, what was expected and what was
+// given. Shape, dtype and device checks run on every device; value checks (which read tensor
+// contents and so cost a device sync on CUDA) run on CPU always and on CUDA when DSPARK_OPS_DEBUG=1.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+namespace dspark_ops {
+
+inline std::string dtype_list(std::initializer_list<at::ScalarType> dtypes) {
+  std::ostringstream out;
+  bool first = true;
+  for (auto dtype : dtypes) {
+    out << (first ? "" : " or ") << c10::toString(dtype);
+    first = false;
+  }
+  return out.str();
+}
+
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
+                        std::initializer_list<at::ScalarType> dtypes) {
+  bool ok = false;
+  for (auto dtype : dtypes) ok = ok || t.scalar_type() == dtype;
+  TORCH_CHECK_TYPE(ok, op, "(): '", name, "' must have dtype ", dtype_list(dtypes), ", got ",
+                   t.scalar_type());
+}
+
+// `expected` spells the shape symbolically (e.g. "[B, G]") for the message.
+inline void check_shape(const char* op, const char* name, const at::Tensor& t,
+                        at::IntArrayRef shape, const char* expected) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, op, "(): '", name, "' must have shape ", expected, " = ",
+                    shape, ", got ", t.sizes());
+}
+
+inline void check_dim(const char* op, const char* name, const at::Tensor& t,
+                      std::initializer_list<int64_t> dims, const char* expected) {
+  bool ok = false;
+  for (auto dim : dims) ok = ok || t.dim() == dim;
+  TORCH_CHECK_VALUE(ok, op, "(): '", name, "' must be ", expected, ", got a ", t.dim(),
+                    "-D tensor of shape ", t.sizes());
+}
+
+inline void check_device(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& reference, const char* reference_name) {
+  TORCH_CHECK_VALUE(t.device() == reference.device(), op, "(): '", name, "' must be on ",
+                    reference.device(), " like '", reference_name, "', got ", t.device());
+}
+
+// True where value checks run: always on CPU, on CUDA only with DSPARK_OPS_DEBUG=1.
+bool value_checks_enabled(const at::Tensor& t);
+
+// Raises unless every selected element of `values` lies in [low, high]; the message names the
+// first offender. `selected` may be undefined (all elements).
+void check_values_in_range(const char* op, const char* name, const at::Tensor& values,
+                           int64_t low, int64_t high, const at::Tensor& selected = at::Tensor());
+
+// Raises unless every element is finite and >= 0.
+void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values);
+
+}  // namespace dspark_ops

@@ -1,0 +1,33 @@
+// Entry points of every op on every backend (registered in cpu/*.cpp and cuda/*.cu). C++ users can
+// also call the ops through the dispatcher: c10::Dispatcher::singleton().findSchemaOrThrow(
+// "dspark_ops::verify", "").
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace dspark_ops {
+
+using VerifyResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // tokens, num_accepted, valid
+
+VerifyResult verify_cpu(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                        const at::Tensor& num_draft, const at::Tensor& temperature,
+                        const at::Tensor& seed, const at::Tensor& position,
+                        const std::optional<at::Tensor>& draft_logits,
+                        const std::optional<at::Tensor>& target_start,
+                        const std::optional<at::Tensor>& draft_temperature);
+VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                         const at::Tensor& num_draft, const at::Tensor& temperature,
+                         const at::Tensor& seed, const at::Tensor& position,
+                         const std::optional<at::Tensor>& draft_logits,
+                         const std::optional<at::Tensor>& target_start,
+                         const std::optional<at::Tensor>& draft_temperature);
+
+at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& position, int64_t purpose,
+                              int64_t count);
+at::Tensor philox_uniform_cuda(const at::Tensor& seed, const at::Tensor& position,
+                               int64_t purpose, int64_t count);
+
+}  // namespace dspark_ops

@@ -1,0 +1,16 @@
+"""dspark_ops: fused CUDA/CPU kernels for DSpark-style speculative decoding.
+
+Every op is a PyTorch custom op (``torch.ops.dspark_ops.*``) with a CPU and a CUDA kernel, a fake
+implementation for ``torch.compile`` and a pure-PyTorch reference in :mod:`dspark_ops.reference`.
+"""
+
+from ._library import OPS, load_library
+
+load_library()
+
+from . import reference  # noqa: E402
+from .ops.random import philox_uniform  # noqa: E402
+from .ops.verify import VerifyOutput, verify  # noqa: E402
+
+__all__ = ["OPS", "VerifyOutput", "philox_uniform", "reference", "verify"]
+__version__ = "0.1.0"

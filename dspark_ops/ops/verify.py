@@ -1,0 +1,103 @@
+"""verify: fused, lossless verification of a block of draft tokens (SPEC §3.1)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..reference import VerifyOutput
+
+__all__ = ["VerifyOutput", "verify"]
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: Optional[torch.Tensor],
+    position: torch.Tensor,
+    *,
+    draft_logits: Optional[torch.Tensor] = None,
+    target_start: Optional[torch.Tensor] = None,
+    draft_temperature: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> VerifyOutput:
+    """Accepts the longest valid prefix of each request's drafts and emits one more token.
+
+    Rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft ``x`` at row ``j`` is
+    accepted iff ``q_j(x) > 0`` and ``u_j * q_j(x) < p_j(x)``; at the first rejection a token is
+    drawn from ``max(p_j - q_j, 0)`` (from ``p_j`` if that has no mass), and after a full accept a
+    bonus token is drawn from ``p_n``. The emitted tokens are distributed exactly as sampling the
+    target alone. Greedy requests (``temperature <= 1e-5``) accept iff the draft equals the target
+    argmax (ties to the lowest id) and emit that argmax.
+
+    Parameters
+    ----------
+    target_logits : torch.Tensor
+        float32/bfloat16/float16, padded ``[B, G+1, V]`` or ragged ``[R, V]``. Row
+        ``target_start[b] + j`` holds the target's logits for the token after position
+        ``position[b] + j``, for ``j = 0..num_draft[b]``.
+    draft_tokens : torch.Tensor
+        int64 or int32 ``[B, G]``; entries past ``num_draft[b]`` are ignored.
+    num_draft : torch.Tensor
+        int32 ``[B]``, each in ``[0, G]``.
+    temperature : torch.Tensor
+        float32 ``[B]``: target sampling temperature, finite and ``>= 0``; ``<= 1e-5`` is greedy.
+    seed : torch.Tensor or None
+        int64 ``[B]``: per-request seeds. ``None`` draws them from ``generator`` (or torch's
+        default generator for the device).
+    position : torch.Tensor
+        int64 ``[B]``: absolute position ``p0`` of each request's anchor token. Row ``j`` draws
+        its random numbers from the streams of position ``p0 + 1 + j`` only, so a request's
+        output never depends on the rest of the batch.
+    draft_logits : torch.Tensor, optional
+        float32/bfloat16/float16 ``[B, G, V]``: the pre-temperature logits the drafts were
+        sampled from (``markov_draft``'s ``draft_logits``); ``q_j = softmax(draft_logits/T_d)``.
+        ``None`` means deterministic (one-hot) proposals.
+    target_start : torch.Tensor, optional
+        int32 ``[B]``: first row of each request in a ragged ``target_logits``; default
+        ``b * (G + 1)`` (then ``target_logits`` must have ``B * (G + 1)`` rows).
+    draft_temperature : torch.Tensor, optional
+        float32 ``[B]``: the temperature ``T_d`` the drafts were sampled at; default
+        ``temperature``.
+    generator : torch.Generator, optional
+        Only used to draw ``seed`` when it is ``None``.
+
+    Returns
+    -------
+    VerifyOutput
+        ``tokens`` int64 ``[B, G+1]`` (the ``num_accepted[b] + 1`` emitted tokens, then -1),
+        ``num_accepted`` int32 ``[B]``, ``valid`` bool ``[B]`` (False where a row the op needed
+        had no finite logit, in which case the token there is 0, or a draft id was outside
+        ``[0, V)``, which is rejected without being used as an index).
+
+    Notes
+    -----
+    No host synchronisation and no data-dependent shapes on CUDA, so the call can be captured
+    in a CUDA graph. Value checks (ids in range, lengths <= G, temperatures) always run on CPU
+    and on CUDA only with ``DSPARK_OPS_DEBUG=1``, because they need a sync.
+    """
+    if seed is None:
+        seed = torch.randint(
+            0, 2**62, (draft_tokens.shape[0],), generator=generator,
+            device=draft_tokens.device, dtype=torch.int64,
+        )
+    tokens, num_accepted, valid = torch.ops.dspark_ops.verify(
+        target_logits, draft_tokens, num_draft, temperature, seed, position,
+        draft_logits, target_start, draft_temperature,
+    )
+    return VerifyOutput(tokens, num_accepted, valid)
+
+
+@torch.library.register_fake("dspark_ops::verify")
+def _verify_fake(target_logits, draft_tokens, num_draft, temperature, seed, position,
+                 draft_logits=None, target_start=None, draft_temperature=None):
+    torch._check(draft_tokens.dim() == 2, lambda: "verify(): 'draft_tokens' must be 2-D [B, G]")
+    batch, block = draft_tokens.shape
+    return (
+        draft_tokens.new_empty((batch, block + 1), dtype=torch.int64),
+        draft_tokens.new_empty((batch,), dtype=torch.int32),
+        draft_tokens.new_empty((batch,), dtype=torch.bool),
+    )

@@ -1,0 +1,145 @@
+"""Build of record for dspark_ops: one extension, dspark_ops._C.
+
+Flavour: CUDA kernels are built when torch is a CUDA build (torch.version.cuda) and a CUDA
+toolkit is found, otherwise a CPU-only build. Environment:
+  DSPARK_OPS_CUDA=0 / 1     force a CPU-only build / make a missing toolkit an error
+  TORCH_CUDA_ARCH_LIST      CUDA archs (default "8.0;9.0+PTX")
+  DSPARK_OPS_PTXAS_VERBOSE=1  print ptxas register/spill reports during the build
+  DSPARK_OPS_CPU_ISA=generic  build the CPU kernels without AVX2/FMA (x86-64 only)
+  CUDA_HOME, MAX_JOBS       as for any torch extension
+"""
+
+import glob
+import os
+import platform
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+except ImportError:
+    sys.exit(
+        "dspark_ops: PyTorch must be installed before building (it compiles against your torch).\n"
+        "Install torch first, then build without build isolation:\n"
+        "    pip install torch && pip install --no-build-isolation ."
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def find_cuda_home():
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    for candidate in ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []) + [
+        "/usr/local/cuda"
+    ]:
+        if os.path.exists(os.path.join(candidate, "include", "cuda_runtime.h")):
+            return candidate
+    return None
+
+
+def choose_flavour():
+    requested = os.environ.get("DSPARK_OPS_CUDA", "").strip()
+    if requested not in ("", "0", "1"):
+        sys.exit(f"dspark_ops: DSPARK_OPS_CUDA must be 0, 1 or unset, got {requested!r}")
+    if requested == "0":
+        return "cpu", None, "DSPARK_OPS_CUDA=0"
+    cuda_home = find_cuda_home()
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"torch {torch.__version__} is not a CUDA build")
+    if cuda_home is None or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        missing.append("no CUDA toolkit found (set CUDA_HOME to the toolkit root)")
+    if missing:
+        if requested == "1":
+            sys.exit("dspark_ops: DSPARK_OPS_CUDA=1 but " + "; ".join(missing))
+        return "cpu", None, "; ".join(missing)
+    return "cuda", cuda_home, f"toolkit at {cuda_home}"
+
+
+FLAVOUR, CUDA_HOME, REASON = choose_flavour()
+if CUDA_HOME:
+    os.environ["CUDA_HOME"] = CUDA_HOME  # read by torch.utils.cpp_extension at import
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+ARCHS = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if FLAVOUR == "cuda" else ""
+banner = f"dspark_ops: building the {FLAVOUR.upper()} flavour ({REASON})"
+if ARCHS:
+    banner += f", CUDA archs {ARCHS}"
+print("=" * len(banner), banner, "=" * len(banner), sep="\n", flush=True)
+
+
+def x86_cpu_flags():
+    """AVX2+FMA for the vectorised CPU kernels (at::vec calls torch's exported SLEEF)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [], "native"
+    if os.environ.get("DSPARK_OPS_CPU_ISA", "").lower() == "generic":
+        return [], "generic"
+    return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"], "avx2"
+
+
+def nvidia_wheel_includes():
+    """ATen's CUDA headers include cuSPARSE/cuBLAS headers that pip's nvidia wheels carry."""
+    found = []
+    for site in sys.path:
+        found += glob.glob(os.path.join(site, "nvidia", "cu*", "include"))
+        found += glob.glob(os.path.join(site, "nvidia", "*", "include"))
+    return sorted({os.path.realpath(p) for p in found if os.path.isdir(p)})
+
+
+def write_build_info(cpu_isa):
+    info = {
+        "flavour": FLAVOUR,
+        "reason": REASON,
+        "torch_version": torch.__version__,
+        "torch_cuda_version": torch.version.cuda,
+        "cuda_home": CUDA_HOME,
+        "cuda_archs": ARCHS,
+        "cpu_isa": cpu_isa,
+    }
+    with open(os.path.join(ROOT, "dspark_ops", "_build_info.py"), "w") as f:
+        f.write("# Written by setup.py at build time.\n")
+        f.write(f"BUILD_INFO = {info!r}\n")
+
+
+def extension():
+    cpu_flags, cpu_isa = x86_cpu_flags()
+    write_build_info(cpu_isa)
+    sources = sorted(
+        glob.glob("csrc/*.cpp") + glob.glob("csrc/common/*.cpp") + glob.glob("csrc/args/*.cpp")
+        + glob.glob("csrc/cpu/*.cpp")
+    )
+    # -ffp-contract=off: no fused multiply-adds, so float rounding matches the reference's.
+    cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas"] + cpu_flags
+    if FLAVOUR == "cpu":
+        return CppExtension("dspark_ops._C", sources, extra_compile_args={"cxx": cxx})
+    nvcc = ["-O3", "--fmad=false", "-lineinfo"]
+    if os.environ.get("DSPARK_OPS_PTXAS_VERBOSE") == "1":
+        nvcc.append("-Xptxas=-v")
+    return CUDAExtension(
+        "dspark_ops._C",
+        sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        include_dirs=nvidia_wheel_includes(),
+        define_macros=[("DSPARK_OPS_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+    )
+
+
+setup(
+    name="dspark_ops",
+    version="0.1.0",
+    description="Fused CUDA/CPU kernels for DSpark-style speculative decoding",
+    packages=find_packages(include=["dspark_ops", "dspark_ops.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+    zip_safe=False,
+)
