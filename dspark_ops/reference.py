@@ -72,17 +72,22 @@ def philox_uniform(
     seed, position = torch.broadcast_tensors(
         torch.as_tensor(seed, dtype=torch.int64), torch.as_tensor(position, dtype=torch.int64)
     )
-    if isinstance(elements, int):
-        elements = torch.arange(elements, device=seed.device)
+    count = elements if isinstance(elements, int) else None
+    if count is not None:  # whole Philox blocks: each block yields four consecutive elements
+        elements = torch.arange((count + 3) // 4 * 4, device=seed.device)
     elements = elements.to(device=seed.device, dtype=torch.int64)
-    seed, position, group = seed[..., None], position[..., None], elements >> 2
+    seed, position = seed[..., None], position[..., None]
+    group = elements[::4] >> 2 if count is not None else elements >> 2
     words = philox4x32_10(
         (group, torch.full_like(group, purpose), position & _MASK32, (position >> 32) & _MASK32),
         (seed & _MASK32, (seed >> 32) & _MASK32),
     )
     words = torch.stack(torch.broadcast_tensors(*words), dim=-1)
-    lane = (elements & 3).expand(words.shape[:-1])
-    bits = words.gather(-1, lane[..., None])[..., 0]
+    if count is not None:
+        bits = words.flatten(-2)[..., :count]
+    else:
+        lane = (elements & 3).expand(words.shape[:-1])
+        bits = words.gather(-1, lane[..., None])[..., 0]
     return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
 
 
@@ -168,7 +173,7 @@ def verify(
             q,
         )
         q = torch.where(draft_invalid[..., None], 0.0, q)
-        q = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
+        q = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)
         q_x = torch.where(in_range, q.gather(-1, x_safe[..., None])[..., 0], 0.0)
         draft_invalid = torch.cat([draft_invalid & ~greedy[:, None], no_row], 1)
 

@@ -1,0 +1,105 @@
+"""Short CUDA run of every kernel over edge cases, compared with the reference.
+
+Small enough to run under compute-sanitizer (memcheck, racecheck) in bench/gpu_check.sh:
+odd and tiny vocabularies, misaligned rows, ragged layouts, rows with no finite logit,
+out-of-range draft ids (not value-checked on CUDA), int32 ids, greedy drafts, G = 0.
+Run as `python -m bench.cuda_smoke [--device cpu]`. Exits non-zero on any disagreement with dspark_ops.reference beyond 1% of requests (float-rounding
+near-ties are the only allowed differences).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import dspark_ops
+from dspark_ops import reference
+
+
+def make_case(batch, block, vocab, dtype, *, draft, ragged, nan_rows, bad_ids, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(0, block + 1, (batch,), generator=g, dtype=torch.int32)
+    target = torch.randn(batch * (block + 1) + 3, vocab, generator=g) * 3
+    draft_logits = torch.randn(batch, block, vocab, generator=g) * 3 if draft else None
+    tokens = torch.randint(0, vocab, (batch, block), generator=g)
+    if bad_ids and block:
+        tokens[::2, 0] = vocab + 5
+        tokens[1::3, -1] = -7
+    if nan_rows:
+        target[1] = float("nan")
+        target[4, : vocab // 2] = float("-inf")
+        if draft_logits is not None and block:
+            draft_logits[2, 0] = float("nan")
+    temperature = torch.rand(batch, generator=g) + 0.3
+    temperature[::4] = 0.0
+    kwargs = {}
+    if ragged:
+        start = torch.cat([torch.zeros(1, dtype=torch.int64), (n + 1).cumsum(0)[:-1].long()])
+        kwargs["target_start"] = (start + 1).int()
+    else:
+        target = target[: batch * (block + 1)]
+    if draft_logits is not None:
+        kwargs["draft_logits"] = draft_logits.to(dtype)
+        kwargs["draft_temperature"] = torch.where(torch.arange(batch) % 5 == 1, 0.0, temperature)
+    # A row stride of vocab + 1 elements misaligns the rows for vector loads.
+    padded = torch.empty(target.shape[0], vocab + 1, dtype=dtype)[:, :vocab]
+    padded.copy_(target.to(dtype))
+    args = (
+        padded,
+        tokens.int() if seed % 2 else tokens,
+        n,
+        temperature,
+        torch.randint(0, 2**62, (batch,), generator=g),
+        torch.randint(0, 2**20, (batch,), generator=g),
+    )
+    return args, kwargs
+
+
+def main() -> int:
+    # `--device cpu` runs the same checks on the CPU kernel (a dry run of this script), minus
+    # out-of-range ids, which the CPU value checks reject.
+    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("cuda_smoke: skipped (no CUDA device)")
+        return 0
+
+    def on_device(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    worst = 0.0
+    cases = 0
+    for vocab in (1, 2, 100, 8193):
+        for block in (0, 1, 7):
+            for draft in (False, True):
+                for dtype in (torch.float32, torch.bfloat16):
+                    cases += 1
+                    args, kwargs = make_case(
+                        16, block, vocab, dtype, draft=draft, ragged=cases % 2 == 0,
+                        nan_rows=cases % 3 == 0, bad_ids=device == "cuda" and cases % 4 == 0,
+                        seed=cases,
+                    )
+                    want = reference.verify(*args, **kwargs)
+                    got = dspark_ops.verify(
+                        *map(on_device, args), **{k: on_device(v) for k, v in kwargs.items()}
+                    )
+                    got = [t.cpu() for t in got]
+                    assert ((got[0] >= -1) & (got[0] < vocab)).all(), "token id out of range"
+                    bad = (
+                        (got[0] != want.tokens).any(1)
+                        | (got[1] != want.num_accepted)
+                        | (got[2] != want.valid)
+                    )
+                    worst = max(worst, bad.float().mean().item())
+    seeds = torch.randint(-(2**62), 2**62, (7,))
+    positions = torch.randint(0, 2**40, (7,))
+    for purpose in (0, 1, 2):
+        want = reference.philox_uniform(seeds, positions, purpose, 37)
+        got = dspark_ops.philox_uniform(on_device(seeds), on_device(positions), purpose, 37).cpu()
+        assert torch.equal(got, want), f"philox_uniform differs from the reference on {device}"
+    print(f"cuda_smoke ({device}): {cases} verify cases, worst disagreement {worst:.3%} of requests")
+    return 0 if worst <= 0.01 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# GPU check of dspark_ops, in one call on a machine with an NVIDIA GPU (under 8 minutes on an H200):
+#   1. build the extension for this GPU's arch (pip, no build isolation, no dependencies fetched)
+#   2. run the CUDA tests
+#   3. compute-sanitizer memcheck and racecheck over bench/cuda_smoke.py
+#   4. CPU-vs-CUDA token agreement on shared seeds
+#   5. the benchmarks (python -m bench)
+# and print a summary table last. Logs, ptxas report and JSON results go to OUTDIR.
+#
+# Usage: bash bench/gpu_check.sh OUTDIR [--dry-run]
+#   --dry-run runs everything that needs no GPU (build for sm_90, CPU versions of the checks), to
+#   catch script errors before spending GPU time.
+set -uo pipefail
+
+OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR [--dry-run]}
+DRY_RUN=0
+[[ "${2:-}" == "--dry-run" ]] && DRY_RUN=1
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+: >"$OUT/steps.tsv"
+
+# run_step NAME TIMEOUT_S COMMAND...: logs to OUT/NAME.log, records status and seconds.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "== $name: $*"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local status=ok
+  ((rc == 124)) && status="timeout(${limit}s)"
+  ((rc != 0 && rc != 124)) && status="failed(rc=$rc)"
+  printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >>"$OUT/steps.tsv"
+  tail -n 3 "$OUT/$name.log"
+  return $rc
+}
+
+if ((DRY_RUN)); then
+  ARCH=9.0
+else
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+  ARCH=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+fi
+
+# 1. Build for this GPU only, with the ptxas register/spill report.
+TORCH_CUDA_ARCH_LIST=$ARCH DSPARK_OPS_CUDA=1 DSPARK_OPS_PTXAS_VERBOSE=1 MAX_JOBS=$(nproc) \
+  run_step build 150 $PY -m pip install --no-build-isolation --no-deps -v -e .
+build_ok=$?
+grep -E "Compiling entry|registers|spill" "$OUT/build.log" >"$OUT/ptxas.txt" 2>/dev/null
+$PY -m dspark_ops.info >"$OUT/info.txt" 2>&1
+
+if ((build_ok == 0)); then
+  if ((DRY_RUN)); then
+    run_step cuda_tests 90 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider
+    run_step smoke_cpu 60 $PY -m bench.cuda_smoke --device cpu
+  else
+    run_step cuda_tests 90 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider \
+      --junitxml="$OUT/cuda_tests.xml"
+    if command -v compute-sanitizer >/dev/null; then
+      run_step memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m bench.cuda_smoke
+      run_step racecheck 70 compute-sanitizer --tool racecheck --error-exitcode 1 $PY -m bench.cuda_smoke
+    else
+      printf 'sanitizer\tnot installed\t0\n' >>"$OUT/steps.tsv"
+    fi
+  fi
+  run_step agreement 45 $PY -m bench.cpu_cuda_agreement --out "$OUT/agreement.json"
+  if ((DRY_RUN)); then
+    run_step bench 150 $PY -m bench --quick
+  else
+    run_step bench 120 $PY -m bench
+  fi
+  cp bench/results/*.json bench/results/*.csv "$OUT/" 2>/dev/null
+fi
+
+$PY - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines() if line]
+summary = {"steps": {name: {"status": status, "seconds": int(sec)} for name, status, sec in steps}}
+agreement = out / "agreement.json"
+if agreement.exists():
+    summary["agreement"] = json.loads(agreement.read_text())
+(out / "summary.json").write_text(json.dumps(summary, indent=2))
+print("\n=== dspark_ops GPU check summary ===")
+print(f"{'step':<14}{'status':<22}{'seconds':>8}")
+for name, status, sec in steps:
+    print(f"{name:<14}{status:<22}{sec:>8}")
+for path in sorted(out.glob("*verify*.json")):
+    rows = json.loads(path.read_text())
+    rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
+    print(f"\n{path.name}: {len(rows)} benchmark rows (full table in bench.log)")
+    for row in rows[:8]:
+        keys = [k for k in ("variant", "shape", "ours_us", "reference_us", "speedup", "gbps", "pct_copy") if k in row]
+        print("  " + "  ".join(f"{k}={row[k]}" for k in keys))
+EOF
+! grep -qv $'\tok\t' "$OUT/steps.tsv"

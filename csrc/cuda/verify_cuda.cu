@@ -1,0 +1,107 @@
+// CUDA entry point of verify: checks, device guard, workspace, grid plan, dtype dispatch, launch.
+// The kernels live in kernels/verify.cuh; this file only sees light ATen/c10 headers.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../args/verify_args.h"
+#include "../common/cuda_utils.h"
+#include "../common/dispatch.h"
+#include "../kernels/verify.cuh"
+#include "../ops.h"
+
+namespace dspark_ops {
+namespace {
+
+// Bytes of `count` objects of T, rounded up to keep the next region 16-byte aligned.
+template <typename T>
+int64_t region_bytes(int64_t count) {
+  return (count * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
+}
+
+}  // namespace
+
+VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                         const at::Tensor& num_draft, const at::Tensor& temperature,
+                         const at::Tensor& seed, const at::Tensor& position,
+                         const std::optional<at::Tensor>& draft_logits,
+                         const std::optional<at::Tensor>& target_start,
+                         const std::optional<at::Tensor>& draft_temperature) {
+  const c10::cuda::CUDAGuard guard(target_logits.device());
+  const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
+                                   position, draft_logits, target_start, draft_temperature);
+  auto [tokens, num_accepted, valid] = allocate_verify_outputs(a);
+  TORCH_CHECK_VALUE(a.batch <= 65535, "verify(): at most 65535 requests per call on CUDA, got ",
+                    a.batch);
+  if (a.batch == 0) return {tokens, num_accepted, valid};
+
+  kernels::VerifyParams p{};
+  p.target = a.target.const_data_ptr();
+  p.target_row_stride = a.target.stride(0);
+  p.target_rows = a.rows;
+  if (a.draft_logits.defined()) {
+    p.draft = a.draft_logits.const_data_ptr();
+    p.draft_stride_b = a.draft_logits.stride(0);
+    p.draft_stride_j = a.draft_logits.stride(1);
+  }
+  p.draft_tokens = a.draft_tokens.const_data_ptr();
+  p.token_stride_b = a.draft_tokens.stride(0);
+  p.token_stride_j = a.draft_tokens.stride(1);
+  p.tokens_int32 = a.draft_tokens.scalar_type() == at::kInt;
+  p.num_draft = a.num_draft.const_data_ptr<int32_t>();
+  p.temperature = a.temperature.const_data_ptr<float>();
+  p.draft_temperature =
+      a.draft_temperature.defined() ? a.draft_temperature.const_data_ptr<float>() : nullptr;
+  p.seed = a.seed.const_data_ptr<int64_t>();
+  p.position = a.position.const_data_ptr<int64_t>();
+  p.target_start = a.target_start.defined() ? a.target_start.const_data_ptr<int32_t>() : nullptr;
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.num_accepted = num_accepted.data_ptr<int32_t>();
+  p.valid = valid.data_ptr<bool>();
+  p.batch = static_cast<int>(a.batch);
+  p.block = static_cast<int>(a.block);
+  p.vocab = a.vocab;
+
+  // Split the vocabulary so that ~8 blocks of 256 threads per SM are in flight, with chunks of at
+  // least 1024 elements and a multiple of 8 (whole vector loads, whole Philox blocks).
+  const int64_t target_blocks = int64_t{8} * multiprocessor_count(target_logits.get_device());
+  const int64_t max_chunks = (a.vocab + 1023) / 1024;
+  const int64_t chunks = std::clamp<int64_t>((target_blocks + a.batch - 1) / a.batch, 1, max_chunks);
+  p.chunk = ((a.vocab + chunks - 1) / chunks + 7) / 8 * 8;
+  p.num_chunks = static_cast<int>((a.vocab + p.chunk - 1) / p.chunk);
+
+  const int64_t rows = a.batch * (a.block + 1);
+  auto counters = at::zeros({rows + 2 * a.batch}, a.target.options().dtype(at::kInt));
+  p.row_arrivals = counters.data_ptr<int32_t>();
+  p.reject_marks = p.row_arrivals + rows;
+  p.race_arrivals = p.reject_marks + a.batch;
+  const int64_t partial_bytes = region_bytes<kernels::RowPartial>(rows * p.num_chunks);
+  const int64_t result_bytes = region_bytes<kernels::RowResult>(rows);
+  const int64_t race_bytes = region_bytes<kernels::RacePartial>(a.batch * p.num_chunks);
+  auto workspace = at::empty({partial_bytes + result_bytes + race_bytes},
+                             a.target.options().dtype(at::kByte));
+  auto* base = workspace.data_ptr<uint8_t>();
+  p.partials = reinterpret_cast<kernels::RowPartial*>(base);
+  p.results = reinterpret_cast<kernels::RowResult*>(base + partial_bytes);
+  p.race_partials = reinterpret_cast<kernels::RacePartial*>(base + partial_bytes + result_bytes);
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto draft_dtype = a.draft_logits.defined() ? a.draft_logits.scalar_type() : at::kFloat;
+  dispatch_logit_type(a.target.scalar_type(), [&](auto target_tag) {
+    dispatch_logit_type(draft_dtype, [&](auto draft_tag) {
+      using TT = cuda_type_t<decltype(target_tag)>;
+      using DT = cuda_type_t<decltype(draft_tag)>;
+      const cudaError_t error = kernels::launch_verify<TT, DT>(p, stream);
+      C10_CUDA_CHECK(error);
+    });
+  });
+  return {tokens, num_accepted, valid};
+}
+
+TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) { m.impl("verify", &verify_cuda); }
+
+}  // namespace dspark_ops

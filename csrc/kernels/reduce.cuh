@@ -1,0 +1,53 @@
+// Warp and block reductions over the small records of verify_math.h (torch-free).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "verify_math.h"
+
+namespace dspark_ops::kernels {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ SoftmaxStats shfl_down(SoftmaxStats s, int offset) {
+  return SoftmaxStats{__shfl_down_sync(kFullMask, s.max, offset),
+                      __shfl_down_sync(kFullMask, s.sum, offset),
+                      __shfl_down_sync(kFullMask, s.argmax, offset)};
+}
+
+__device__ __forceinline__ RaceCandidate shfl_down(RaceCandidate c, int offset) {
+  return RaceCandidate{__shfl_down_sync(kFullMask, c.key, offset),
+                       __shfl_down_sync(kFullMask, c.index, offset)};
+}
+
+__device__ __forceinline__ float shfl_down(float v, int offset) {
+  return __shfl_down_sync(kFullMask, v, offset);
+}
+
+// Reduces over a full warp; lane 0 holds the result.
+template <typename T, typename Merge>
+__device__ __forceinline__ T warp_reduce(T value, Merge merge) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) value = merge(value, shfl_down(value, offset));
+  return value;
+}
+
+// Reduces over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `scratch` must hold 32 values and may be reused after the call returns.
+template <typename T, typename Merge>
+__device__ __forceinline__ T block_reduce(T value, Merge merge, T identity, T* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  value = warp_reduce(value, merge);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = warp_reduce(lane < warps ? scratch[lane] : identity, merge);
+    if (lane == 0) scratch[0] = value;
+  }
+  __syncthreads();
+  value = scratch[0];
+  __syncthreads();
+  return value;
+}
+
+}  // namespace dspark_ops::kernels

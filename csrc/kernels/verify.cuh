@@ -1,0 +1,418 @@
+// CUDA kernels of verify (SPEC §3.1), torch-free.
+//
+// Math: kernels/verify_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
+// the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
+// out-of-range rows and draft ids are rejected and reported, never used as addresses.
+//
+// Geometry: grid (C, B): the vocabulary of each request is split into C chunks so that B = 64
+// still puts ~8 blocks on every SM (one block per request, as FlashInfer's chain kernel does,
+// cannot reach HBM bandwidth at B <= 132). Two launches, no host work in between:
+//
+//  1. verify_row_stats_kernel: block (c, b) walks rows j = 0..n of request b over its chunk and
+//     publishes partial softmax statistics (max, sum of weights, argmax) of the target row and,
+//     when the draft is a distribution, the draft row. The last block to finish a row (an atomic
+//     arrival counter after a __threadfence, the CUDA "threadFenceReduction" pattern) merges the
+//     C partials and decides the row: accept, or reject and publish the rejection. Blocks never
+//     wait for each other, so no co-residency is needed; before each row a block looks at the
+//     published rejections and stops once an earlier row of its request was rejected. Rows after
+//     the first rejection are therefore at most started by blocks that raced ahead, never
+//     required, and every row up to the first rejection is always complete (a block only skips
+//     a row after seeing an earlier rejection).
+//  2. verify_emit_kernel: finds j* (the first row not accepted) and emits the token there:
+//     greedy requests take the argmax merged in step 1; sampled requests run the exponential race
+//     over r = max(p - q, 0) on their chunk of row j* (re-read, usually from L2), merged by the
+//     last block, which writes the request's outputs.
+//
+// Each element of a needed row is read once from HBM in step 1; step 2 reads one row per sampled
+// request again. Chunks start at multiples of 8 elements, so rows whose start is 16-byte aligned
+// use 16-byte vector loads.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "reduce.cuh"
+#include "verify_math.h"
+
+namespace dspark_ops::kernels {
+
+constexpr int kVerifyThreads = 256;
+constexpr int kElementsPerThread = 8;  // two Philox blocks; one 16-byte load of 16-bit logits
+
+struct RowPartial {
+  SoftmaxStats target;
+  SoftmaxStats draft;
+};
+
+enum RowFlags : int32_t {
+  kTargetInvalid = 8,  // the target row is out of range or has no finite logit
+  kDraftInvalid = 16,  // the draft id is out of range or the draft row has no finite logit
+};
+
+struct RowResult {
+  SoftmaxStats target;
+  SoftmaxStats draft;
+  int32_t decision;  // RowDecision | RowFlags
+};
+
+struct RacePartial {
+  float mass;
+  RaceCandidate best;
+};
+
+struct VerifyParams {
+  const void* target;  // [rows, vocab], unit stride along vocab
+  int64_t target_row_stride;
+  int64_t target_rows;
+  const void* draft;  // [B, G, vocab] or null (one-hot drafts)
+  int64_t draft_stride_b, draft_stride_j;
+  const void* draft_tokens;  // int32 or int64 [B, G]
+  int64_t token_stride_b, token_stride_j;
+  bool tokens_int32;
+  const int32_t* num_draft;
+  const float* temperature;
+  const float* draft_temperature;  // null: = temperature
+  const int64_t* seed;
+  const int64_t* position;
+  const int32_t* target_start;  // null: b * (G + 1)
+  int64_t* tokens;              // [B, G + 1]
+  int32_t* num_accepted;        // [B]
+  bool* valid;                  // [B]
+  int batch, block;
+  int64_t vocab;
+  int num_chunks;
+  int64_t chunk;
+  // Workspace. Zero-initialised: row_arrivals [B, G+1], reject_marks [B], race_arrivals [B].
+  RowPartial* partials;  // [B, G+1, C]
+  RowResult* results;    // [B, G+1]
+  RacePartial* race_partials;  // [B, C]
+  int32_t* row_arrivals;
+  int32_t* reject_marks;  // max over rejected rows j of (G + 1 - j): 0 = none yet
+  int32_t* race_arrivals;
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+// Loads elements [x, x + 8) of a row (non-finite and past-the-end elements as -inf).
+template <typename T>
+__device__ __forceinline__ void load8(const T* row, int64_t x, int64_t end, bool aligned,
+                                      float (&v)[kElementsPerThread]) {
+  if (aligned && x + kElementsPerThread <= end) {
+    constexpr int kPerLoad = 16 / sizeof(T);
+#pragma unroll
+    for (int h = 0; h < kElementsPerThread / kPerLoad; ++h) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + x) + h);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kPerLoad; ++k) v[h * kPerLoad + k] = finite_or_neg_inf(to_float(e[k]));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kElementsPerThread; ++k) {
+      v[k] = x + k < end ? finite_or_neg_inf(to_float(row[x + k])) : -INFINITY;
+    }
+  }
+}
+
+__device__ __forceinline__ bool is_aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Per-request scalars, the same in every block of the request.
+struct Request {
+  int n;
+  bool greedy, use_draft, draft_greedy;
+  float inv_t, inv_td;
+  int64_t start, seed, position;
+};
+
+__device__ __forceinline__ Request load_request(const VerifyParams& p, int b) {
+  Request r;
+  r.n = min(max(p.num_draft[b], 0), p.block);
+  const float t = p.temperature[b];
+  r.greedy = is_greedy(t);
+  r.inv_t = r.greedy ? 1.f : 1.f / t;
+  const float td = p.draft_temperature ? p.draft_temperature[b] : t;
+  r.use_draft = p.draft != nullptr && !r.greedy;
+  r.draft_greedy = is_greedy(td);
+  r.inv_td = r.draft_greedy ? 1.f : 1.f / td;
+  r.start = p.target_start ? p.target_start[b] : int64_t{b} * (p.block + 1);
+  r.seed = p.seed[b];
+  r.position = p.position[b];
+  return r;
+}
+
+__device__ __forceinline__ int64_t draft_token(const VerifyParams& p, int b, int j) {
+  const int64_t offset = b * p.token_stride_b + j * p.token_stride_j;
+  return p.tokens_int32 ? static_cast<const int32_t*>(p.draft_tokens)[offset]
+                        : static_cast<const int64_t*>(p.draft_tokens)[offset];
+}
+
+template <typename T>
+__device__ __forceinline__ const T* target_row(const VerifyParams& p, int64_t row) {
+  return static_cast<const T*>(p.target) + row * p.target_row_stride;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* draft_row(const VerifyParams& p, int b, int j) {
+  return static_cast<const T*>(p.draft) + b * p.draft_stride_b + j * p.draft_stride_j;
+}
+
+// This thread's statistics of row[x0, x1): online max / argmax / sum of weights.
+template <typename T>
+__device__ SoftmaxStats thread_stats(const T* row, int64_t x0, int64_t x1, bool with_sum,
+                                     float inv_t) {
+  SoftmaxStats s = empty_stats();
+  const bool aligned = is_aligned16(row);
+  for (int64_t x = x0 + int64_t{threadIdx.x} * kElementsPerThread; x < x1;
+       x += int64_t{blockDim.x} * kElementsPerThread) {
+    float v[kElementsPerThread];
+    load8(row, x, x1, aligned, v);
+    float m = -INFINITY;
+    int32_t arg = -1;
+#pragma unroll
+    for (int k = 0; k < kElementsPerThread; ++k) {
+      if (v[k] > m) {
+        m = v[k];
+        arg = static_cast<int32_t>(x + k);
+      }
+    }
+    if (m == -INFINITY) continue;
+    if (m > s.max) {  // a tie keeps the earlier (lower) index
+      if (with_sum) s.sum = s.max == -INFINITY ? 0.f : s.sum * softmax_weight(s.max, m, inv_t);
+      s.max = m;
+      s.argmax = arg;
+    }
+    if (with_sum) {
+#pragma unroll
+      for (int k = 0; k < kElementsPerThread; ++k) s.sum += softmax_weight(v[k], s.max, inv_t);
+    }
+  }
+  return s;
+}
+
+// What the emitted token is raced against: r = max(p - q, 0).
+struct Proposal {
+  enum Kind { kNone, kOneHot, kDistribution } kind;
+  int64_t token;       // kOneHot
+  SoftmaxStats stats;  // kDistribution
+  float inv_t;         // kDistribution
+};
+
+// This thread's part of the exponential race over row[x0, x1).
+template <typename TT, typename DT>
+__device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
+                            const SoftmaxStats& t, float inv_t, const Proposal& q, int64_t seed,
+                            int64_t position, float& mass, RaceCandidate& best) {
+  const bool t_aligned = is_aligned16(trow), d_aligned = drow && is_aligned16(drow);
+  const float t_inv_sum = 1.f / t.sum;
+  const float q_inv_sum = q.kind == Proposal::kDistribution ? 1.f / q.stats.sum : 0.f;
+  for (int64_t x = x0 + int64_t{threadIdx.x} * kElementsPerThread; x < x1;
+       x += int64_t{blockDim.x} * kElementsPerThread) {
+    float v[kElementsPerThread], w[kElementsPerThread], u[kElementsPerThread];
+    load8(trow, x, x1, t_aligned, v);
+    if (q.kind == Proposal::kDistribution) load8(drow, x, x1, d_aligned, w);
+#pragma unroll
+    for (int g = 0; g < kElementsPerThread / 4; ++g) {
+      const Philox4 block =
+          philox_block(seed, position, kPurposeResample, static_cast<uint32_t>((x >> 2) + g));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) u[4 * g + k] = uniform_from_bits(block.x[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kElementsPerThread; ++k) {
+      const float p_x = v[k] == -INFINITY ? 0.f : softmax_weight(v[k], t.max, inv_t) * t_inv_sum;
+      float q_x = 0.f;
+      if (q.kind == Proposal::kDistribution) {
+        q_x = w[k] == -INFINITY ? 0.f : softmax_weight(w[k], q.stats.max, q.inv_t) * q_inv_sum;
+      } else if (q.kind == Proposal::kOneHot && x + k == q.token) {
+        q_x = 1.f;
+      }
+      const float r = fmaxf(p_x - q_x, 0.f);
+      mass += r;
+      if (r > 0.f) {
+        best = better_candidate(
+            best, RaceCandidate{r / exponential_from_uniform(u[k]), static_cast<int32_t>(x + k)});
+      }
+    }
+  }
+}
+
+template <typename TT, typename DT>
+__global__ void __launch_bounds__(kVerifyThreads)
+    verify_row_stats_kernel(const VerifyParams p) {
+  const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
+  const Request r = load_request(p, b);
+  const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
+  __shared__ SoftmaxStats scratch[32];
+  __shared__ bool stop, last;
+
+  for (int j = 0; j <= r.n; ++j) {
+    if (threadIdx.x == 0) {
+      // Skip rows after a published rejection (a hint: being late only costs bandwidth).
+      stop = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b) > rows - j;
+    }
+    __syncthreads();
+    if (stop) break;
+
+    const int64_t row = r.start + j;
+    const bool row_ok = row >= 0 && row < p.target_rows;
+    const bool need_draft = r.use_draft && j < r.n;
+    const auto merge_t = [&](SoftmaxStats a, SoftmaxStats s) { return merge_stats(a, s, r.inv_t); };
+    const auto merge_d = [&](SoftmaxStats a, SoftmaxStats s) { return merge_stats(a, s, r.inv_td); };
+    SoftmaxStats t = empty_stats(), d = empty_stats();
+    if (row_ok) t = thread_stats(target_row<TT>(p, row), x0, x1, !r.greedy, r.inv_t);
+    t = block_reduce(t, merge_t, empty_stats(), scratch);
+    if (need_draft) {
+      d = thread_stats(draft_row<DT>(p, b, j), x0, x1, !r.draft_greedy, r.inv_td);
+      d = block_reduce(d, merge_d, empty_stats(), scratch);
+    }
+
+    const int64_t slot = int64_t{b} * rows + j;
+    if (threadIdx.x == 0) {
+      p.partials[slot * p.num_chunks + c] = RowPartial{t, d};
+      __threadfence();  // publish the partial before counting this block as arrived
+      last = atomicAdd(p.row_arrivals + slot, 1) == p.num_chunks - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x < 32) {
+      __threadfence();
+      // The last block of the row merges every chunk's partial (read through L2: __ldcg).
+      SoftmaxStats mt = empty_stats(), md = empty_stats();
+      for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
+        const RowPartial* part = p.partials + slot * p.num_chunks + k;
+        mt = merge_t(mt, SoftmaxStats{__ldcg(&part->target.max), __ldcg(&part->target.sum),
+                                      __ldcg(&part->target.argmax)});
+        md = merge_d(md, SoftmaxStats{__ldcg(&part->draft.max), __ldcg(&part->draft.sum),
+                                      __ldcg(&part->draft.argmax)});
+      }
+      mt = warp_reduce(mt, merge_t);
+      md = warp_reduce(md, merge_d);
+      if (threadIdx.x == 0) {
+        int32_t decision = kRowUndecided;
+        if (!row_ok || mt.max == -INFINITY) {
+          decision = kRowRejected | kTargetInvalid;
+        } else if (j < r.n) {
+          const int64_t x = draft_token(p, b, j);
+          if (x < 0 || x >= p.vocab || (need_draft && md.max == -INFINITY)) {
+            decision = kRowRejected | kDraftInvalid;
+          } else if (r.greedy) {
+            decision = x == mt.argmax ? kRowAccepted : kRowRejected;
+          } else {
+            const float p_x =
+                softmax_prob(to_float(target_row<TT>(p, row)[x]), mt.max, 1.f / mt.sum, r.inv_t);
+            float q_x = 1.f;
+            if (need_draft) {
+              q_x = r.draft_greedy ? (x == md.argmax ? 1.f : 0.f)
+                                   : softmax_prob(to_float(draft_row<DT>(p, b, j)[x]), md.max,
+                                                  1.f / md.sum, r.inv_td);
+            }
+            const float u = philox_uniform(r.seed, r.position + 1 + j, kPurposeAccept, 0);
+            decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
+          }
+        }
+        p.results[slot] = RowResult{mt, md, decision};
+        if (decision & kRowRejected) atomicMax(p.reject_marks + b, rows - j);
+      }
+    }
+    __syncthreads();  // `last` and `scratch` are reused by the next row
+  }
+}
+
+__device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int j, int64_t token,
+                                              bool valid) {
+  int64_t* out = p.tokens + int64_t{b} * (p.block + 1);
+  for (int k = 0; k <= p.block; ++k) out[k] = k < j ? draft_token(p, b, k) : -1;
+  out[j] = token;
+  p.num_accepted[b] = j;
+  p.valid[b] = valid;
+}
+
+template <typename TT, typename DT>
+__global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const VerifyParams p) {
+  const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
+  const Request r = load_request(p, b);
+  // Rows before the first rejection are all decided (see the file header).
+  int j = 0;
+  while (j < r.n && p.results[int64_t{b} * rows + j].decision == kRowAccepted) ++j;
+  const RowResult res = p.results[int64_t{b} * rows + j];
+  const bool target_invalid = res.decision & kTargetInvalid;
+  const bool valid = !(res.decision & (kTargetInvalid | kDraftInvalid));
+  if (target_invalid || r.greedy) {
+    if (c == 0 && threadIdx.x == 0) {
+      write_outputs(p, b, j, target_invalid ? 0 : res.target.argmax, valid);
+    }
+    return;
+  }
+
+  Proposal q{Proposal::kNone, -1, res.draft, r.inv_td};
+  if (j < r.n && r.use_draft && res.draft.max != -INFINITY) {
+    q.kind = r.draft_greedy ? Proposal::kOneHot : Proposal::kDistribution;
+    q.token = res.draft.argmax;
+  } else if (j < r.n && !r.use_draft && !(res.decision & kDraftInvalid)) {
+    q.kind = Proposal::kOneHot;
+    q.token = draft_token(p, b, j);
+  }
+  const TT* trow = target_row<TT>(p, r.start + j);
+  const DT* drow = q.kind == Proposal::kDistribution ? draft_row<DT>(p, b, j) : nullptr;
+  const int64_t position = r.position + 1 + j;
+  const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
+
+  __shared__ RaceCandidate cand_scratch[32];
+  __shared__ float mass_scratch[32];
+  __shared__ bool last;
+  const auto merge_cand = [](RaceCandidate a, RaceCandidate s) { return better_candidate(a, s); };
+  const auto add = [](float a, float s) { return a + s; };
+
+  float mass = 0.f;
+  RaceCandidate best = empty_candidate();
+  thread_race(trow, drow, x0, x1, res.target, r.inv_t, q, r.seed, position, mass, best);
+  mass = block_reduce(mass, add, 0.f, mass_scratch);
+  best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
+  if (threadIdx.x == 0) {
+    p.race_partials[int64_t{b} * p.num_chunks + c] = RacePartial{mass, best};
+    __threadfence();
+    last = atomicAdd(p.race_arrivals + b, 1) == p.num_chunks - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  mass = 0.f;
+  best = empty_candidate();
+  for (int k = threadIdx.x; k < p.num_chunks; k += blockDim.x) {
+    const RacePartial* part = p.race_partials + int64_t{b} * p.num_chunks + k;
+    mass += __ldcg(&part->mass);
+    best = better_candidate(best, RaceCandidate{__ldcg(&part->best.key), __ldcg(&part->best.index)});
+  }
+  mass = block_reduce(mass, add, 0.f, mass_scratch);
+  best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
+  if (!(mass > kMinResidualMass)) {
+    // No residual mass (p <= q everywhere up to rounding): race over p itself, whole row here.
+    const Proposal none{Proposal::kNone, -1, res.draft, r.inv_td};
+    float unused = 0.f;
+    best = empty_candidate();
+    thread_race(trow, static_cast<const DT*>(nullptr), 0, p.vocab, res.target, r.inv_t, none,
+                r.seed, position, unused, best);
+    best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
+  }
+  if (threadIdx.x == 0) write_outputs(p, b, j, best.index < 0 ? 0 : best.index, valid && best.index >= 0);
+}
+
+// Launches both kernels on `stream`; TT/DT are the CUDA types of the target and draft logits.
+template <typename TT, typename DT>
+cudaError_t launch_verify(const VerifyParams& p, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  const dim3 grid(p.num_chunks, p.batch);
+  verify_row_stats_kernel<TT, DT><<<grid, kVerifyThreads, 0, stream>>>(p);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  verify_emit_kernel<TT, DT><<<grid, kVerifyThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace dspark_ops::kernels
