@@ -31,9 +31,9 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
                          const std::optional<at::Tensor>& draft_logits,
                          const std::optional<at::Tensor>& target_start,
                          const std::optional<at::Tensor>& draft_temperature) {
-  const c10::cuda::CUDAGuard guard(target_logits.device());
   const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
                                    position, draft_logits, target_start, draft_temperature);
+  const c10::cuda::CUDAGuard guard(target_logits.device());
   auto [tokens, num_accepted, valid] = allocate_verify_outputs(a);
   TORCH_CHECK_VALUE(a.batch <= 65535, "verify(): at most 65535 requests per call on CUDA, got ",
                     a.batch);
@@ -66,12 +66,26 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.block = static_cast<int>(a.block);
   p.vocab = a.vocab;
 
-  // Split the vocabulary so that ~8 blocks of 256 threads per SM are in flight, with chunks of at
-  // least 1024 elements and a multiple of 8 (whole vector loads, whole Philox blocks).
-  const int64_t target_blocks = int64_t{8} * multiprocessor_count(target_logits.get_device());
+  const auto draft_dtype = a.draft_logits.defined() ? a.draft_logits.scalar_type() : at::kFloat;
+  const auto with_types = [&](auto&& f) {
+    dispatch_logit_type(a.target.scalar_type(), [&](auto target_tag) {
+      dispatch_logit_type(draft_dtype, [&](auto draft_tag) {
+        f(cuda_type_t<decltype(target_tag)>{}, cuda_type_t<decltype(draft_tag)>{});
+      });
+    });
+  };
+
+  // Split the vocabulary so that one resident wave of blocks covers the batch (the blocks walk
+  // all rows, so a second wave would start late), with chunks of at least 1024 elements and a
+  // multiple of 16 (whole vector loads, whole Philox blocks).
+  int blocks_per_sm = 1;
+  with_types([&](auto tt, auto dt) {
+    blocks_per_sm = kernels::verify_blocks_per_sm<decltype(tt), decltype(dt)>();
+  });
+  const int64_t resident = int64_t{blocks_per_sm} * multiprocessor_count(target_logits.get_device());
   const int64_t max_chunks = (a.vocab + 1023) / 1024;
-  const int64_t chunks = std::clamp<int64_t>((target_blocks + a.batch - 1) / a.batch, 1, max_chunks);
-  p.chunk = ((a.vocab + chunks - 1) / chunks + 7) / 8 * 8;
+  const int64_t chunks = std::clamp<int64_t>(resident / a.batch, 1, max_chunks);
+  p.chunk = ((a.vocab + chunks - 1) / chunks + 15) / 16 * 16;
   p.num_chunks = static_cast<int>((a.vocab + p.chunk - 1) / p.chunk);
 
   const int64_t rows = a.batch * (a.block + 1);
@@ -90,14 +104,9 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.race_partials = reinterpret_cast<kernels::RacePartial*>(base + partial_bytes + result_bytes);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto draft_dtype = a.draft_logits.defined() ? a.draft_logits.scalar_type() : at::kFloat;
-  dispatch_logit_type(a.target.scalar_type(), [&](auto target_tag) {
-    dispatch_logit_type(draft_dtype, [&](auto draft_tag) {
-      using TT = cuda_type_t<decltype(target_tag)>;
-      using DT = cuda_type_t<decltype(draft_tag)>;
-      const cudaError_t error = kernels::launch_verify<TT, DT>(p, stream);
-      C10_CUDA_CHECK(error);
-    });
+  with_types([&](auto tt, auto dt) {
+    const cudaError_t error = kernels::launch_verify<decltype(tt), decltype(dt)>(p, stream);
+    C10_CUDA_CHECK(error);
   });
   return {tokens, num_accepted, valid};
 }

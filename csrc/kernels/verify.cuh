@@ -41,6 +41,9 @@ namespace dspark_ops::kernels {
 
 constexpr int kVerifyThreads = 256;
 constexpr int kElementsPerThread = 8;  // two Philox blocks; one 16-byte load of 16-bit logits
+// The statistics pass keeps two such groups in flight per thread: at ~6 resident blocks per SM
+// that is ~48 KB of loads per SM, above the ~25 KB an H200 SM needs to cover HBM latency.
+constexpr int kStatsGroups = 2;
 
 struct RowPartial {
   SoftmaxStats target;
@@ -169,28 +172,33 @@ __device__ SoftmaxStats thread_stats(const T* row, int64_t x0, int64_t x1, bool 
                                      float inv_t) {
   SoftmaxStats s = empty_stats();
   const bool aligned = is_aligned16(row);
-  for (int64_t x = x0 + int64_t{threadIdx.x} * kElementsPerThread; x < x1;
-       x += int64_t{blockDim.x} * kElementsPerThread) {
-    float v[kElementsPerThread];
-    load8(row, x, x1, aligned, v);
-    float m = -INFINITY;
-    int32_t arg = -1;
+  constexpr int kStep = kElementsPerThread * kStatsGroups;
+  for (int64_t base = x0 + int64_t{threadIdx.x} * kStep; base < x1;
+       base += int64_t{blockDim.x} * kStep) {
+    float v[kStatsGroups][kElementsPerThread];
 #pragma unroll
-    for (int k = 0; k < kElementsPerThread; ++k) {
-      if (v[k] > m) {
-        m = v[k];
-        arg = static_cast<int32_t>(x + k);
+    for (int g = 0; g < kStatsGroups; ++g) load8(row, base + g * kElementsPerThread, x1, aligned, v[g]);
+#pragma unroll
+    for (int g = 0; g < kStatsGroups; ++g) {
+      const int64_t x = base + g * kElementsPerThread;
+      float m = -INFINITY;
+      int32_t arg = -1;
+#pragma unroll
+      for (int k = 0; k < kElementsPerThread; ++k) {
+        if (v[g][k] > m) {
+          m = v[g][k];
+          arg = static_cast<int32_t>(x + k);
+        }
       }
-    }
-    if (m == -INFINITY) continue;
-    if (m > s.max) {  // a tie keeps the earlier (lower) index
-      if (with_sum) s.sum = s.max == -INFINITY ? 0.f : s.sum * softmax_weight(s.max, m, inv_t);
-      s.max = m;
-      s.argmax = arg;
-    }
-    if (with_sum) {
+      if (m > s.max) {  // a tie keeps the earlier (lower) index
+        if (with_sum) s.sum = s.max == -INFINITY ? 0.f : s.sum * softmax_weight(s.max, m, inv_t);
+        s.max = m;
+        s.argmax = arg;
+      }
+      if (with_sum && s.max != -INFINITY) {
 #pragma unroll
-      for (int k = 0; k < kElementsPerThread; ++k) s.sum += softmax_weight(v[k], s.max, inv_t);
+        for (int k = 0; k < kElementsPerThread; ++k) s.sum += softmax_weight(v[g][k], s.max, inv_t);
+      }
     }
   }
   return s;
@@ -401,6 +409,22 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
     best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
   }
   if (threadIdx.x == 0) write_outputs(p, b, j, best.index < 0 ? 0 : best.index, valid && best.index >= 0);
+}
+
+// Blocks of the statistics kernel resident per SM (a host query, cached per instantiation): the
+// grid is sized to one resident wave, since its blocks live for the whole walk over the rows.
+template <typename TT, typename DT>
+int verify_blocks_per_sm() {
+  static const int blocks = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, verify_row_stats_kernel<TT, DT>,
+                                                      kVerifyThreads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 4;
+    }
+    return n > 0 ? n : 1;
+  }();
+  return blocks;
 }
 
 // Launches both kernels on `stream`; TT/DT are the CUDA types of the target and draft logits.
