@@ -20,6 +20,7 @@ __all__ = [
     "MIN_RESIDUAL_MASS",
     "philox4x32_10",
     "philox_uniform",
+    "uniform_from_bits",
     "VerifyOutput",
     "verify",
 ]
@@ -88,7 +89,12 @@ def philox_uniform(
     else:
         lane = (elements & 3).expand(words.shape[:-1])
         bits = words.gather(-1, lane[..., None])[..., 0]
-    return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return uniform_from_bits(bits)
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit words to uniforms in (0, 1), finest near 0 (csrc/common/philox.h)."""
+    return (bits.to(torch.float32) * 2.0**-32 + 2.0**-33).clamp_max(1.0 - 2.0**-24)
 
 
 class VerifyOutput(NamedTuple):
@@ -109,9 +115,9 @@ def _softmax_parts(logits: torch.Tensor, inv_temperature: torch.Tensor):
 
 
 def _exponential_race(weights: torch.Tensor, seed, position) -> torch.Tensor:
-    """argmax_x weights[x] / E(x), E = -log(u_x) from the resampling stream; ties to the lower id."""
+    """argmax_x weights[x] / E(x), E = -log1p(-u_x) from the resampling stream; ties to the lower id."""
     u = philox_uniform(seed, position, PURPOSE_RESAMPLE, weights.shape[-1])
-    key = weights / -torch.log(u)
+    key = weights / -torch.log1p(-u)
     return torch.where(weights > 0, key, float("-inf")).argmax(-1)
 
 

@@ -9,8 +9,11 @@
 //   counter = (element >> 2, purpose, position & 0xffffffff, position >> 32)
 //   element i uses output word i & 3 of that Philox block.
 //
-// A 32-bit word becomes a float32 uniform in the open interval (0, 1) as ((w >> 8) + 0.5) * 2^-24,
-// which is exact in float32, so the Python reference reproduces it bit for bit.
+// A 32-bit word w becomes a float32 uniform u = min(w * 2^-32 + 2^-33, 1 - 2^-24), in (0, 1) and
+// finest near 0: the acceptance test u * q < p resolves acceptance probabilities down to 2^-33,
+// and the race's exponential E = -log1p(-u) resolves E down to 2^-33 (the small E decide which
+// low-probability token wins). Each step is one correctly rounded float32 operation, so the
+// Python reference reproduces u bit for bit.
 //
 // Philox4x32-10 is the generator of Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"
 // (SC'11), as in Random123 and cuRAND; tests check it against the Random123 known-answer vectors.
@@ -74,7 +77,8 @@ DSPARK_HOST_DEVICE Philox4 philox_block(int64_t seed, int64_t position, uint32_t
 }
 
 DSPARK_HOST_DEVICE float uniform_from_bits(uint32_t bits) {
-  return (static_cast<float>(bits >> 8) + 0.5f) * 5.9604644775390625e-8f;  // 2^-24
+  const float u = static_cast<float>(bits) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
+  return u < 0.99999994f ? u : 0.99999994f;  // 2^-32, 2^-33, 1 - 2^-24
 }
 
 // Uniform number `element` of stream (seed, position, purpose).

@@ -119,10 +119,10 @@ int64_t race(const float* target, int64_t vocab, const SoftmaxStats& t, float in
     for (int64_t i = 0; i < kLanes; i += Vec::size()) {
       const Vec ri = Vec::loadu(r + i);
       mass_v += ri;
-      (ri / -Vec::loadu(u + i).log()).store(key + i);
+      (ri / -(-Vec::loadu(u + i)).log1p()).store(key + i);
     }
     for (int64_t i = 0; i < kLanes; ++i) {
-      if (r[i] > 0.f && key[i] > best.key) best = RaceCandidate{key[i], static_cast<int32_t>(x0 + i)};
+      if (r[i] > 0.f) best = better_candidate(best, RaceCandidate{key[i], static_cast<int32_t>(x0 + i)});
     }
   }
   *mass = horizontal_sum(mass_v);

@@ -4,28 +4,30 @@
 // the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
 // out-of-range rows and draft ids are rejected and reported, never used as addresses.
 //
-// Geometry: grid (C, B): the vocabulary of each request is split into C chunks so that B = 64
-// still puts ~8 blocks on every SM (one block per request, as FlashInfer's chain kernel does,
-// cannot reach HBM bandwidth at B <= 132). Two launches, no host work in between:
+// Geometry: grid (C, B): the vocabulary of each request is split into C chunks, C chosen so one
+// resident wave of blocks covers the batch (one block per request, as FlashInfer's chain kernel
+// does, cannot reach HBM bandwidth at B <= 132). Two launches, no host work in between:
 //
-//  1. verify_row_stats_kernel: block (c, b) walks rows j = 0..n of request b over its chunk and
-//     publishes partial softmax statistics (max, sum of weights, argmax) of the target row and,
-//     when the draft is a distribution, the draft row. The last block to finish a row (an atomic
-//     arrival counter after a __threadfence, the CUDA "threadFenceReduction" pattern) merges the
-//     C partials and decides the row: accept, or reject and publish the rejection. Blocks never
-//     wait for each other, so no co-residency is needed; before each row a block looks at the
-//     published rejections and stops once an earlier row of its request was rejected. Rows after
-//     the first rejection are therefore at most started by blocks that raced ahead, never
-//     required, and every row up to the first rejection is always complete (a block only skips
-//     a row after seeing an earlier rejection).
-//  2. verify_emit_kernel: finds j* (the first row not accepted) and emits the token there:
-//     greedy requests take the argmax merged in step 1; sampled requests run the exponential race
-//     over r = max(p - q, 0) on their chunk of row j* (re-read, usually from L2), merged by the
-//     last block, which writes the request's outputs.
+//  1. verify_row_stats_kernel: block (c, b) walks rows j = 0..n of request b over its chunk,
+//     reading the target row and (when the draft is a distribution) the draft row in one loop, and
+//     publishes partial softmax statistics (max, sum of weights, argmax). The last block to finish
+//     a row (an atomic arrival counter after a __threadfence: the CUDA "threadFenceReduction"
+//     pattern) merges the C partials and decides the row. Blocks never wait for each other, so no
+//     co-residency is needed. Rows are decided in order, since the decider of row j is among the
+//     blocks row j+1 must wait for; a decider that rejects publishes the row and stops, so the
+//     first rejected row is the only one ever decided as rejected, and rows after it never
+//     complete. Other blocks read the published rejection after each row and stop too; being late
+//     only costs bandwidth (typically one row per block beyond the first rejection).
+//  2. verify_emit_kernel: takes j* from the published rejection (n if none) and emits the token
+//     there: greedy requests take the argmax merged in step 1; sampled requests run the exponential
+//     race over r = max(p - q, 0) on their chunk of row j* (re-read), merged by the last block,
+//     which writes the request's outputs.
 //
-// Each element of a needed row is read once from HBM in step 1; step 2 reads one row per sampled
-// request again. Chunks start at multiples of 8 elements, so rows whose start is 16-byte aligned
-// use 16-byte vector loads.
+// Each element of a needed row is read once in step 1; step 2 reads one row per sampled request
+// again. Chunks start at multiples of 16 elements, so rows whose start is 16-byte aligned use
+// 16-byte vector loads, all issued before any is used. Sums are merged in a chunk-dependent order
+// and C depends on the batch size and the GPU, so a token at a float-rounding near-tie can differ
+// with either; everything else is batch-invariant.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -122,6 +124,27 @@ __device__ __forceinline__ void load8(const T* row, int64_t x, int64_t end, bool
   }
 }
 
+// Eight elements as raw 16-byte words, so a thread can issue all its loads before using any.
+template <typename T>
+struct Raw8 {
+  uint4 word[kElementsPerThread * sizeof(T) / 16];
+};
+
+template <typename T>
+__device__ __forceinline__ void issue8(const T* row, int64_t x, Raw8<T>& raw) {
+#pragma unroll
+  for (int h = 0; h < kElementsPerThread * int{sizeof(T)} / 16; ++h) {
+    raw.word[h] = __ldg(reinterpret_cast<const uint4*>(row + x) + h);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const Raw8<T>& raw, float (&v)[kElementsPerThread]) {
+  const T* e = reinterpret_cast<const T*>(raw.word);
+#pragma unroll
+  for (int k = 0; k < kElementsPerThread; ++k) v[k] = finite_or_neg_inf(to_float(e[k]));
+}
+
 __device__ __forceinline__ bool is_aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
@@ -166,42 +189,81 @@ __device__ __forceinline__ const T* draft_row(const VerifyParams& p, int b, int 
   return static_cast<const T*>(p.draft) + b * p.draft_stride_b + j * p.draft_stride_j;
 }
 
-// This thread's statistics of row[x0, x1): online max / argmax / sum of weights.
-template <typename T>
-__device__ SoftmaxStats thread_stats(const T* row, int64_t x0, int64_t x1, bool with_sum,
-                                     float inv_t) {
-  SoftmaxStats s = empty_stats();
-  const bool aligned = is_aligned16(row);
+// Folds elements [x, x + 8) into running statistics: online max / first argmax / sum of weights.
+__device__ __forceinline__ void accumulate8(SoftmaxStats& s, const float (&v)[kElementsPerThread],
+                                            int64_t x, bool with_sum, float inv_t) {
+  float m = -INFINITY;
+  int32_t arg = -1;
+#pragma unroll
+  for (int k = 0; k < kElementsPerThread; ++k) {
+    if (v[k] > m) {
+      m = v[k];
+      arg = static_cast<int32_t>(x + k);
+    }
+  }
+  if (m > s.max) {  // a tie keeps the earlier (lower) index
+    if (with_sum) s.sum = s.max == -INFINITY ? 0.f : s.sum * softmax_weight(s.max, m, inv_t);
+    s.max = m;
+    s.argmax = arg;
+  }
+  if (with_sum && s.max != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < kElementsPerThread; ++k) s.sum += softmax_weight(v[k], s.max, inv_t);
+  }
+}
+
+// This thread's statistics of the target row and (if drow) the draft row over [x0, x1), read in
+// one loop so both rows' loads are in flight together.
+template <typename TT, typename DT>
+__device__ RowPartial thread_row_stats(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
+                                       const Request& r) {
+  RowPartial s{empty_stats(), empty_stats()};
+  const bool t_sum = !r.greedy, d_sum = !r.draft_greedy;
+  const bool aligned = (!trow || is_aligned16(trow)) && (!drow || is_aligned16(drow));
   constexpr int kStep = kElementsPerThread * kStatsGroups;
   for (int64_t base = x0 + int64_t{threadIdx.x} * kStep; base < x1;
        base += int64_t{blockDim.x} * kStep) {
-    float v[kStatsGroups][kElementsPerThread];
+    float v[kElementsPerThread];
+    if (aligned && base + kStep <= x1) {
+      Raw8<TT> t_raw[kStatsGroups];
+      Raw8<DT> d_raw[kStatsGroups];
 #pragma unroll
-    for (int g = 0; g < kStatsGroups; ++g) load8(row, base + g * kElementsPerThread, x1, aligned, v[g]);
+      for (int g = 0; g < kStatsGroups; ++g) {
+        if (trow) issue8(trow, base + g * kElementsPerThread, t_raw[g]);
+        if (drow) issue8(drow, base + g * kElementsPerThread, d_raw[g]);
+      }
 #pragma unroll
-    for (int g = 0; g < kStatsGroups; ++g) {
-      const int64_t x = base + g * kElementsPerThread;
-      float m = -INFINITY;
-      int32_t arg = -1;
-#pragma unroll
-      for (int k = 0; k < kElementsPerThread; ++k) {
-        if (v[g][k] > m) {
-          m = v[g][k];
-          arg = static_cast<int32_t>(x + k);
+      for (int g = 0; g < kStatsGroups; ++g) {
+        const int64_t x = base + g * kElementsPerThread;
+        if (trow) {
+          unpack8(t_raw[g], v);
+          accumulate8(s.target, v, x, t_sum, r.inv_t);
+        }
+        if (drow) {
+          unpack8(d_raw[g], v);
+          accumulate8(s.draft, v, x, d_sum, r.inv_td);
         }
       }
-      if (m > s.max) {  // a tie keeps the earlier (lower) index
-        if (with_sum) s.sum = s.max == -INFINITY ? 0.f : s.sum * softmax_weight(s.max, m, inv_t);
-        s.max = m;
-        s.argmax = arg;
-      }
-      if (with_sum && s.max != -INFINITY) {
+    } else {
 #pragma unroll
-        for (int k = 0; k < kElementsPerThread; ++k) s.sum += softmax_weight(v[g][k], s.max, inv_t);
+      for (int g = 0; g < kStatsGroups; ++g) {
+        const int64_t x = base + g * kElementsPerThread;
+        if (trow) {
+          load8(trow, x, x1, false, v);
+          accumulate8(s.target, v, x, t_sum, r.inv_t);
+        }
+        if (drow) {
+          load8(drow, x, x1, false, v);
+          accumulate8(s.draft, v, x, d_sum, r.inv_td);
+        }
       }
     }
   }
   return s;
+}
+
+__device__ __forceinline__ RowPartial shfl_down(RowPartial s, int offset) {
+  return RowPartial{shfl_down(s.target, offset), shfl_down(s.draft, offset)};
 }
 
 // What the emitted token is raced against: r = max(p - q, 0).
@@ -243,7 +305,10 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
       }
       const float r = fmaxf(p_x - q_x, 0.f);
       mass += r;
-      if (r > 0.f) {
+      // E = -log1p(-u) >= u, so key = r / E <= r / u (up to an ulp or two): an element whose
+      // bound is clearly below this thread's best cannot win, and skips the log and the divide.
+      // Ties and near-ties are always computed, so the winner is bit-identical.
+      if (r > 0.f && !(r * 1.00001f < best.key * u[k])) {
         best = better_candidate(
             best, RaceCandidate{r / exponential_from_uniform(u[k]), static_cast<int32_t>(x + k)});
       }
@@ -257,78 +322,89 @@ __global__ void __launch_bounds__(kVerifyThreads)
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);
   const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
-  __shared__ SoftmaxStats scratch[32];
+  const auto merge = [&](RowPartial a, RowPartial s) {
+    return RowPartial{merge_stats(a.target, s.target, r.inv_t), merge_stats(a.draft, s.draft, r.inv_td)};
+  };
+  const RowPartial empty{empty_stats(), empty_stats()};
+  __shared__ RowPartial scratch[32];
   __shared__ bool stop, last;
 
   for (int j = 0; j <= r.n; ++j) {
-    if (threadIdx.x == 0) {
-      // Skip rows after a published rejection (a hint: being late only costs bandwidth).
-      stop = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b) > rows - j;
-    }
-    __syncthreads();
-    if (stop) break;
-
     const int64_t row = r.start + j;
     const bool row_ok = row >= 0 && row < p.target_rows;
     const bool need_draft = r.use_draft && j < r.n;
-    const auto merge_t = [&](SoftmaxStats a, SoftmaxStats s) { return merge_stats(a, s, r.inv_t); };
-    const auto merge_d = [&](SoftmaxStats a, SoftmaxStats s) { return merge_stats(a, s, r.inv_td); };
-    SoftmaxStats t = empty_stats(), d = empty_stats();
-    if (row_ok) t = thread_stats(target_row<TT>(p, row), x0, x1, !r.greedy, r.inv_t);
-    t = block_reduce(t, merge_t, empty_stats(), scratch);
-    if (need_draft) {
-      d = thread_stats(draft_row<DT>(p, b, j), x0, x1, !r.draft_greedy, r.inv_td);
-      d = block_reduce(d, merge_d, empty_stats(), scratch);
+    const TT* trow = row_ok ? target_row<TT>(p, row) : nullptr;
+    const DT* drow = need_draft ? draft_row<DT>(p, b, j) : nullptr;
+
+    // Thread 0 may decide the row: issue its loads of the draft id and the two logits at that id
+    // now, so their latency hides behind the streaming pass.
+    int64_t x = -1;
+    float t_x = -INFINITY, d_x = -INFINITY;
+    if (threadIdx.x == 0 && j < r.n) {
+      x = draft_token(p, b, j);
+      if (x >= 0 && x < p.vocab) {
+        if (trow) t_x = to_float(trow[x]);
+        if (drow) d_x = to_float(drow[x]);
+      }
     }
+
+    const RowPartial part = block_reduce(thread_row_stats(trow, drow, x0, x1, r), merge, empty, scratch);
 
     const int64_t slot = int64_t{b} * rows + j;
     if (threadIdx.x == 0) {
-      p.partials[slot * p.num_chunks + c] = RowPartial{t, d};
+      // A rejection published before this row's end: stop after this row (a hint: reading it late
+      // only costs bandwidth). Issued before the atomic so the two round trips overlap.
+      const int32_t mark = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b);
+      p.partials[slot * p.num_chunks + c] = part;
       __threadfence();  // publish the partial before counting this block as arrived
       last = atomicAdd(p.row_arrivals + slot, 1) == p.num_chunks - 1;
+      stop = mark > rows - (j + 1);
     }
     __syncthreads();
     if (last && threadIdx.x < 32) {
       __threadfence();
       // The last block of the row merges every chunk's partial (read through L2: __ldcg).
-      SoftmaxStats mt = empty_stats(), md = empty_stats();
+      RowPartial m = empty;
       for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
-        const RowPartial* part = p.partials + slot * p.num_chunks + k;
-        mt = merge_t(mt, SoftmaxStats{__ldcg(&part->target.max), __ldcg(&part->target.sum),
-                                      __ldcg(&part->target.argmax)});
-        md = merge_d(md, SoftmaxStats{__ldcg(&part->draft.max), __ldcg(&part->draft.sum),
-                                      __ldcg(&part->draft.argmax)});
+        const RowPartial* q = p.partials + slot * p.num_chunks + k;
+        m = merge(m, RowPartial{
+                         SoftmaxStats{__ldcg(&q->target.max), __ldcg(&q->target.sum),
+                                      __ldcg(&q->target.argmax)},
+                         SoftmaxStats{__ldcg(&q->draft.max), __ldcg(&q->draft.sum),
+                                      __ldcg(&q->draft.argmax)}});
       }
-      mt = warp_reduce(mt, merge_t);
-      md = warp_reduce(md, merge_d);
+      m = warp_reduce(m, merge);
       if (threadIdx.x == 0) {
+        const SoftmaxStats& mt = m.target;
+        const SoftmaxStats& md = m.draft;
         int32_t decision = kRowUndecided;
         if (!row_ok || mt.max == -INFINITY) {
           decision = kRowRejected | kTargetInvalid;
         } else if (j < r.n) {
-          const int64_t x = draft_token(p, b, j);
           if (x < 0 || x >= p.vocab || (need_draft && md.max == -INFINITY)) {
             decision = kRowRejected | kDraftInvalid;
           } else if (r.greedy) {
             decision = x == mt.argmax ? kRowAccepted : kRowRejected;
           } else {
-            const float p_x =
-                softmax_prob(to_float(target_row<TT>(p, row)[x]), mt.max, 1.f / mt.sum, r.inv_t);
+            const float p_x = softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t);
             float q_x = 1.f;
             if (need_draft) {
               q_x = r.draft_greedy ? (x == md.argmax ? 1.f : 0.f)
-                                   : softmax_prob(to_float(draft_row<DT>(p, b, j)[x]), md.max,
-                                                  1.f / md.sum, r.inv_td);
+                                   : softmax_prob(d_x, md.max, 1.f / md.sum, r.inv_td);
             }
             const float u = philox_uniform(r.seed, r.position + 1 + j, kPurposeAccept, 0);
             decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
           }
         }
         p.results[slot] = RowResult{mt, md, decision};
-        if (decision & kRowRejected) atomicMax(p.reject_marks + b, rows - j);
+        if (decision & kRowRejected) {
+          atomicMax(p.reject_marks + b, rows - j);
+          stop = true;
+        }
       }
     }
-    __syncthreads();  // `last` and `scratch` are reused by the next row
+    __syncthreads();  // `stop`, `last` and `scratch` are rewritten for the next row
+    if (stop) break;
   }
 }
 
@@ -345,9 +421,10 @@ template <typename TT, typename DT>
 __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const VerifyParams p) {
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);
-  // Rows before the first rejection are all decided (see the file header).
-  int j = 0;
-  while (j < r.n && p.results[int64_t{b} * rows + j].decision == kRowAccepted) ++j;
+  // The first rejected row J is the only rejection ever published: the block that decides it
+  // stops right after, so later rows never collect all their chunks (see the file header).
+  const int32_t mark = p.reject_marks[b];
+  const int j = mark > 0 ? min(rows - mark, r.n) : r.n;
   const RowResult res = p.results[int64_t{b} * rows + j];
   const bool target_invalid = res.decision & kTargetInvalid;
   const bool valid = !(res.decision & (kTargetInvalid | kDraftInvalid));

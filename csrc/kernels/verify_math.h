@@ -6,7 +6,7 @@
 //   w(x)    = exp((logit(x) - max) * (1/T)), non-finite logits count as -inf
 //   p(x)    = w(x) * (1/sum w)
 //   accept x iff q(x) > 0 and u * q(x) < p(x)          (one-hot drafts: q(x) = 1)
-//   sample  = argmax_x r(x) / E(x), r = max(p - q, 0), E(x) = -log(u_x)  (exponential race:
+//   sample  = argmax_x r(x) / E(x), r = max(p - q, 0), E(x) = -log1p(-u_x)  (exponential race:
 //             the winner is distributed as r / sum r; it decomposes over any split of the vocab)
 #pragma once
 
@@ -57,7 +57,9 @@ DSPARK_HOST_DEVICE bool accept_draft(float u, float p_x, float q_x) {
   return q_x > 0.f && u * q_x < p_x;
 }
 
-DSPARK_HOST_DEVICE float exponential_from_uniform(float u) { return -logf(u); }
+// Exp(1) noise of the race; small E (which decides low-probability winners) comes from small u,
+// where the uniforms are finest.
+DSPARK_HOST_DEVICE float exponential_from_uniform(float u) { return -log1pf(-u); }
 
 // Running softmax statistics of one row (or part of one): max, sum of weights relative to max, and
 // the lowest index attaining the max.
