@@ -88,12 +88,15 @@ print("\n=== dspark_ops GPU check summary ===")
 print(f"{'step':<14}{'status':<22}{'seconds':>8}")
 for name, status, sec in steps:
     print(f"{name:<14}{status:<22}{sec:>8}")
-for path in sorted(out.glob("*verify*.json")):
-    rows = json.loads(path.read_text())
-    rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
-    print(f"\n{path.name}: {len(rows)} benchmark rows (full table in bench.log)")
-    for row in rows[:8]:
-        keys = [k for k in ("variant", "shape", "ours_us", "reference_us", "speedup", "gbps", "pct_copy") if k in row]
-        print("  " + "  ".join(f"{k}={row[k]}" for k in keys))
+def fmt(value, digits=1):
+    return "-" if value is None else f"{value:.{digits}f}"
+for path in sorted(out.glob("verify_*.json")):
+    rows = json.loads(path.read_text())["rows"]
+    print(f"\n{path.name} (us; x = other/ours; full table in bench.log)")
+    for row in rows:
+        anchors = " ".join(f"{k}={fmt(v, 2)}x" for k, v in row.get("anchor_speedup", {}).items())
+        print(f"  {row['shape']:<22}{row['variant']:<18}ours {fmt(row['ours_us']):>9}  "
+              f"ref {fmt(row['speedup'], 2)}x  {fmt(row['gbps'], 0)} GB/s "
+              f"({fmt(row['pct_copy'], 0)}% copy)  {anchors}")
 EOF
 ! grep -qv $'\tok\t' "$OUT/steps.tsv"

@@ -81,6 +81,8 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
     const auto j = at::arange(a.block, draft_tokens.options().dtype(at::kInt));
     check_values_in_range(kOp, "draft_tokens", draft_tokens, 0, a.vocab - 1,
                           j.unsqueeze(0) < a.num_draft.unsqueeze(1));
+    // Row j draws from position + 1 + j, which must not overflow.
+    check_values_in_range(kOp, "position", a.position, 0, int64_t{1} << 62);
     check_finite_non_negative(kOp, "temperature", a.temperature);
     if (a.draft_temperature.defined()) {
       check_finite_non_negative(kOp, "draft_temperature", a.draft_temperature);

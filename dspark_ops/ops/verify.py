@@ -49,7 +49,8 @@ def verify(
         int64 ``[B]``: per-request seeds. ``None`` draws them from ``generator`` (or torch's
         default generator for the device).
     position : torch.Tensor
-        int64 ``[B]``: absolute position ``p0`` of each request's anchor token. Row ``j`` draws
+        int64 ``[B]``: absolute position ``p0`` (in ``[0, 2**62]``) of each request's anchor
+        token. Row ``j`` draws
         its random numbers from the streams of position ``p0 + 1 + j`` only, so a request's
         output never depends on the rest of the batch.
     draft_logits : torch.Tensor, optional
@@ -71,7 +72,8 @@ def verify(
         ``tokens`` int64 ``[B, G+1]`` (the ``num_accepted[b] + 1`` emitted tokens, then -1),
         ``num_accepted`` int32 ``[B]``, ``valid`` bool ``[B]`` (False where a row the op needed
         had no finite logit, in which case the token there is 0, or a draft id was outside
-        ``[0, V)``, which is rejected without being used as an index).
+        ``[0, V)``, which is rejected without being used as an index). Non-finite logits (NaN,
+        +-inf) count as -inf.
 
     Notes
     -----

@@ -1,0 +1,85 @@
+"""Shared test configuration: devices, the long-sweep switch and layout helpers.
+
+Run with ``python -m pytest python_tests`` from the repository root. CUDA cases are marked
+``cuda`` and skip on machines without a GPU; they run unchanged where one exists.
+``DSPARK_OPS_TEST_FULL=1`` turns on the long sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dspark_ops  # noqa: F401  (loads the operator library before any test runs)
+
+CUDA_AVAILABLE = torch.cuda.is_available()
+CUDA_SKIP_REASON = "CUDA is not available (torch.cuda.is_available() is False)"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one")
+
+
+def cuda_param(*values, id=None):
+    """A pytest.param that is marked ``cuda`` and skips without a GPU."""
+    return pytest.param(
+        *values,
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA_AVAILABLE, reason=CUDA_SKIP_REASON)],
+        id=id,
+    )
+
+
+# Use as @pytest.mark.parametrize("device", DEVICES) where a test also needs other parameters.
+DEVICES = [pytest.param("cpu", id="cpu"), cuda_param("cuda", id="cuda")]
+
+
+def cuda_only(test):
+    """Decorator for tests that exist only on CUDA (graph capture, device mismatch)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not CUDA_AVAILABLE, reason=CUDA_SKIP_REASON)(test))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def full_tests() -> bool:
+    """True when DSPARK_OPS_TEST_FULL=1: run the long sweeps too."""
+    return os.environ.get("DSPARK_OPS_TEST_FULL", "") == "1"
+
+
+def _poison(dtype: torch.dtype):
+    # What fills the gaps of a non-contiguous copy: values a kernel must never read.
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).min
+
+
+def non_contiguous(t: torch.Tensor, kind: str = "strided") -> torch.Tensor:
+    """The same values in a non-contiguous layout whose gaps hold poison (NaN / iinfo.min).
+
+    ``strided``: every dimension's stride is doubled, including the last (allocated with an extra
+    trailing dimension of 2 and sliced), so even a 1-D tensor is non-contiguous.
+    ``padded``: the last dimension keeps unit stride but rows are padded (allocated wider and
+    sliced), the layout of a logit slice taken out of a larger buffer; needs ``t.dim() >= 2``.
+    """
+    if kind == "strided":
+        storage = torch.full((*t.shape, 2), _poison(t.dtype), dtype=t.dtype, device=t.device)
+        out = storage[..., 0]
+    elif kind == "padded":
+        assert t.dim() >= 2, "padded layout needs at least two dimensions"
+        storage = torch.full(
+            (*t.shape[:-1], t.shape[-1] + 3), _poison(t.dtype), dtype=t.dtype, device=t.device
+        )
+        out = storage[..., 1 : t.shape[-1] + 1]
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    out.copy_(t)
+    rows = t.numel() // max(t.shape[-1], 1) if t.dim() else 1
+    assert out.is_contiguous() == (t.numel() <= 1 or (kind == "padded" and rows <= 1))
+    torch.testing.assert_close(out, t, rtol=0, atol=0, equal_nan=True)
+    return out

@@ -1,0 +1,166 @@
+"""torch.compile(fullgraph=True) and CUDA-graph capture over the ops (SPEC §5, registration)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark_ops
+from dspark_ops import reference
+from conftest import DEVICES, cuda_only, cuda_param
+
+
+def _round_inputs(device, batch=4, block=5, vocab=257, hidden_size=32, seed=0):
+    """A decode round's tensors: target hidden states and LM head, drafts and their logits."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, block + 1, hidden_size, generator=gen)
+    lm_head = torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5 * 4
+    noise = torch.randn(batch, block, vocab, generator=gen)
+    draft_logits = hidden[:, :block] @ lm_head.T + 0.5 * noise
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3] * batch)[:batch]
+    probs = torch.softmax(draft_logits / temperature.clamp_min(1e-5)[:, None, None], -1)
+    drafts = torch.multinomial(probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, block)
+    tensors = dict(
+        hidden=hidden,
+        lm_head=lm_head,
+        draft_tokens=drafts,
+        num_draft=torch.randint(0, block + 1, (batch,), generator=gen, dtype=torch.int32),
+        temperature=temperature,
+        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        position=torch.randint(0, 2**40, (batch,), generator=gen),
+        draft_logits=draft_logits,
+    )
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def decode_round(hidden, lm_head, draft_tokens, num_draft, temperature, seed, position,
+                 draft_logits):
+    """Target logits, verification, and the next round's anchor and position."""
+    target_logits = hidden @ lm_head.T
+    out = dspark_ops.verify(target_logits, draft_tokens, num_draft, temperature, seed, position,
+                            draft_logits=draft_logits)
+    anchor = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
+    next_position = position + out.num_accepted.long() + 1
+    return out.tokens, out.num_accepted, out.valid, anchor, next_position
+
+
+def _assert_equal(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.equal(g, e)
+
+
+# Inductor on CUDA runs once, in test_compiled_reduce_overhead_on_cuda: Triton compiles on a fresh
+# machine are slow and the GPU check has a time budget.
+DEVICE_BACKENDS = [
+    pytest.param("cpu", "aot_eager", id="cpu-aot_eager"),
+    pytest.param("cpu", "inductor", id="cpu-inductor"),
+    cuda_param("cuda", "aot_eager", id="cuda-aot_eager"),
+]
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_compiled_decode_round_matches_eager(device, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_round, fullgraph=True, backend=backend)
+    for seed in range(2):  # second call: new values, same shapes (no recompile needed)
+        inputs = _round_inputs(device, seed=seed)
+        _assert_equal(compiled(**inputs), decode_round(**inputs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_verify_dynamic_batch(device):
+    # Symbolic batch sizes go through the fake kernel's shape rule.
+    torch._dynamo.reset()
+
+    def fn(target_logits, draft_tokens, num_draft, temperature, seed, position, draft_logits,
+           target_start):
+        return tuple(dspark_ops.verify(target_logits, draft_tokens, num_draft, temperature, seed,
+                                       position, draft_logits=draft_logits,
+                                       target_start=target_start))
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for batch in (3, 6):
+        inputs = _round_inputs(device, batch=batch, seed=batch)
+        target = (inputs["hidden"] @ inputs["lm_head"].T).reshape(-1, inputs["lm_head"].shape[0])
+        start = torch.arange(batch, dtype=torch.int32, device=device) * 6
+        args = (target, inputs["draft_tokens"], inputs["num_draft"], inputs["temperature"],
+                inputs["seed"], inputs["position"], inputs["draft_logits"], start)
+        got = compiled(*args)
+        _assert_equal(got, fn(*args))
+        expected = reference.verify(*args[:6], draft_logits=args[6], target_start=start)
+        _assert_equal(got, tuple(expected))
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_compiled_philox_uniform_matches_eager(device, backend):
+    torch._dynamo.reset()
+
+    def fn(seed, position):
+        u = dspark_ops.philox_uniform(seed, position, 2, 16)
+        return -torch.log(u), u
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    gen = torch.Generator().manual_seed(3)
+    seed = torch.randint(-(2**62), 2**62, (8,), generator=gen).to(device)
+    position = torch.randint(0, 2**40, (8,), generator=gen).to(device)
+    got, expected = compiled(seed, position), fn(seed, position)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=0)
+
+
+def _copy_into(static: dict, fresh: dict):
+    for name, tensor in fresh.items():
+        static[name].copy_(tensor)
+
+
+@cuda_only
+@pytest.mark.parametrize("with_draft_logits", [True, False])
+def test_cuda_graph_capture_and_replay(with_draft_logits):
+    # Captured once, replayed with new values written into the static inputs: every replay
+    # equals an eager call on those values (and the reference).
+    static = _round_inputs("cuda", seed=10)
+    if not with_draft_logits:
+        static["draft_logits"] = None
+
+    def run(inputs):
+        target = inputs["hidden"] @ inputs["lm_head"].T
+        return dspark_ops.verify(target, inputs["draft_tokens"], inputs["num_draft"],
+                                 inputs["temperature"], inputs["seed"], inputs["position"],
+                                 draft_logits=inputs["draft_logits"])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(static)
+
+    for seed in (11, 12, 13):
+        fresh = _round_inputs("cuda", seed=seed)
+        if not with_draft_logits:
+            fresh["draft_logits"] = None
+        _copy_into(static, {k: v for k, v in fresh.items() if v is not None})
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = run(fresh)
+        _assert_equal(tuple(t.clone() for t in captured), tuple(eager))
+        target = fresh["hidden"] @ fresh["lm_head"].T
+        expected = reference.verify(target, fresh["draft_tokens"], fresh["num_draft"],
+                                    fresh["temperature"], fresh["seed"], fresh["position"],
+                                    draft_logits=fresh["draft_logits"])
+        _assert_equal(tuple(eager), tuple(expected))
+
+
+@cuda_only
+def test_compiled_reduce_overhead_on_cuda():
+    # torch.compile's CUDA-graph mode over a decode round.
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_round, fullgraph=True, mode="reduce-overhead")
+    for seed in range(4):
+        inputs = _round_inputs("cuda", seed=20 + seed)
+        got = tuple(t.clone() for t in compiled(**inputs))
+        _assert_equal(got, decode_round(**inputs))
