@@ -11,6 +11,21 @@ TORCH_LIBRARY(dspark_ops, m) {
       "Tensor seed, Tensor position, Tensor? draft_logits=None, Tensor? target_start=None, "
       "Tensor? draft_temperature=None) -> (Tensor tokens, Tensor num_accepted, Tensor valid)",
       {at::Tag::pt2_compliant_tag});
+  // Algorithm 1 (SPEC §3.4): per-request verify lengths admitted in survival order while
+  // expected tokens x step rate strictly improves, stopping at the first admission that does not.
+  m.def("schedule_verify(Tensor confidence, Tensor step_rate, Tensor? max_verify=None) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  // Global search of the verify token budget K in [B, M) on (stale) confidences; int32 [1].
+  m.def("plan_verify_budget(Tensor confidence, Tensor step_rate) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  // Per-request verify lengths admitting the top budget - B survivals.
+  m.def("allocate_verify(Tensor confidence, Tensor budget, Tensor? max_verify=None) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  // Flattens [x0, x_1..x_l] of every request into one ragged target batch.
+  m.def(
+      "pack_verify_inputs(Tensor anchor, Tensor draft_tokens, Tensor num_verify, Tensor position) "
+      "-> (Tensor input_ids, Tensor positions, Tensor cu_seqlens)",
+      {at::Tag::pt2_compliant_tag});
   // The uniforms every sampling op draws: element k of stream (seed[i], position[i], purpose).
   m.def("philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor",
         {at::Tag::pt2_compliant_tag});

@@ -25,6 +25,21 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
                          const std::optional<at::Tensor>& target_start,
                          const std::optional<at::Tensor>& draft_temperature);
 
+// Scheduling family; a "backend" suffix per entry point.
+#define DSPARK_OPS_DECLARE_SCHEDULE(backend)                                                   \
+  at::Tensor schedule_verify_##backend(const at::Tensor& confidence, const at::Tensor& step_rate, \
+                                       const std::optional<at::Tensor>& max_verify);           \
+  at::Tensor plan_verify_budget_##backend(const at::Tensor& confidence,                       \
+                                          const at::Tensor& step_rate);                       \
+  at::Tensor allocate_verify_##backend(const at::Tensor& confidence, const at::Tensor& budget, \
+                                       const std::optional<at::Tensor>& max_verify);           \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_##backend(                 \
+      const at::Tensor& anchor, const at::Tensor& draft_tokens, const at::Tensor& num_verify,   \
+      const at::Tensor& position);
+DSPARK_OPS_DECLARE_SCHEDULE(cpu)
+DSPARK_OPS_DECLARE_SCHEDULE(cuda)
+#undef DSPARK_OPS_DECLARE_SCHEDULE
+
 at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& position, int64_t purpose,
                               int64_t count);
 at::Tensor philox_uniform_cuda(const at::Tensor& seed, const at::Tensor& position,

@@ -10,7 +10,27 @@ load_library()
 
 from . import reference  # noqa: E402
 from .ops.random import philox_uniform  # noqa: E402
+from .ops.schedule import (  # noqa: E402
+    VerifyBatch,
+    allocate_verify,
+    pack_verify_inputs,
+    plan_verify_budget,
+    profile_step_rate,
+    schedule_verify,
+)
 from .ops.verify import VerifyOutput, verify  # noqa: E402
 
-__all__ = ["OPS", "VerifyOutput", "philox_uniform", "reference", "verify"]
+__all__ = [
+    "OPS",
+    "VerifyBatch",
+    "VerifyOutput",
+    "allocate_verify",
+    "pack_verify_inputs",
+    "philox_uniform",
+    "plan_verify_budget",
+    "profile_step_rate",
+    "reference",
+    "schedule_verify",
+    "verify",
+]
 __version__ = "0.1.0"

@@ -8,7 +8,14 @@ import os
 import torch
 
 # Every op of the library, in torch.ops.dspark_ops.
-OPS = ("verify", "philox_uniform")
+OPS = (
+    "verify",
+    "schedule_verify",
+    "plan_verify_budget",
+    "allocate_verify",
+    "pack_verify_inputs",
+    "philox_uniform",
+)
 
 _BUILD_HINT = (
     "build it from the repository root with `pip install --no-build-isolation -e .` "

@@ -23,6 +23,12 @@ __all__ = [
     "uniform_from_bits",
     "VerifyOutput",
     "verify",
+    "survivals",
+    "schedule_verify",
+    "plan_verify_budget",
+    "allocate_verify",
+    "VerifyBatch",
+    "pack_verify_inputs",
 ]
 
 # Random streams (csrc/common/philox.h): a token's proposal, acceptance test and resampling never
@@ -213,3 +219,123 @@ def verify(
     tokens = torch.where(j < j_star[:, None], x, -1)
     tokens[b, j_star] = token
     return VerifyOutput(tokens, num_accepted.int(), ~invalid)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduling (SPEC §3.4): which draft tokens of each request are worth verifying.
+#
+# Survivals a[r, j] = c[r, 0] * ... * c[r, j] (multiplied left to right in float32) rank the
+# (request, position) pairs: survival descending, then position, then request ascending. A pair
+# is eligible when a > 0 and j < max_verify[r]; admitting (r, j) verifies draft x_{j+1}, so it
+# sets num_verify[r] = j + 1 and adds one token to the verify batch. Expected emitted tokens are
+# tau = B + sum of admitted survivals, accumulated exactly in fixed point (survival * 2^32,
+# rounded half to even, as an integer) so every backend makes the same comparisons; the objective
+# is Theta(N) = float64(tau) * float64(step_rate[N]) for a batch of N tokens (N < M).
+
+SURVIVAL_SCALE = 2**32
+
+
+def survivals(confidence: torch.Tensor) -> torch.Tensor:
+    """a[r, j] = prod_{i<=j} c[r, i], multiplied left to right in float32."""
+    a = confidence.float().clone()
+    for j in range(1, a.shape[1]):
+        a[:, j] = a[:, j - 1] * a[:, j]
+    return a
+
+
+def _ranked_pairs(confidence: torch.Tensor, max_verify: Optional[torch.Tensor]):
+    """Eligible (r, j) pairs in admission order and their fixed-point survivals, on the CPU."""
+    a = survivals(confidence).cpu()
+    batch, block = a.shape
+    j = torch.arange(block)
+    eligible = a > 0
+    if max_verify is not None:
+        eligible &= j < max_verify.cpu().long()[:, None]
+    r_idx, j_idx = eligible.nonzero(as_tuple=True)
+    values = a[r_idx, j_idx]
+    # Stable sort by survival descending after ordering the pairs by (j, r).
+    by_position = torch.argsort(j_idx * batch + r_idx)
+    r_idx, j_idx, values = r_idx[by_position], j_idx[by_position], values[by_position]
+    order = torch.sort(values, descending=True, stable=True).indices
+    r_idx, j_idx, values = r_idx[order], j_idx[order], values[order]
+    fixed = torch.round(values.double() * SURVIVAL_SCALE).long()
+    return r_idx.tolist(), j_idx.tolist(), fixed.tolist()
+
+
+def _theta(tau_fixed: int, step_rate: list, tokens: int) -> float:
+    return float(tau_fixed) * step_rate[tokens]
+
+
+def schedule_verify(
+    confidence: torch.Tensor, step_rate: torch.Tensor, *, max_verify: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Algorithm 1 (SPEC §3.4): admit pairs in rank order while Theta strictly improves, and stop
+    at the first admission that does not (or that would need M tokens)."""
+    batch = confidence.shape[0]
+    rates = step_rate.double().cpu().tolist()
+    num_verify = [0] * batch
+    tokens, tau = batch, batch * SURVIVAL_SCALE
+    best = _theta(tau, rates, tokens)
+    for r, j, a in zip(*_ranked_pairs(confidence, max_verify)):
+        if tokens + 1 >= len(rates):
+            break
+        theta = _theta(tau + a, rates, tokens + 1)
+        if not theta > best:
+            break  # the early stop: later (smaller) survivals must not decide earlier pairs
+        tokens, tau, best = tokens + 1, tau + a, theta
+        num_verify[r] = j + 1
+    return torch.tensor(num_verify, dtype=torch.int32, device=confidence.device)
+
+
+def plan_verify_budget(confidence: torch.Tensor, step_rate: torch.Tensor) -> torch.Tensor:
+    """Global search over the token budget K in [B, M): argmax of Theta(K) with the top K - B
+    survivals admitted (ties to the smaller K). Returns int32 [1]."""
+    batch = confidence.shape[0]
+    rates = step_rate.double().cpu().tolist()
+    _, _, fixed = _ranked_pairs(confidence, None)
+    tau = batch * SURVIVAL_SCALE
+    best_k, best = batch, _theta(tau, rates, batch)
+    for k, a in enumerate(fixed, start=batch + 1):
+        if k >= len(rates):
+            break
+        tau += a
+        theta = _theta(tau, rates, k)
+        if theta > best:
+            best_k, best = k, theta
+    return torch.tensor([best_k], dtype=torch.int32, device=confidence.device)
+
+
+def allocate_verify(
+    confidence: torch.Tensor, budget: torch.Tensor, *, max_verify: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Admits the top budget - B eligible pairs (same order as schedule_verify)."""
+    batch = confidence.shape[0]
+    admit = max(int(budget.reshape(-1)[0]) - batch, 0)
+    num_verify = [0] * batch
+    for r, j, _ in list(zip(*_ranked_pairs(confidence, max_verify)))[:admit]:
+        num_verify[r] = j + 1
+    return torch.tensor(num_verify, dtype=torch.int32, device=confidence.device)
+
+
+class VerifyBatch(NamedTuple):
+    input_ids: torch.Tensor  # int64 [B*(G+1)]: [x0, x_1..x_l] of every request, then padding 0
+    positions: torch.Tensor  # int64 [B*(G+1)]: p0..p0+l of every request, then padding 0
+    cu_seqlens: torch.Tensor  # int32 [B+1]: exclusive prefix sums of l + 1
+
+
+def pack_verify_inputs(
+    anchor: torch.Tensor, draft_tokens: torch.Tensor, num_verify: torch.Tensor, position: torch.Tensor
+) -> VerifyBatch:
+    """Flattens [x0, x_1..x_l] of every request into one ragged target batch."""
+    batch, block = draft_tokens.shape
+    lengths = num_verify.long() + 1
+    cu = torch.zeros(batch + 1, dtype=torch.long, device=anchor.device)
+    cu[1:] = lengths.cumsum(0)
+    ids = torch.zeros(batch * (block + 1), dtype=torch.int64, device=anchor.device)
+    positions = torch.zeros_like(ids)
+    for b in range(batch):
+        start, n = int(cu[b]), int(lengths[b])
+        ids[start] = anchor[b]
+        ids[start + 1 : start + n] = draft_tokens[b, : n - 1]
+        positions[start : start + n] = position[b] + torch.arange(n, device=anchor.device)
+    return VerifyBatch(ids, positions, cu.int())

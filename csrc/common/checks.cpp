@@ -39,12 +39,32 @@ void check_values_in_range(const char* op, const char* name, const at::Tensor& v
                     value.item<int64_t>(), " at index ", at_index);
 }
 
-void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values) {
-  const auto bad = values.isfinite().logical_not_().logical_or_(values < 0);
+namespace {
+// Raises "<op>(): '<name>' must be <expectation>, got <value> at index [...]" for the first element
+// where `bad` is true, if any.
+void check_float_values(const char* op, const char* name, const at::Tensor& values,
+                        const at::Tensor& bad, const char* expectation) {
   if (!bad.any().item<bool>()) return;
   const auto value = values.flatten()[bad.flatten().nonzero()[0][0]];
-  TORCH_CHECK_VALUE(false, op, "(): '", name, "' must be finite and >= 0, got ",
+  TORCH_CHECK_VALUE(false, op, "(): '", name, "' must be ", expectation, ", got ",
                     value.item<double>(), " at index ", index_string(bad));
+}
+}  // namespace
+
+void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values) {
+  check_float_values(op, name, values, values.isfinite().logical_not_().logical_or_(values < 0),
+                     "finite and >= 0");
+}
+
+void check_finite_positive(const char* op, const char* name, const at::Tensor& values) {
+  check_float_values(op, name, values, values.isfinite().logical_not_().logical_or_(values <= 0),
+                     "finite and > 0");
+}
+
+void check_probabilities(const char* op, const char* name, const at::Tensor& values) {
+  check_float_values(op, name, values,
+                     (values >= 0).logical_and_(values <= 1).logical_not_(),
+                     "probabilities in [0, 1]");
 }
 
 }  // namespace dspark_ops

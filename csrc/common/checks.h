@@ -59,7 +59,9 @@ bool value_checks_enabled(const at::Tensor& t);
 void check_values_in_range(const char* op, const char* name, const at::Tensor& values,
                            int64_t low, int64_t high, const at::Tensor& selected = at::Tensor());
 
-// Raises unless every element is finite and >= 0.
+// Raise unless every element is finite and >= 0 / finite and > 0 / in [0, 1] (NaN fails all).
 void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values);
+void check_finite_positive(const char* op, const char* name, const at::Tensor& values);
+void check_probabilities(const char* op, const char* name, const at::Tensor& values);
 
 }  // namespace dspark_ops

@@ -24,6 +24,10 @@ __device__ __forceinline__ float shfl_down(float v, int offset) {
   return __shfl_down_sync(kFullMask, v, offset);
 }
 
+__device__ __forceinline__ int shfl_down(int v, int offset) {
+  return __shfl_down_sync(kFullMask, v, offset);
+}
+
 // Reduces over a full warp; lane 0 holds the result.
 template <typename T, typename Merge>
 __device__ __forceinline__ T warp_reduce(T value, Merge merge) {
@@ -48,6 +52,35 @@ __device__ __forceinline__ T block_reduce(T value, Merge merge, T identity, T* s
   value = scratch[0];
   __syncthreads();
   return value;
+}
+
+// Exclusive prefix sum over the block of one value per thread (blockDim.x a multiple of 32);
+// `total` receives the block's sum. `scratch` must hold 32 values.
+template <typename T>
+__device__ __forceinline__ T block_exclusive_scan(T value, T* scratch, T& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  T inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const T up = __shfl_up_sync(kFullMask, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    T sums = lane < warps ? scratch[lane] : T{0};
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const T up = __shfl_up_sync(kFullMask, sums, offset);
+      if (lane >= offset) sums += up;
+    }
+    scratch[lane] = sums;
+  }
+  __syncthreads();
+  const T before = (warp > 0 ? scratch[warp - 1] : T{0}) + inclusive - value;
+  total = scratch[warps - 1];
+  __syncthreads();
+  return before;
 }
 
 }  // namespace dspark_ops::kernels

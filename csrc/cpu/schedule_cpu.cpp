@@ -1,0 +1,140 @@
+// CPU kernels of the scheduling family (SPEC §3.4): schedule_verify, plan_verify_budget,
+// allocate_verify and pack_verify_inputs. The ranking is a sort of one 64-bit key per eligible
+// pair and the admission walks are sequential; the math is kernels/schedule_math.h, shared with
+// the CUDA kernels, so both backends return identical lengths.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../args/schedule_args.h"
+#include "../kernels/schedule_math.h"
+#include "../ops.h"
+
+namespace dspark_ops {
+namespace {
+
+// Keys of the eligible pairs (survival > 0, j < cap), in admission order.
+std::vector<uint64_t> ranked_pairs(const at::Tensor& confidence, const at::Tensor& max_verify) {
+  const auto c = confidence.contiguous();
+  const float* data = c.const_data_ptr<float>();
+  const int64_t batch = c.size(0), block = c.size(1);
+  const int32_t* caps = max_verify.defined() ? max_verify.const_data_ptr<int32_t>() : nullptr;
+  std::vector<uint64_t> keys;
+  keys.reserve(batch * block);
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t cap = caps ? caps[r] : block;
+    float a = 1.f;
+    for (int64_t j = 0; j < std::min(cap, block); ++j) {
+      a *= clamp_confidence(data[r * block + j]);
+      const uint64_t key = pair_key(a, static_cast<uint32_t>(j * batch + r));
+      if (key == kIneligible) break;  // survivals never grow again
+      keys.push_back(key);
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+// num_verify[r] = 1 + the largest position among the first `admitted` ranked pairs of request r.
+at::Tensor lengths_of(const std::vector<uint64_t>& keys, int64_t admitted,
+                      const at::Tensor& confidence) {
+  const int64_t batch = confidence.size(0);
+  auto out = at::zeros({batch}, confidence.options().dtype(at::kInt));
+  int32_t* lengths = out.data_ptr<int32_t>();
+  for (int64_t k = 0; k < admitted; ++k) {
+    const uint32_t index = key_index(keys[k]);
+    const int32_t r = static_cast<int32_t>(index % batch), j = static_cast<int32_t>(index / batch);
+    lengths[r] = std::max(lengths[r], j + 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+at::Tensor schedule_verify_cpu(const at::Tensor& confidence, const at::Tensor& step_rate,
+                               const std::optional<at::Tensor>& max_verify) {
+  const auto caps = check_schedule_args("schedule_verify", confidence, &step_rate, max_verify);
+  const auto keys = ranked_pairs(confidence, caps);
+  const auto rates = step_rate.contiguous();
+  const float* rate = rates.const_data_ptr<float>();
+  const int64_t batch = confidence.size(0), capacity = rates.size(0);
+  int64_t tau = batch * static_cast<int64_t>(kSurvivalScale), admitted = 0;
+  double best = theta(tau, rate, batch);
+  for (const uint64_t key : keys) {
+    const int64_t tokens = batch + admitted + 1;
+    if (tokens >= capacity) break;
+    const int64_t next = tau + fixed_survival(key_survival(key));
+    const double value = theta(next, rate, tokens);
+    if (!(value > best)) break;  // the early stop keeps the output distribution exact
+    tau = next;
+    best = value;
+    ++admitted;
+  }
+  return lengths_of(keys, admitted, confidence);
+}
+
+at::Tensor plan_verify_budget_cpu(const at::Tensor& confidence, const at::Tensor& step_rate) {
+  check_schedule_args("plan_verify_budget", confidence, &step_rate, std::nullopt);
+  const auto keys = ranked_pairs(confidence, at::Tensor());
+  const auto rates = step_rate.contiguous();
+  const float* rate = rates.const_data_ptr<float>();
+  const int64_t batch = confidence.size(0), capacity = rates.size(0);
+  int64_t tau = batch * static_cast<int64_t>(kSurvivalScale), best_tokens = batch;
+  double best = theta(tau, rate, batch);
+  for (int64_t k = 0; k < static_cast<int64_t>(keys.size()) && batch + k + 1 < capacity; ++k) {
+    tau += fixed_survival(key_survival(keys[k]));
+    const double value = theta(tau, rate, batch + k + 1);
+    if (value > best) {
+      best = value;
+      best_tokens = batch + k + 1;
+    }
+  }
+  return at::full({1}, best_tokens, confidence.options().dtype(at::kInt));
+}
+
+at::Tensor allocate_verify_cpu(const at::Tensor& confidence, const at::Tensor& budget,
+                               const std::optional<at::Tensor>& max_verify) {
+  const auto caps = check_schedule_args("allocate_verify", confidence, nullptr, max_verify);
+  check_budget(confidence, budget);
+  const auto keys = ranked_pairs(confidence, caps);
+  const int64_t want = budget.item<int32_t>() - confidence.size(0);
+  return lengths_of(keys, std::clamp<int64_t>(want, 0, keys.size()), confidence);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cpu(
+    const at::Tensor& anchor, const at::Tensor& draft_tokens, const at::Tensor& num_verify,
+    const at::Tensor& position) {
+  check_pack_verify_args(anchor, draft_tokens, num_verify, position);
+  const int64_t batch = draft_tokens.size(0), block = draft_tokens.size(1);
+  const auto anchors = anchor.to(at::kLong).contiguous();
+  const auto drafts = draft_tokens.to(at::kLong).contiguous();
+  const auto lengths = num_verify.contiguous();
+  const auto positions_in = position.contiguous();
+  auto input_ids = at::zeros({batch * (block + 1)}, anchor.options().dtype(at::kLong));
+  auto positions = at::zeros_like(input_ids);
+  auto cu_seqlens = at::empty({batch + 1}, anchor.options().dtype(at::kInt));
+  int64_t* ids = input_ids.data_ptr<int64_t>();
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int32_t* cu = cu_seqlens.data_ptr<int32_t>();
+  cu[0] = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = std::clamp<int64_t>(lengths.const_data_ptr<int32_t>()[b], 0, block);
+    const int64_t start = cu[b];
+    ids[start] = anchors.const_data_ptr<int64_t>()[b];
+    for (int64_t j = 0; j < n; ++j) ids[start + 1 + j] = drafts.const_data_ptr<int64_t>()[b * block + j];
+    for (int64_t j = 0; j <= n; ++j) pos[start + j] = positions_in.const_data_ptr<int64_t>()[b] + j;
+    cu[b + 1] = static_cast<int32_t>(start + n + 1);
+  }
+  return {input_ids, positions, cu_seqlens};
+}
+
+TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) {
+  m.impl("schedule_verify", &schedule_verify_cpu);
+  m.impl("plan_verify_budget", &plan_verify_budget_cpu);
+  m.impl("allocate_verify", &allocate_verify_cpu);
+  m.impl("pack_verify_inputs", &pack_verify_inputs_cpu);
+}
+
+}  // namespace dspark_ops

@@ -1,0 +1,231 @@
+"""Confidence-scheduled, load-aware verification (SPEC §3.4).
+
+Which draft tokens are worth a target forward? Each op ranks all (request, position) pairs by
+survival ``a[r, j] = c[r, 0] * ... * c[r, j]`` (descending; ties to the smaller position, then the
+smaller request) and admits a prefix of that ranking, which sets ``num_verify[r]`` to one more
+than the largest admitted position of request ``r``. A batch of ``N`` verify tokens runs at
+``step_rate[N]`` target steps per second, and ``B + sum of admitted survivals`` tokens are expected
+to be emitted, so the objective is ``Theta = tau * step_rate[N]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..reference import VerifyBatch
+
+__all__ = [
+    "schedule_verify",
+    "plan_verify_budget",
+    "allocate_verify",
+    "VerifyBatch",
+    "pack_verify_inputs",
+    "profile_step_rate",
+]
+
+
+def schedule_verify(
+    confidence: torch.Tensor, step_rate: torch.Tensor, *, max_verify: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Per-request verify lengths by Algorithm 1 of the DSpark paper, lossless.
+
+    Admits pairs in survival order while ``Theta`` strictly improves and stops at the first
+    admission that does not improve it (or that would need ``M`` tokens). The stop is what keeps
+    speculative sampling exact: when pair ``(r, k)`` is decided only survivals at least as large
+    have been looked at, and none of them depends on draft ``x_{r,k}`` itself. A search that looks
+    further ahead biases the output distribution.
+
+    Parameters
+    ----------
+    confidence : torch.Tensor
+        float32 ``[B, G]``: conditional confidences ``c`` in ``[0, 1]`` (``draft_confidence``).
+    step_rate : torch.Tensor
+        float32 ``[M]`` with ``M > B``: ``step_rate[n]`` is the target's steps per second for a
+        verify batch of ``n`` tokens (see :func:`profile_step_rate`). Batches of ``M`` or more
+        tokens are never scheduled.
+    max_verify : torch.Tensor, optional
+        int32 ``[B]``: per-request caps on the verify length, each in ``[0, G]``.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[B]``: ``num_verify``, each in ``[0, G]``; feed it to :func:`pack_verify_inputs`
+        and ``verify(num_draft=...)``.
+    """
+    return torch.ops.dspark_ops.schedule_verify(confidence, step_rate, max_verify)
+
+
+def plan_verify_budget(confidence: torch.Tensor, step_rate: torch.Tensor) -> torch.Tensor:
+    """The verify token budget ``K`` in ``[B, M)`` that maximises ``Theta``, searched globally.
+
+    Stage 1 of the production scheduler: fed with confidences from an earlier step (two steps
+    ago in a pipelined engine), it may search past cliffs of a jagged ``step_rate`` without
+    biasing the current drafts. ``Theta(K) = (B + sum of the top K - B survivals) *
+    step_rate[K]``; ties go to the smaller ``K``.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[1]``: ``K``, for :func:`allocate_verify`.
+    """
+    return torch.ops.dspark_ops.plan_verify_budget(confidence, step_rate)
+
+
+def allocate_verify(
+    confidence: torch.Tensor, budget: torch.Tensor, *, max_verify: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Per-request verify lengths admitting the top ``budget - B`` survivals (stage 2).
+
+    Ranking by fresh survivals is rank-preserving: whether ``(r, k)`` is admitted depends only on
+    survivals at least as large, so the allocation is lossless for any ``budget`` that does not
+    depend on the current drafts (e.g. from :func:`plan_verify_budget` on older confidences).
+
+    Parameters
+    ----------
+    confidence : torch.Tensor
+        float32 ``[B, G]``, as for :func:`schedule_verify`.
+    budget : torch.Tensor
+        int32 ``[1]``: total verify tokens ``K >= B`` (anchors included). Fewer are used when
+        fewer pairs are eligible (survival 0 or past a cap).
+    max_verify : torch.Tensor, optional
+        int32 ``[B]``: per-request caps, each in ``[0, G]``.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[B]``: ``num_verify``.
+    """
+    return torch.ops.dspark_ops.allocate_verify(confidence, budget, max_verify)
+
+
+def pack_verify_inputs(
+    anchor: torch.Tensor, draft_tokens: torch.Tensor, num_verify: torch.Tensor, position: torch.Tensor
+) -> VerifyBatch:
+    """Flattens ``[x0, x_1..x_l]`` of every request into one ragged target batch.
+
+    Parameters
+    ----------
+    anchor : torch.Tensor
+        int64 or int32 ``[B]``: each request's anchor token ``x0``.
+    draft_tokens : torch.Tensor
+        int64 or int32 ``[B, G]``.
+    num_verify : torch.Tensor
+        int32 ``[B]``: drafts to verify per request, each in ``[0, G]``.
+    position : torch.Tensor
+        int64 ``[B]``: absolute position ``p0`` of each anchor.
+
+    Returns
+    -------
+    VerifyBatch
+        ``input_ids`` and ``positions`` int64 ``[B*(G+1)]`` (fixed upper-bound shape: entries
+        past ``cu_seqlens[B]`` are padding, id 0 and position 0) and ``cu_seqlens`` int32
+        ``[B+1]`` (exclusive prefix sums of ``num_verify + 1``). The target's logits for this
+        batch are the ragged ``target_logits`` of ``verify``, with
+        ``target_start=cu_seqlens[:-1]`` and ``num_draft=num_verify``.
+    """
+    input_ids, positions, cu_seqlens = torch.ops.dspark_ops.pack_verify_inputs(
+        anchor, draft_tokens, num_verify, position
+    )
+    return VerifyBatch(input_ids, positions, cu_seqlens)
+
+
+def profile_step_rate(
+    forward: Callable[[int], object],
+    max_tokens: int,
+    *,
+    device: Optional[torch.device] = None,
+    warmup: int = 3,
+    repeats: int = 10,
+    enforce_non_increasing: bool = False,
+) -> torch.Tensor:
+    """Measures the target's steps per second for verify batches of 1..max_tokens tokens.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(n)`` runs one target forward over a batch of ``n`` tokens (for example a
+        decode step over ``n`` flattened tokens with a realistic KV cache behind them).
+    max_tokens : int
+        Largest batch profiled; the table has ``M = max_tokens + 1`` entries.
+    device : torch.device, optional
+        Where ``forward`` runs. On CUDA each call is timed with CUDA events; on CPU with a
+        monotonic clock. Default: the current CUDA device if available, else CPU.
+    warmup : int
+        Untimed calls per size before measuring (compilation, autotuning, allocator warm-up).
+    repeats : int
+        Timed calls per size; the median is used.
+    enforce_non_increasing : bool
+        Replace each rate by the minimum over it and all smaller sizes. Off by default: real
+        profiles are jagged (tensor-core tiles make some sizes cheaper than smaller ones), and the
+        schedulers are meant to see those cliffs.
+
+    Returns
+    -------
+    torch.Tensor
+        float32 ``[max_tokens + 1]`` on ``device``: ``step_rate[n]`` in steps per second;
+        ``step_rate[0]`` repeats ``step_rate[1]`` (no batch has zero tokens).
+
+    Examples
+    --------
+    >>> def forward(n):                      # doctest: +SKIP
+    ...     model(input_ids[:n], positions[:n], cu_seqlens=...)
+    >>> step_rate = dspark_ops.profile_step_rate(forward, max_tokens=512)   # doctest: +SKIP
+    >>> num_verify = dspark_ops.schedule_verify(confidence, step_rate)      # doctest: +SKIP
+    """
+    if max_tokens < 1:
+        raise ValueError(f"profile_step_rate(): 'max_tokens' must be >= 1, got {max_tokens}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(
+            f"profile_step_rate(): need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}"
+        )
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    seconds = []
+    for n in range(1, max_tokens + 1):
+        for _ in range(warmup):
+            forward(n)
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                forward(n)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                forward(n)
+                times.append(time.perf_counter() - begin)
+        seconds.append(max(statistics.median(times), 1e-9))
+    rates = torch.tensor([1.0 / s for s in seconds], dtype=torch.float64)
+    if enforce_non_increasing:
+        rates = torch.cummin(rates, 0).values
+    return torch.cat([rates[:1], rates]).to(device=device, dtype=torch.float32)
+
+
+@torch.library.register_fake("dspark_ops::schedule_verify")
+def _schedule_verify_fake(confidence, step_rate, max_verify=None):
+    return confidence.new_empty((confidence.shape[0],), dtype=torch.int32)
+
+
+@torch.library.register_fake("dspark_ops::plan_verify_budget")
+def _plan_verify_budget_fake(confidence, step_rate):
+    return confidence.new_empty((1,), dtype=torch.int32)
+
+
+@torch.library.register_fake("dspark_ops::allocate_verify")
+def _allocate_verify_fake(confidence, budget, max_verify=None):
+    return confidence.new_empty((confidence.shape[0],), dtype=torch.int32)
+
+
+@torch.library.register_fake("dspark_ops::pack_verify_inputs")
+def _pack_verify_inputs_fake(anchor, draft_tokens, num_verify, position):
+    batch, block = draft_tokens.shape
+    ids = draft_tokens.new_empty((batch * (block + 1),), dtype=torch.int64)
+    return ids, torch.empty_like(ids), draft_tokens.new_empty((batch + 1,), dtype=torch.int32)
