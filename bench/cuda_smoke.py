@@ -2,7 +2,8 @@
 
 Small enough to run under compute-sanitizer (memcheck, racecheck) in bench/gpu_check.sh:
 odd and tiny vocabularies, misaligned rows, ragged layouts, rows with no finite logit,
-out-of-range draft ids (not value-checked on CUDA), int32 ids, greedy drafts, G = 0.
+out-of-range draft ids (not value-checked on CUDA), int32 ids, greedy drafts, G = 0; the
+scheduling ops over ties, caps, capacity limits and both sort paths (shared and global memory).
 Run as `python -m bench.cuda_smoke [--device cpu]`. Exits non-zero on any disagreement with dspark_ops.reference beyond 1% of requests (float-rounding
 near-ties are the only allowed differences).
 """
@@ -91,13 +92,38 @@ def main() -> int:
                         | (got[2] != want.valid)
                     )
                     worst = max(worst, bad.float().mean().item())
+    # Scheduling: shared-memory (<= 4096 pairs) and global-workspace sorts, caps, ties, capacity.
+    g = torch.Generator().manual_seed(7)
+    for batch, block in ((1, 1), (3, 0), (64, 7), (256, 16), (300, 16)):
+        confidence = torch.round(torch.rand(batch, block, generator=g) * 8) / 8  # many ties
+        caps = torch.randint(0, block + 1, (batch,), generator=g, dtype=torch.int32)
+        for capacity in sorted({batch + 1, max(batch + 1, batch * (block + 1) // 2), batch * (block + 1) + 1}):
+            rate = 1.0 / (1.0 + torch.arange(capacity, dtype=torch.float32) * 0.01)
+            want = (
+                reference.schedule_verify(confidence, rate, max_verify=caps),
+                reference.plan_verify_budget(confidence, rate),
+            )
+            got = (
+                dspark_ops.schedule_verify(on_device(confidence), on_device(rate), max_verify=on_device(caps)),
+                dspark_ops.plan_verify_budget(on_device(confidence), on_device(rate)),
+            )
+            assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want)), "scheduling differs"
+            alloc = dspark_ops.allocate_verify(on_device(confidence), got[1], max_verify=on_device(caps))
+            assert torch.equal(alloc.cpu(), reference.allocate_verify(confidence, want[1], max_verify=caps))
+        anchor = torch.randint(0, 1000, (batch,), generator=g)
+        drafts = torch.randint(0, 1000, (batch, block), generator=g)
+        position = torch.randint(0, 2**20, (batch,), generator=g)
+        want = reference.pack_verify_inputs(anchor, drafts, caps, position)
+        got = dspark_ops.pack_verify_inputs(*map(on_device, (anchor, drafts, caps, position)))
+        assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want)), "pack_verify_inputs differs"
+
     seeds = torch.randint(-(2**62), 2**62, (7,))
     positions = torch.randint(0, 2**40, (7,))
     for purpose in (0, 1, 2):
         want = reference.philox_uniform(seeds, positions, purpose, 37)
         got = dspark_ops.philox_uniform(on_device(seeds), on_device(positions), purpose, 37).cpu()
         assert torch.equal(got, want), f"philox_uniform differs from the reference on {device}"
-    print(f"cuda_smoke ({device}): {cases} verify cases, worst disagreement {worst:.3%} of requests")
+    print(f"cuda_smoke ({device}): scheduling exact; {cases} verify cases, worst disagreement {worst:.3%} of requests")
     return 0 if worst <= 0.01 else 1
 
 
