@@ -13,8 +13,9 @@ at::Tensor check_schedule_args(const char* op, const at::Tensor& confidence,
   check_dtype(op, "confidence", confidence, {at::kFloat});
   const int64_t batch = confidence.size(0), block = confidence.size(1);
   // Fixed-point sums of the survivals stay exact in float64 up to 2^20 pairs.
-  TORCH_CHECK_VALUE(batch * block <= (int64_t{1} << 20), op,
-                    "(): at most 2^20 (request, position) pairs, got B*G = ", batch * block);
+  TORCH_CHECK_VALUE(batch <= (int64_t{1} << 20) && batch * block <= (int64_t{1} << 20), op,
+                    "(): at most 2^20 requests and 2^20 (request, position) pairs, got B = ",
+                    batch, ", G = ", block);
   const bool values = value_checks_enabled(confidence);
   if (values && confidence.numel() > 0) check_probabilities(op, "confidence", confidence);
   if (step_rate != nullptr) {
@@ -51,6 +52,9 @@ void check_pack_verify_args(const at::Tensor& anchor, const at::Tensor& draft_to
   check_dim(op, "draft_tokens", draft_tokens, {2}, "2-D [B, G]");
   check_dtype(op, "draft_tokens", draft_tokens, {at::kLong, at::kInt});
   const int64_t batch = draft_tokens.size(0);
+  TORCH_CHECK_VALUE(batch * (draft_tokens.size(1) + 1) <= INT32_MAX, op,
+                    "(): B*(G+1) must fit int32 cu_seqlens, got B = ", batch, ", G = ",
+                    draft_tokens.size(1));
   check_device(op, "anchor", anchor, draft_tokens, "draft_tokens");
   check_dtype(op, "anchor", anchor, {at::kLong, at::kInt});
   check_shape(op, "anchor", anchor, {batch}, "[B]");

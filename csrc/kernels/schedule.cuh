@@ -5,10 +5,11 @@
 // microseconds, and no host sync:
 //   1. survivals per request (a thread walks its request's G confidences) -> one 64-bit rank key
 //      per pair, stored at j * B + r;
-//   2. bitonic sort of the keys, in shared memory up to 4096 pairs (B = 256, G = 16), else in a
-//      global workspace (L2-resident: at most 2^20 pairs are allowed, usually far fewer). A full
-//      sort is simpler than a selection and affordable at these sizes: 4096 keys take 78
-//      compare-exchange stages of two pairs per thread;
+//   2. bitonic sort of the keys, in (dynamic) shared memory up to 16384 pairs (B = 1024, G = 16),
+//      else in a global workspace (L2-resident; at most 2^20 pairs are allowed). A full sort is
+//      simpler than a selection and affordable at these sizes: 4096 keys (B = 256, G = 16) take
+//      78 compare-exchange stages of two pairs per thread, ~30 instructions per warp each, about
+//      10 us on an H200 by instruction count (not yet measured);
 //   3. schedule/plan: fixed-point prefix sums of the sorted survivals (a block scan over
 //      contiguous per-thread segments), Theta for every admission count, then a block reduction:
 //      the first admission that does not improve Theta (schedule) or the best Theta (plan);
@@ -27,7 +28,7 @@
 namespace dspark_ops::kernels {
 
 constexpr int kScheduleThreads = 1024;
-constexpr int kSharedKeys = 4096;  // 32 KB of static shared memory
+constexpr int kSharedKeys = 16384;  // 128 KB of dynamic shared memory, within sm_80's 164 KB
 
 enum ScheduleMode : int { kModeSchedule = 0, kModePlan = 1, kModeAllocate = 2 };
 
@@ -59,14 +60,17 @@ __device__ __forceinline__ PlanCandidate better_plan(PlanCandidate a, PlanCandid
   return b.theta > a.theta || (b.theta == a.theta && b.count < a.count) ? b : a;
 }
 
-template <int Mode>
+// SharedSort: the keys live in dynamic shared memory (sort_size <= kSharedKeys), else in
+// p.global_keys; separate instantiations so the shared path compiles to LDS/STS.
+template <int Mode, bool SharedSort>
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const ScheduleParams p) {
-  __shared__ uint64_t shared_keys[kSharedKeys];
+  extern __shared__ uint64_t dynamic_keys[];
   __shared__ int64_t scan_scratch[32];
   __shared__ int int_scratch[32];
   __shared__ PlanCandidate plan_scratch[32];
   __shared__ int eligible;
-  uint64_t* keys = p.global_keys ? p.global_keys : shared_keys;
+  uint64_t* keys = SharedSort ? dynamic_keys : p.global_keys;
+  const float* __restrict__ confidence = p.confidence;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int pairs = p.batch * p.block;
 
@@ -76,7 +80,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
     const int cap = p.max_verify ? min(max(p.max_verify[r], 0), p.block) : p.block;
     float a = 1.f;
     for (int j = 0; j < p.block; ++j) {
-      a *= clamp_confidence(p.confidence[int64_t{r} * p.block + j]);
+      a *= clamp_confidence(confidence[int64_t{r} * p.block + j]);
       keys[j * p.batch + r] = j < cap ? pair_key(a, static_cast<uint32_t>(j * p.batch + r))
                                       : kIneligible;
     }
@@ -89,7 +93,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
   for (int k = 2; k <= p.sort_size; k <<= 1) {
     for (int s = k >> 1; s > 0; s >>= 1) {
       for (int i = tid; i < half; i += threads) {
-        const int lo = (i / s) * 2 * s + (i % s), hi = lo + s;
+        const int lo = 2 * i - (i & (s - 1)), hi = lo + s;  // (i / s) * 2s + i % s, s = 2^m
         const uint64_t x = keys[lo], y = keys[hi];
         if ((x > y) == ((lo & k) == 0)) {
           keys[lo] = y;
@@ -109,7 +113,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
   // 3. How many ranked pairs to admit.
   int admitted;
   if (Mode == kModeAllocate) {
-    admitted = min(max(p.budget[0] - p.batch, 0), eligible);
+    const int64_t want = int64_t{p.budget[0]} - p.batch;  // int64: no overflow on any budget
+    admitted = static_cast<int>(want < 0 ? 0 : (want < eligible ? want : eligible));
   } else {
     const int64_t room = p.capacity - 1 - p.batch;  // admissions that keep the batch below M
     const int limit = static_cast<int>(eligible < room ? eligible : room);
@@ -136,12 +141,12 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
       admitted = block_reduce(first_stop, [](int a, int b) { return min(a, b); }, limit,
                               int_scratch);
     } else {
-      PlanCandidate best{tid == 0 ? previous : -1.0, 0};
+      PlanCandidate best{tid == 0 ? previous : -INFINITY, 0};
       for (int k = begin; k < end; ++k) {
         tau += fixed_survival(key_survival(keys[k]));
         best = better_plan(best, PlanCandidate{theta(tau, p.step_rate, p.batch + k + 1), k + 1});
       }
-      best = block_reduce(best, better_plan, PlanCandidate{-1.0, 0}, plan_scratch);
+      best = block_reduce(best, better_plan, PlanCandidate{-INFINITY, 0}, plan_scratch);
       if (tid == 0) p.budget_out[0] = p.batch + best.count;
       return;
     }
@@ -156,24 +161,43 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
   }
 }
 
+template <int Mode, bool SharedSort>
+cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
+  const size_t shared_bytes = SharedSort ? size_t(p.sort_size) * sizeof(uint64_t) : 0;
+  if (SharedSort) {
+    static const cudaError_t opted_in = cudaFuncSetAttribute(
+        schedule_kernel<Mode, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        kSharedKeys * int{sizeof(uint64_t)});
+    if (opted_in != cudaSuccess) return opted_in;
+  }
+  schedule_kernel<Mode, SharedSort><<<1, kScheduleThreads, shared_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int Mode>
+cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
+  return p.global_keys ? launch_schedule_mode<Mode, false>(p, stream)
+                       : launch_schedule_mode<Mode, true>(p, stream);
+}
+
 inline cudaError_t launch_schedule(int mode, const ScheduleParams& p, cudaStream_t stream) {
   switch (mode) {
-    case kModeSchedule: schedule_kernel<kModeSchedule><<<1, kScheduleThreads, 0, stream>>>(p); break;
-    case kModePlan: schedule_kernel<kModePlan><<<1, kScheduleThreads, 0, stream>>>(p); break;
-    default: schedule_kernel<kModeAllocate><<<1, kScheduleThreads, 0, stream>>>(p); break;
+    case kModeSchedule: return launch_schedule_mode<kModeSchedule>(p, stream);
+    case kModePlan: return launch_schedule_mode<kModePlan>(p, stream);
+    default: return launch_schedule_mode<kModeAllocate>(p, stream);
   }
-  return cudaGetLastError();
 }
 
 // pack_verify_inputs: one block; a block scan of the lengths gives cu_seqlens, then each thread
 // writes its requests' [x0, x_1..x_l] and positions, and the tail is zero padding.
 template <typename AnchorT, typename TokenT>
 __global__ void __launch_bounds__(kScheduleThreads)
-    pack_verify_inputs_kernel(const AnchorT* anchor, const TokenT* draft_tokens,
-                              int64_t token_stride_b, int64_t token_stride_j,
-                              const int32_t* num_verify, const int64_t* position, int batch,
-                              int block, int64_t* input_ids, int64_t* positions,
-                              int32_t* cu_seqlens) {
+    pack_verify_inputs_kernel(const AnchorT* __restrict__ anchor,
+                              const TokenT* __restrict__ draft_tokens, int64_t token_stride_b,
+                              int64_t token_stride_j, const int32_t* __restrict__ num_verify,
+                              const int64_t* __restrict__ position, int batch, int block,
+                              int64_t* __restrict__ input_ids, int64_t* __restrict__ positions,
+                              int32_t* __restrict__ cu_seqlens) {
   __shared__ int64_t scan_scratch[32];
   const int tid = threadIdx.x, threads = blockDim.x;
   const int per_thread = (batch + threads - 1) / threads;
@@ -184,12 +208,13 @@ __global__ void __launch_bounds__(kScheduleThreads)
   int64_t start = block_exclusive_scan(segment, scan_scratch, total);
   for (int b = begin; b < end; ++b) {
     const int n = min(max(num_verify[b], 0), block);
+    const int64_t p0 = position[b];
     cu_seqlens[b] = static_cast<int32_t>(start);
     input_ids[start] = anchor[b];
-    positions[start] = position[b];
+    positions[start] = p0;
     for (int j = 0; j < n; ++j) {
       input_ids[start + 1 + j] = draft_tokens[b * token_stride_b + j * token_stride_j];
-      positions[start + 1 + j] = position[b] + 1 + j;
+      positions[start + 1 + j] = p0 + 1 + j;
     }
     start += n + 1;
   }
