@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -164,3 +166,95 @@ def test_compiled_reduce_overhead_on_cuda():
         inputs = _round_inputs("cuda", seed=20 + seed)
         got = tuple(t.clone() for t in compiled(**inputs))
         _assert_equal(got, decode_round(**inputs))
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduling ops in a round: plan (stale confidences) -> allocate (fresh) -> pack -> target over
+# the ragged batch -> verify.
+# --------------------------------------------------------------------------------------------
+
+
+def _schedule_round_inputs(device, batch=6, block=5, vocab=73, seed=0):
+    gen = torch.Generator().manual_seed(1000 + seed)
+    draft_logits = 2 * torch.randn(batch, block, vocab, generator=gen)
+    drafts = torch.multinomial(torch.softmax(draft_logits, -1).reshape(-1, vocab), 1,
+                               generator=gen).reshape(batch, block)
+    n = torch.arange(batch * (block + 1) + 1, dtype=torch.float64).clamp_min(1)
+    tensors = dict(
+        stale_confidence=torch.rand(batch, block, generator=gen),
+        confidence=torch.rand(batch, block, generator=gen),
+        step_rate=(1000.0 / (batch + n)).float(),
+        max_verify=torch.randint(0, block + 1, (batch,), generator=gen, dtype=torch.int32),
+        anchor=torch.randint(0, vocab, (batch,), generator=gen),
+        draft_tokens=drafts,
+        position=torch.randint(0, 2**40, (batch,), generator=gen),
+        token_table=2 * torch.randn(vocab, vocab, generator=gen),
+        position_table=torch.randn(31, vocab, generator=gen),
+        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3] * batch)[:batch],
+        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        draft_logits=draft_logits,
+    )
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def schedule_round(stale_confidence, confidence, step_rate, max_verify, anchor, draft_tokens,
+                   position, token_table, position_table, temperature, seed, draft_logits):
+    """Two-stage scheduling, packing, a table "target" over the packed ids, and verification;
+    schedule_verify on the fresh confidences as well."""
+    budget = dspark_ops.plan_verify_budget(stale_confidence, step_rate)
+    num_verify = dspark_ops.allocate_verify(confidence, budget, max_verify=max_verify)
+    packed = dspark_ops.pack_verify_inputs(anchor, draft_tokens, num_verify, position)
+    target_logits = token_table[packed.input_ids] + position_table[packed.positions % 31]
+    out = dspark_ops.verify(target_logits, draft_tokens, num_verify, temperature, seed, position,
+                            draft_logits=draft_logits, target_start=packed.cu_seqlens[:-1])
+    single_stage = dspark_ops.schedule_verify(confidence, step_rate, max_verify=max_verify)
+    return (budget, num_verify, *packed, *out, single_stage)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_compiled_schedule_round_matches_eager(device, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(schedule_round, fullgraph=True, backend=backend)
+    for seed in range(2):  # new values, same shapes
+        inputs = _schedule_round_inputs(device, seed=seed)
+        expected = schedule_round(**inputs)
+        assert int(expected[1].sum()) > 0  # some drafts are verified
+        _assert_equal(compiled(**inputs), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_schedule_round_dynamic_batch(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(schedule_round, fullgraph=True, dynamic=True, backend="aot_eager")
+    for batch in (3, 7):
+        inputs = _schedule_round_inputs(device, batch=batch, seed=batch)
+        _assert_equal(compiled(**inputs), schedule_round(**inputs))
+
+
+@cuda_only
+def test_cuda_graph_schedule_round_capture_and_replay():
+    # Captured once; replays with fresh confidences (and drafts, positions, ...) written into the
+    # static inputs equal eager calls: no host sync, no data-dependent shapes.
+    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
+        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
+    static = _schedule_round_inputs("cuda", seed=30)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            schedule_round(**static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = schedule_round(**static)
+
+    lengths = set()
+    for seed in (31, 32, 33):
+        fresh = _schedule_round_inputs("cuda", seed=seed)
+        _copy_into(static, fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = tuple(t.clone() for t in captured)
+        _assert_equal(got, schedule_round(**fresh))
+        lengths.add(tuple(got[1].tolist()))
+    assert len(lengths) > 1  # the replays really scheduled differently

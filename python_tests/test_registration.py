@@ -63,6 +63,56 @@ def test_opcheck_philox_uniform(device, purpose, count):
                           (seed, position, purpose, count))
 
 
+def _schedule_args(device, batch=5, block=6, seed=9):
+    gen = torch.Generator().manual_seed(seed)
+    confidence = torch.rand(batch, block, generator=gen)
+    confidence[1, 2] = 0.0  # a cut-off mid-row
+    n = torch.arange(batch * (block + 1) + 1, dtype=torch.float64).clamp_min(1)
+    step_rate = (1.0 / (batch + n)).float()
+    max_verify = torch.randint(0, block + 1, (batch,), generator=gen, dtype=torch.int32)
+    budget = torch.tensor([batch + batch * block // 2], dtype=torch.int32)
+    anchor = torch.randint(0, 1000, (batch,), generator=gen)
+    drafts = torch.randint(0, 1000, (batch, block), generator=gen)
+    num_verify = torch.randint(0, block + 1, (batch,), generator=gen, dtype=torch.int32)
+    position = torch.randint(0, 2**40, (batch,), generator=gen)
+    tensors = dict(confidence=confidence, step_rate=step_rate, max_verify=max_verify,
+                   budget=budget, anchor=anchor, draft_tokens=drafts, num_verify=num_verify,
+                   position=position)
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def _schedule_op_args(name, a, *, caps=False, index_dtype=torch.int64):
+    caps = a["max_verify"] if caps else None
+    if name == "schedule_verify":
+        return (a["confidence"], a["step_rate"], caps)
+    if name == "plan_verify_budget":
+        return (a["confidence"], a["step_rate"])
+    if name == "allocate_verify":
+        return (a["confidence"], a["budget"], caps)
+    return (a["anchor"].to(index_dtype), a["draft_tokens"].to(index_dtype), a["num_verify"],
+            a["position"])
+
+
+SCHEDULE_COMBOS = [
+    ("schedule_verify", dict()),
+    ("schedule_verify", dict(caps=True)),
+    ("plan_verify_budget", dict()),
+    ("allocate_verify", dict()),
+    ("allocate_verify", dict(caps=True)),
+    ("pack_verify_inputs", dict()),
+    ("pack_verify_inputs", dict(index_dtype=torch.int32)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,options", SCHEDULE_COMBOS,
+                         ids=[f"{n}-{'-'.join(map(str, o.values())) or 'plain'}"
+                              for n, o in SCHEDULE_COMBOS])
+def test_opcheck_schedule_ops(device, name, options):
+    args = _schedule_op_args(name, _schedule_args(device), **options)
+    torch.library.opcheck(getattr(torch.ops.dspark_ops, name).default, args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fake_shapes_match_real(device):
     # The fake kernels give the real outputs' shapes, dtypes and devices.
@@ -83,9 +133,25 @@ def test_fake_shapes_match_real(device):
                                                    mode.from_tensor(position), 1, 11)
     assert (real.shape, real.dtype, real.device) == (fake.shape, fake.dtype, fake.device)
 
+    schedule_args = _schedule_args(device)
+    for name, options in SCHEDULE_COMBOS:
+        op = getattr(torch.ops.dspark_ops, name)
+        args = _schedule_op_args(name, schedule_args, **options)
+        real = op(*args)
+        with FakeTensorMode() as mode:
+            fake = op(*[None if a is None else mode.from_tensor(a) for a in args])
+        real = real if isinstance(real, tuple) else (real,)
+        fake = fake if isinstance(fake, tuple) else (fake,)
+        assert len(real) == len(fake), name
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), name
+
 
 def test_every_op_is_registered():
-    assert set(_library.OPS) == {"verify", "philox_uniform"}
+    assert set(_library.OPS) == {"verify", "philox_uniform", "schedule_verify",
+                                 "plan_verify_budget", "allocate_verify", "pack_verify_inputs"}
+    for name in _library.OPS:
+        assert hasattr(torch.ops.dspark_ops, name), name
     for name in _library.OPS:
         packet = getattr(torch.ops.dspark_ops, name)
         assert torch.Tag.pt2_compliant_tag in packet.default.tags, name
@@ -103,9 +169,23 @@ def test_schemas():
     assert philox == (
         "dspark_ops::philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor"
     )
+    schemas = {name: str(getattr(torch.ops.dspark_ops, name).default._schema)
+               for name in ("schedule_verify", "plan_verify_budget", "allocate_verify",
+                            "pack_verify_inputs")}
+    assert schemas == {
+        "schedule_verify": "dspark_ops::schedule_verify(Tensor confidence, Tensor step_rate, "
+                           "Tensor? max_verify=None) -> Tensor",
+        "plan_verify_budget": "dspark_ops::plan_verify_budget(Tensor confidence, "
+                              "Tensor step_rate) -> Tensor",
+        "allocate_verify": "dspark_ops::allocate_verify(Tensor confidence, Tensor budget, "
+                           "Tensor? max_verify=None) -> Tensor",
+        "pack_verify_inputs": "dspark_ops::pack_verify_inputs(Tensor anchor, Tensor draft_tokens, "
+                              "Tensor num_verify, Tensor position) -> (Tensor input_ids, "
+                              "Tensor positions, Tensor cu_seqlens)",
+    }
 
 
-@pytest.mark.parametrize("name", ["verify", "philox_uniform"])
+@pytest.mark.parametrize("name", _library.OPS)
 def test_op_backends(name):
     flavour = _library.build_info()["flavour"]
     assert flavour in ("cpu", "cuda")
@@ -122,5 +202,9 @@ def test_cuda_build_where_a_gpu_is_present():
 
 def test_public_api():
     assert dspark_ops.VerifyOutput._fields == ("tokens", "num_accepted", "valid")
+    assert dspark_ops.VerifyBatch._fields == ("input_ids", "positions", "cu_seqlens")
+    for name in ("schedule_verify", "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
+                 "profile_step_rate", "VerifyBatch"):
+        assert name in dspark_ops.__all__ and callable(getattr(dspark_ops, name)), name
     assert (dspark_ops.reference.PURPOSE_DRAFT, dspark_ops.reference.PURPOSE_ACCEPT,
             dspark_ops.reference.PURPOSE_RESAMPLE) == (0, 1, 2)

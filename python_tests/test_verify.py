@@ -16,6 +16,7 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from conftest import DEVICES, cuda_only, full_tests, non_contiguous
+from stats import chi_square, chi_square_passes
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -1035,37 +1036,6 @@ STAT_VOCAB = 4096
 STAT_TRIALS = 10 * STAT_VOCAB
 STAT_BLOCK = 4
 MIN_TRIALS_PER_POSITION = 100  # positions reached by fewer trials are not tested
-
-
-def chi_square(samples: torch.Tensor, probs: torch.Tensor):
-    """Pearson's statistic of ``samples`` against ``probs``, bins of expected count < 5 merged
-    (ascending by expected count, greedily, until each merged bin expects >= 5).
-    Returns (chi2, df)."""
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    expected = probs.double() * samples.numel()
-    order = expected.argsort()
-    exp_sorted, cnt_sorted = expected[order].tolist(), counts[order].tolist()
-    bins_e, bins_c, acc_e, acc_c = [], [], 0.0, 0.0
-    for e, c in zip(exp_sorted, cnt_sorted):
-        acc_e, acc_c = acc_e + e, acc_c + c
-        if acc_e >= 5:
-            bins_e.append(acc_e)
-            bins_c.append(acc_c)
-            acc_e = acc_c = 0.0
-    if acc_e > 0 or acc_c > 0:  # leftover (smallest bins come first, so this is rare)
-        if bins_e:
-            bins_e[-1] += acc_e
-            bins_c[-1] += acc_c
-        else:
-            bins_e, bins_c = [acc_e], [acc_c]
-    e, c = torch.tensor(bins_e), torch.tensor(bins_c)
-    if (e == 0).any():
-        return (INF if (c[e == 0] > 0).any() else 0.0), len(bins_e) - 1
-    return ((c - e) ** 2 / e).sum().item(), len(bins_e) - 1
-
-
-def chi_square_passes(chi2: float, df: int) -> bool:
-    return chi2 < df + 10 * math.sqrt(2 * df)
 
 
 def positions_distributed_as_target(tokens, num_accepted, target_probs):
