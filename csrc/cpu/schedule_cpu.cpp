@@ -103,30 +103,47 @@ at::Tensor allocate_verify_cpu(const at::Tensor& confidence, const at::Tensor& b
   return lengths_of(keys, std::clamp<int64_t>(want, 0, keys.size()), confidence);
 }
 
+namespace {
+template <typename AnchorT, typename TokenT>
+void pack_rows(const at::Tensor& anchor, const at::Tensor& draft_tokens, const int32_t* lengths,
+               const int64_t* starts, int64_t* ids, int64_t* pos, int32_t* cu) {
+  const int64_t batch = draft_tokens.size(0), block = draft_tokens.size(1);
+  const AnchorT* anchors = anchor.const_data_ptr<AnchorT>();
+  const TokenT* drafts = draft_tokens.const_data_ptr<TokenT>();
+  const int64_t stride_b = draft_tokens.stride(0), stride_j = draft_tokens.stride(1);
+  cu[0] = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = std::clamp<int64_t>(lengths[b], 0, block), start = cu[b];
+    ids[start] = anchors[b * anchor.stride(0)];
+    for (int64_t j = 0; j < n; ++j) ids[start + 1 + j] = drafts[b * stride_b + j * stride_j];
+    for (int64_t j = 0; j <= n; ++j) pos[start + j] = starts[b] + j;
+    cu[b + 1] = static_cast<int32_t>(start + n + 1);
+  }
+}
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cpu(
     const at::Tensor& anchor, const at::Tensor& draft_tokens, const at::Tensor& num_verify,
     const at::Tensor& position) {
   check_pack_verify_args(anchor, draft_tokens, num_verify, position);
   const int64_t batch = draft_tokens.size(0), block = draft_tokens.size(1);
-  const auto anchors = anchor.to(at::kLong).contiguous();
-  const auto drafts = draft_tokens.to(at::kLong).contiguous();
   const auto lengths = num_verify.contiguous();
-  const auto positions_in = position.contiguous();
+  const auto starts = position.contiguous();
   auto input_ids = at::zeros({batch * (block + 1)}, anchor.options().dtype(at::kLong));
   auto positions = at::zeros_like(input_ids);
   auto cu_seqlens = at::empty({batch + 1}, anchor.options().dtype(at::kInt));
-  int64_t* ids = input_ids.data_ptr<int64_t>();
-  int64_t* pos = positions.data_ptr<int64_t>();
-  int32_t* cu = cu_seqlens.data_ptr<int32_t>();
-  cu[0] = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t n = std::clamp<int64_t>(lengths.const_data_ptr<int32_t>()[b], 0, block);
-    const int64_t start = cu[b];
-    ids[start] = anchors.const_data_ptr<int64_t>()[b];
-    for (int64_t j = 0; j < n; ++j) ids[start + 1 + j] = drafts.const_data_ptr<int64_t>()[b * block + j];
-    for (int64_t j = 0; j <= n; ++j) pos[start + j] = positions_in.const_data_ptr<int64_t>()[b] + j;
-    cu[b + 1] = static_cast<int32_t>(start + n + 1);
-  }
+  const auto pack = [&](auto anchor_tag, auto token_tag) {
+    pack_rows<decltype(anchor_tag), decltype(token_tag)>(
+        anchor, draft_tokens, lengths.const_data_ptr<int32_t>(), starts.const_data_ptr<int64_t>(),
+        input_ids.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+        cu_seqlens.data_ptr<int32_t>());
+  };
+  const bool anchor32 = anchor.scalar_type() == at::kInt;
+  const bool tokens32 = draft_tokens.scalar_type() == at::kInt;
+  if (anchor32 && tokens32) pack(int32_t{}, int32_t{});
+  else if (anchor32) pack(int32_t{}, int64_t{});
+  else if (tokens32) pack(int64_t{}, int32_t{});
+  else pack(int64_t{}, int64_t{});
   return {input_ids, positions, cu_seqlens};
 }
 

@@ -5,7 +5,9 @@ survival ``a[r, j] = c[r, 0] * ... * c[r, j]`` (descending; ties to the smaller 
 smaller request) and admits a prefix of that ranking, which sets ``num_verify[r]`` to one more
 than the largest admitted position of request ``r``. A batch of ``N`` verify tokens runs at
 ``step_rate[N]`` target steps per second, and ``B + sum of admitted survivals`` tokens are expected
-to be emitted, so the objective is ``Theta = tau * step_rate[N]``.
+to be emitted, so the objective is ``Theta = tau * step_rate[N]``. ``tau`` is summed exactly in
+fixed point (survivals rounded to multiples of 2^-32), so every backend makes the same decisions;
+a survival below 2^-33 therefore adds nothing to ``tau``.
 """
 
 from __future__ import annotations
