@@ -67,7 +67,7 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, environment, log, print_table, report_once, resolve_device, synchronize, time_op,
+    Row, family_arg_parser, format_us, environment, log, print_table, report_once, resolve_device, synchronize, time_op,
     warn_if_busy, write_results,
 )
 
@@ -480,30 +480,20 @@ def run(device: torch.device, quick: bool = False,
         case_rows = bench_case(case, device, timing)
         rows += case_rows
         for row in case_rows:
-            log(f"  {row.op} {row.shape}: ours {_us(row.ours_us)} us, "
-                f"ref {_us(row.reference_us)} us, eager-torch {_us(row.anchors['eager-torch'])} us")
+            log(f"  {row.op} {row.shape}: ours {format_us(row.ours_us)} us, "
+                f"ref {format_us(row.reference_us)} us, eager-torch {format_us(row.anchors['eager-torch'])} us")
         log(f"  [{case.shape}: {time.perf_counter() - started:.1f} s]")
         if checkpoint is not None:
             checkpoint(rows)
     return rows
 
 
-def _us(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="B in {64, 256}, G = 7 only, fewer repeats")
-    parser.add_argument("--device", default="auto",
-                        help="auto (CUDA when available), cpu, cuda or cuda:N")
-    parser.add_argument("--json-only", action="store_true",
-                        help="print the results as JSON on stdout instead of the table")
-    parser.add_argument("--no-anchors", action="store_true",
-                        help="accepted for python -m bench; this family has no third-party "
-                             "anchors")
-    return parser.parse_args(argv)
+    return family_arg_parser(
+        __doc__.split("\n")[0],
+        quick_help="B in {64, 256}, G = 7 only, fewer repeats",
+        anchors_help="accepted for python -m bench; this family has no third-party anchors",
+    ).parse_args(argv)
 
 
 def main(argv=None, *, emit: bool = True) -> List[Row]:

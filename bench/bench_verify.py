@@ -53,7 +53,7 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, environment, finish_row, log, measure_copy_bandwidth, print_table, report_once,
+    Row, family_arg_parser, format_us, environment, finish_row, log, measure_copy_bandwidth, print_table, report_once,
     resolve_device, synchronize, time_op, warn_if_busy, write_results,
 )
 
@@ -583,8 +583,8 @@ def run(device: torch.device, quick: bool = False, use_anchors: bool = True,
                                   device=device, seed=i)
         row = bench_case(case, device, timing, anchors, copy_gbps)
         rows.append(row)
-        log(f"  verify {row.shape} {row.variant}: ours {_us(row.ours_us)} us, "
-            f"ref {_us(row.reference_us)} us, eager-torch {_us(row.anchors['eager-torch'])} us "
+        log(f"  verify {row.shape} {row.variant}: ours {format_us(row.ours_us)} us, "
+            f"ref {format_us(row.reference_us)} us, eager-torch {format_us(row.anchors['eager-torch'])} us "
             f"[{time.perf_counter() - started:.1f} s]")
         del case
         if device.type == "cuda":
@@ -594,22 +594,12 @@ def run(device: torch.device, quick: bool = False, use_anchors: bool = True,
     return rows
 
 
-def _us(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="only the default shape (sampled, greedy, one-hot), fewer repeats")
-    parser.add_argument("--device", default="auto",
-                        help="auto (CUDA when available), cpu, cuda or cuda:N")
-    parser.add_argument("--json-only", action="store_true",
-                        help="print the results as JSON on stdout instead of the table")
-    parser.add_argument("--no-anchors", action="store_true",
-                        help="skip FlashInfer and vLLM (their first use may JIT-compile for "
-                             "minutes)")
-    return parser.parse_args(argv)
+    return family_arg_parser(
+        __doc__.split("\n")[0],
+        quick_help="only the default shape (sampled, greedy, one-hot), fewer repeats",
+        anchors_help="skip FlashInfer and vLLM (their first use may JIT-compile for minutes)",
+    ).parse_args(argv)
 
 
 def main(argv=None, *, emit: bool = True) -> List[Row]:
@@ -619,7 +609,8 @@ def main(argv=None, *, emit: bool = True) -> List[Row]:
     log(f"bench verify on {device} ({torch.get_num_threads()} threads)")
     warn_if_busy(device)
 
-    def meta():
+    @functools.lru_cache(maxsize=None)
+    def meta():  # measured once: the copy bandwidth takes a 1 GiB copy
         copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
         return environment(device, copy_gbps)
 

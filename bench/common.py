@@ -8,6 +8,7 @@ the current torch thread count. Measurements that were not taken are ``None`` an
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import functools
@@ -266,6 +267,23 @@ def finish_row(row: Row, copy_gbps: Optional[float]) -> Row:
         if copy_gbps:
             row.pct_copy = 100.0 * row.gbps / copy_gbps
     return row
+
+
+def format_us(value: Optional[float]) -> str:
+    """Microseconds for progress lines; "-" when not measured."""
+    return "-" if value is None else f"{value:.1f}"
+
+
+def family_arg_parser(description: str, quick_help: str, anchors_help: str) -> argparse.ArgumentParser:
+    """The command line every ``bench_<family>.py`` shares (``python -m bench`` passes it on)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available), cpu, cuda or cuda:N")
+    parser.add_argument("--json-only", action="store_true",
+                        help="print the results as JSON on stdout instead of the table")
+    parser.add_argument("--no-anchors", action="store_true", help=anchors_help)
+    return parser
 
 
 def _fmt(value: Any, digits: int = 1) -> str:

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../args/schedule_args.h"
+#include "../common/dispatch.h"
 #include "../kernels/schedule_math.h"
 #include "../ops.h"
 
@@ -138,12 +139,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cpu(
         input_ids.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
         cu_seqlens.data_ptr<int32_t>());
   };
-  const bool anchor32 = anchor.scalar_type() == at::kInt;
-  const bool tokens32 = draft_tokens.scalar_type() == at::kInt;
-  if (anchor32 && tokens32) pack(int32_t{}, int32_t{});
-  else if (anchor32) pack(int32_t{}, int64_t{});
-  else if (tokens32) pack(int64_t{}, int32_t{});
-  else pack(int64_t{}, int64_t{});
+  dispatch_index_type(anchor.scalar_type(), [&](auto anchor_tag) {
+    dispatch_index_type(draft_tokens.scalar_type(),
+                        [&](auto token_tag) { pack(anchor_tag, token_tag); });
+  });
   return {input_ids, positions, cu_seqlens};
 }
 

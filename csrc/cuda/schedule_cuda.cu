@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "../args/schedule_args.h"
+#include "../common/dispatch.h"
 #include "../kernels/schedule.cuh"
 #include "../ops.h"
 
@@ -96,12 +97,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cuda(
         input_ids.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
         cu_seqlens.data_ptr<int32_t>());
   };
-  const bool anchor32 = anchor.scalar_type() == at::kInt;
-  const bool tokens32 = draft_tokens.scalar_type() == at::kInt;
-  if (anchor32 && tokens32) launch(int32_t{}, int32_t{});
-  else if (anchor32) launch(int32_t{}, int64_t{});
-  else if (tokens32) launch(int64_t{}, int32_t{});
-  else launch(int64_t{}, int64_t{});
+  dispatch_index_type(anchor.scalar_type(), [&](auto anchor_tag) {
+    dispatch_index_type(draft_tokens.scalar_type(),
+                        [&](auto token_tag) { launch(anchor_tag, token_tag); });
+  });
   C10_CUDA_CHECK(cudaGetLastError());
   return {input_ids, positions, cu_seqlens};
 }
