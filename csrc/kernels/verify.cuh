@@ -16,8 +16,10 @@
 //     co-residency is needed. Rows are decided in order, since the decider of row j is among the
 //     blocks row j+1 must wait for; a decider that rejects publishes the row and stops, so the
 //     first rejected row is the only one ever decided as rejected, and rows after it never
-//     complete. Other blocks read the published rejection after each row and stop too; being late
-//     only costs bandwidth (typically one row per block beyond the first rejection).
+//     complete. The other blocks of the request are then already streaming the next row (they
+//     arrived at the rejected row before it was decided); they poll the published rejection as
+//     they stream and abandon that row part-way. Whatever a block does on a row past the first
+//     rejection is never used, so reading the rejection late only costs bandwidth.
 //  2. verify_emit_kernel: takes j* from the published rejection (n if none) and emits the token
 //     there: greedy requests take the argmax merged in step 1; sampled requests run the exponential
 //     race over r = max(p - q, 0) on their chunk of row j* (re-read), merged by the last block,
@@ -43,8 +45,9 @@ namespace dspark_ops::kernels {
 
 constexpr int kVerifyThreads = 256;
 constexpr int kElementsPerThread = 8;  // two Philox blocks; one 16-byte load of 16-bit logits
-// The statistics pass keeps two such groups in flight per thread: at ~6 resident blocks per SM
-// that is ~48 KB of loads per SM, above the ~25 KB an H200 SM needs to cover HBM latency.
+// The statistics pass keeps two such groups of the target row and of the draft row in flight per
+// thread: at 3-4 resident blocks per SM (64-80 registers) that is 36-72 KB of loads per SM, above
+// the ~25 KB an H200 SM needs to cover HBM latency.
 constexpr int kStatsGroups = 2;
 
 struct RowPartial {
@@ -213,16 +216,20 @@ __device__ __forceinline__ void accumulate8(SoftmaxStats& s, const float (&v)[kE
 }
 
 // This thread's statistics of the target row and (if drow) the draft row over [x0, x1), read in
-// one loop so both rows' loads are in flight together.
+// one loop so both rows' loads are in flight together. Stops early once `*reject_mark` exceeds
+// `abandon_above` (an earlier row was rejected, so this row will never be decided); the load is
+// issued at the top of an iteration and used at its end, so its latency hides behind the row's.
 template <typename TT, typename DT>
 __device__ RowPartial thread_row_stats(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
-                                       const Request& r) {
+                                       const Request& r, const int32_t* reject_mark,
+                                       int32_t abandon_above) {
   RowPartial s{empty_stats(), empty_stats()};
   const bool t_sum = !r.greedy, d_sum = !r.draft_greedy;
   const bool aligned = (!trow || is_aligned16(trow)) && (!drow || is_aligned16(drow));
   constexpr int kStep = kElementsPerThread * kStatsGroups;
   for (int64_t base = x0 + int64_t{threadIdx.x} * kStep; base < x1;
        base += int64_t{blockDim.x} * kStep) {
+    const int32_t mark = *reinterpret_cast<const volatile int32_t*>(reject_mark);
     float v[kElementsPerThread];
     if (aligned && base + kStep <= x1) {
       Raw8<TT> t_raw[kStatsGroups];
@@ -258,6 +265,7 @@ __device__ RowPartial thread_row_stats(const TT* trow, const DT* drow, int64_t x
         }
       }
     }
+    if (mark > abandon_above) break;
   }
   return s;
 }
@@ -348,17 +356,16 @@ __global__ void __launch_bounds__(kVerifyThreads)
       }
     }
 
-    const RowPartial part = block_reduce(thread_row_stats(trow, drow, x0, x1, r), merge, empty, scratch);
+    const RowPartial part = block_reduce(
+        thread_row_stats(trow, drow, x0, x1, r, p.reject_marks + b, rows - j), merge, empty, scratch);
 
     const int64_t slot = int64_t{b} * rows + j;
     if (threadIdx.x == 0) {
-      // A rejection published before this row's end: stop after this row (a hint: reading it late
-      // only costs bandwidth). Issued before the atomic so the two round trips overlap.
-      const int32_t mark = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b);
       p.partials[slot * p.num_chunks + c] = part;
       __threadfence();  // publish the partial before counting this block as arrived
       last = atomicAdd(p.row_arrivals + slot, 1) == p.num_chunks - 1;
-      stop = mark > rows - (j + 1);
+      // A rejection of this row or an earlier one: stop after this row (a hint, see the header).
+      stop = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b) > rows - (j + 1);
     }
     __syncthreads();
     if (last && threadIdx.x < 32) {
