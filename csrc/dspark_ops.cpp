@@ -26,6 +26,19 @@ TORCH_LIBRARY(dspark_ops, m) {
       "pack_verify_inputs(Tensor anchor, Tensor draft_tokens, Tensor num_verify, Tensor position) "
       "-> (Tensor input_ids, Tensor positions, Tensor cu_seqlens)",
       {at::Tag::pt2_compliant_tag});
+  // Block drafting attention (SPEC §3.5): the G block slots attend non-causally to all G block keys
+  // and to their request's context cache rows [max(0, p0 - window), p0); lse is [B, G, Hq] float32
+  // when return_lse, else empty.
+  m.def(
+      "block_draft_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, "
+      "Tensor v_cache, Tensor cache_seqlens, Tensor? cache_slot=None, float? softmax_scale=None, "
+      "int? window=None, bool return_lse=False) -> (Tensor out, Tensor lse)",
+      {at::Tag::pt2_compliant_tag});
+  // Appends context K/V rows at cache_seqlens and advances it (never past L), in place.
+  m.def(
+      "append_context_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
+      "Tensor num_new, Tensor(c!) cache_seqlens, Tensor? cache_slot=None) -> ()",
+      {at::Tag::pt2_compliant_tag});
   // The uniforms every sampling op draws: element k of stream (seed[i], position[i], purpose).
   m.def("philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor",
         {at::Tag::pt2_compliant_tag});

@@ -40,6 +40,21 @@ DSPARK_OPS_DECLARE_SCHEDULE(cpu)
 DSPARK_OPS_DECLARE_SCHEDULE(cuda)
 #undef DSPARK_OPS_DECLARE_SCHEDULE
 
+// Attention family.
+#define DSPARK_OPS_DECLARE_ATTENTION(backend)                                                   \
+  std::tuple<at::Tensor, at::Tensor> block_draft_attention_##backend(                          \
+      const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,              \
+      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,   \
+      const std::optional<at::Tensor>& cache_slot, std::optional<double> softmax_scale,        \
+      std::optional<int64_t> window, bool return_lse);                                         \
+  void append_context_kv_##backend(const at::Tensor& k_cache, const at::Tensor& v_cache,       \
+                                   const at::Tensor& k_new, const at::Tensor& v_new,           \
+                                   const at::Tensor& num_new, const at::Tensor& cache_seqlens, \
+                                   const std::optional<at::Tensor>& cache_slot);
+DSPARK_OPS_DECLARE_ATTENTION(cpu)
+DSPARK_OPS_DECLARE_ATTENTION(cuda)
+#undef DSPARK_OPS_DECLARE_ATTENTION
+
 at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& position, int64_t purpose,
                               int64_t count);
 at::Tensor philox_uniform_cuda(const at::Tensor& seed, const at::Tensor& position,

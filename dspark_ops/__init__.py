@@ -9,6 +9,7 @@ from ._library import OPS, load_library
 load_library()
 
 from . import reference  # noqa: E402
+from .ops.attention import append_context_kv, block_draft_attention  # noqa: E402
 from .ops.random import philox_uniform  # noqa: E402
 from .ops.schedule import (  # noqa: E402
     VerifyBatch,
@@ -25,6 +26,8 @@ __all__ = [
     "VerifyBatch",
     "VerifyOutput",
     "allocate_verify",
+    "append_context_kv",
+    "block_draft_attention",
     "pack_verify_inputs",
     "philox_uniform",
     "plan_verify_budget",

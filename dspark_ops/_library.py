@@ -14,6 +14,8 @@ OPS = (
     "plan_verify_budget",
     "allocate_verify",
     "pack_verify_inputs",
+    "block_draft_attention",
+    "append_context_kv",
     "philox_uniform",
 )
 

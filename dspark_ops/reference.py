@@ -339,3 +339,75 @@ def pack_verify_inputs(
         ids[start + 1 : start + n] = draft_tokens[b, : n - 1]
         positions[start : start + n] = position[b] + torch.arange(n, device=anchor.device)
     return VerifyBatch(ids, positions, cu.int())
+
+
+# ------------------------------------------------------------------------------------------------
+# Block drafting attention (SPEC §3.5): the G block slots attend, non-causally, to all G block keys
+# and to their request's context cache rows [max(0, p0 - window), p0).
+
+
+def block_draft_attention(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    cache_slot: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    window: Optional[int] = None,
+):
+    """Returns (out [B, G, Hq, D] in q's dtype, lse [B, G, Hq] float32), with an explicit float32
+    softmax over each request's visible keys (context rows first, then the block)."""
+    batch, block, heads, dim = q.shape
+    kv_heads = k_block.shape[2]
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, block, heads, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        slot = int(cache_slot[b]) if cache_slot is not None else b
+        end = int(cache_seqlens[b])
+        begin = 0 if window is None else max(0, end - window)
+        keys = torch.cat([k_cache[slot, begin:end], k_block[b]]).float()  # [n, Hkv, D]
+        values = torch.cat([v_cache[slot, begin:end], v_block[b]]).float()
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)  # query head h reads kv head h // ratio
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("ghd,nhd->hgn", q[b].float(), keys) * scale
+        lse[b] = torch.logsumexp(scores, -1).t()
+        out[b] = torch.einsum("hgn,nhd->ghd", torch.softmax(scores, -1), values).to(q.dtype)
+    return out, lse
+
+
+def block_draft_attention_sdpa(
+    q, k_block, v_block, k_cache, v_cache, cache_seqlens, *, cache_slot=None, softmax_scale=None,
+    window=None,
+) -> torch.Tensor:
+    """The same attention through PyTorch SDPA with a boolean mask over [cache row ; block], the
+    way an engine without a block-draft kernel computes it (it copies the cache rows it reads)."""
+    batch, block, heads, dim = q.shape
+    kv_heads, length = k_block.shape[2], k_cache.shape[1]
+    slots = cache_slot.long() if cache_slot is not None else torch.arange(batch, device=q.device)
+    keys = torch.cat([k_cache[slots], k_block], 1).transpose(1, 2)  # [B, Hkv, L + G, D]
+    values = torch.cat([v_cache[slots], v_block], 1).transpose(1, 2)
+    position = torch.arange(length + block, device=q.device)
+    end = cache_seqlens.long()[:, None]
+    begin = end - window if window is not None else torch.zeros_like(end)
+    visible = ((position >= begin) & (position < end)) | (position >= length)  # [B, L + G]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=visible[:, None, None, :],
+        scale=softmax_scale, enable_gqa=heads != kv_heads,
+    ).transpose(1, 2)
+
+
+def append_context_kv(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens, *, cache_slot=None):
+    """Writes num_new[b] rows at cache_seqlens[b] of each request's cache row, dropping rows that
+    would land at or past L, and advances cache_seqlens (capped at L) in place."""
+    length = k_cache.shape[1]
+    for b in range(k_new.shape[0]):
+        slot = int(cache_slot[b]) if cache_slot is not None else b
+        start = int(cache_seqlens[b])
+        kept = max(0, min(int(num_new[b]), length - start))
+        k_cache[slot, start : start + kept] = k_new[b, :kept]
+        v_cache[slot, start : start + kept] = v_new[b, :kept]
+        cache_seqlens[b] = min(start + int(num_new[b]), length)

@@ -1,0 +1,160 @@
+// CPU kernels of the attention family (SPEC §3.5): block_draft_attention and append_context_kv.
+//
+// block_draft_attention: one task per (request, KV head) (at::parallel_for). The G * Hq/Hkv query
+// rows that share the KV head are held as float32 and every key/value row is converted once and
+// used by all of them: keys in tiles of 256, scores and value accumulation as float32 GEMMs
+// (ATen's mm, single-threaded inside the task), online softmax (running max and sum per row).
+// Context rows are read in place from the request's cache row; the block's own keys come last
+// and are never written anywhere.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "../args/attention_args.h"
+#include "../common/dispatch.h"
+#include "../ops.h"
+
+namespace dspark_ops {
+namespace {
+
+constexpr int64_t kKeyTile = 256;
+
+template <typename T>
+void to_float(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
+  const int64_t ratio = a.heads / a.kv_heads, rows = a.block * ratio, dim = a.dim;
+  const T* q = a.q.const_data_ptr<T>();
+  const T* kb = a.k_block.const_data_ptr<T>();
+  const T* vb = a.v_block.const_data_ptr<T>();
+  const T* kc = a.k_cache.const_data_ptr<T>();
+  const T* vc = a.v_cache.const_data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int32_t* seqlens = a.cache_seqlens.const_data_ptr<int32_t>();
+  const int32_t* slots = a.cache_slot.defined() ? a.cache_slot.const_data_ptr<int32_t>() : nullptr;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+
+  at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t begin_task, int64_t end_task) {
+    std::vector<float> query(rows * dim), acc(rows * dim), key(kKeyTile * dim),
+        value(kKeyTile * dim), scores(rows * kKeyTile), row_max(rows), row_sum(rows);
+    const auto query_t = at::from_blob(query.data(), {rows, dim}, f32);
+    const auto acc_t = at::from_blob(acc.data(), {rows, dim}, f32);
+    for (int64_t task = begin_task; task < end_task; ++task) {
+      const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
+      const int64_t slot = slots ? slots[b] : b;
+      const int64_t end = std::min<int64_t>(std::max(seqlens[b], 0), a.length);
+      const int64_t begin = a.window >= 0 ? std::max<int64_t>(0, end - a.window) : 0;
+      // Row g * ratio + i is query head h * ratio + i of slot g, pre-scaled.
+      for (int64_t g = 0; g < a.block; ++g) {
+        for (int64_t i = 0; i < ratio; ++i) {
+          const T* src = q + b * a.q.stride(0) + g * a.q.stride(1) + (h * ratio + i) * a.q.stride(2);
+          float* dst = query.data() + (g * ratio + i) * dim;
+          to_float(src, dim, dst);
+          for (int64_t d = 0; d < dim; ++d) dst[d] *= a.scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(row_max.begin(), row_max.end(), -INFINITY);
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      // Key n: context position begin + n of the request's cache row, then block key n - context.
+      const int64_t context = end - begin, total = context + a.block;
+      const auto load_rows = [&](int64_t n0, int64_t count, const T* cache, const at::Tensor& c,
+                                 const T* blk, const at::Tensor& bt, float* dst) {
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t n = n0 + k;
+          const T* src = n < context
+              ? cache + slot * c.stride(0) + (begin + n) * c.stride(1) + h * c.stride(2)
+              : blk + b * bt.stride(0) + (n - context) * bt.stride(1) + h * bt.stride(2);
+          to_float(src, dim, dst + k * dim);
+        }
+      };
+      for (int64_t t0 = 0; t0 < total; t0 += kKeyTile) {
+        const int64_t tile = std::min(kKeyTile, total - t0);
+        load_rows(t0, tile, kc, a.k_cache, kb, a.k_block, key.data());
+        load_rows(t0, tile, vc, a.v_cache, vb, a.v_block, value.data());
+        auto scores_t = at::from_blob(scores.data(), {rows, tile}, f32);
+        at::mm_out(scores_t, query_t, at::from_blob(key.data(), {tile, dim}, f32).t());
+        // Online softmax: rescale what was accumulated to the new running max of each row.
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * tile;
+          float tile_max = -INFINITY;
+          for (int64_t k = 0; k < tile; ++k) tile_max = std::max(tile_max, s[k]);
+          const float new_max = std::max(row_max[r], tile_max);
+          const float rescale = std::exp(row_max[r] - new_max);  // 0 on the first tile
+          float* acc_row = acc.data() + r * dim;
+          for (int64_t d = 0; d < dim; ++d) acc_row[d] *= rescale;
+          float sum = 0.f;
+          for (int64_t k = 0; k < tile; ++k) {
+            s[k] = std::exp(s[k] - new_max);
+            sum += s[k];
+          }
+          row_sum[r] = row_sum[r] * rescale + sum;
+          row_max[r] = new_max;
+        }
+        acc_t.addmm_(scores_t, at::from_blob(value.data(), {tile, dim}, f32));
+      }
+      for (int64_t g = 0; g < a.block; ++g) {
+        for (int64_t i = 0; i < ratio; ++i) {
+          const int64_t r = g * ratio + i, head = h * ratio + i;
+          T* dst = o + ((b * a.block + g) * a.heads + head) * dim;
+          const float inv = 1.f / row_sum[r];
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv);
+          if (lse) lse[(b * a.block + g) * a.heads + head] = row_max[r] + std::log(row_sum[r]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> block_draft_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& cache_slot, std::optional<double> softmax_scale,
+    std::optional<int64_t> window, bool return_lse) {
+  const auto a = check_attention_args(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
+                                      cache_slot, softmax_scale, window);
+  auto out = at::empty({a.batch, a.block, a.heads, a.dim}, q.options());
+  auto lse = return_lse ? at::empty({a.batch, a.block, a.heads}, q.options().dtype(at::kFloat))
+                        : at::empty({0}, q.options().dtype(at::kFloat));
+  dispatch_logit_type(q.scalar_type(), [&](auto tag) {
+    attend<decltype(tag)>(a, out, return_lse ? lse.data_ptr<float>() : nullptr);
+  });
+  return {out, lse};
+}
+
+void append_context_kv_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& k_new, const at::Tensor& v_new,
+                           const at::Tensor& num_new, const at::Tensor& cache_seqlens,
+                           const std::optional<at::Tensor>& cache_slot) {
+  const auto slots = check_append_args(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
+                                       cache_slot);
+  const int64_t batch = k_new.size(0), length = k_cache.size(1);
+  const auto counts = num_new.contiguous();
+  int32_t* seqlens = cache_seqlens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t slot = slots.defined() ? slots.const_data_ptr<int32_t>()[b] : b;
+    const int64_t start = std::clamp<int64_t>(seqlens[b], 0, length);
+    const int64_t n = std::max<int32_t>(counts.const_data_ptr<int32_t>()[b], 0);
+    const int64_t kept = std::min(n, length - start);  // rows at or past L are dropped
+    if (kept > 0) {
+      k_cache[slot].slice(0, start, start + kept).copy_(k_new[b].slice(0, 0, kept));
+      v_cache[slot].slice(0, start, start + kept).copy_(v_new[b].slice(0, 0, kept));
+    }
+    seqlens[b] = static_cast<int32_t>(std::min(start + n, length));
+  }
+}
+
+TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) {
+  m.impl("block_draft_attention", &block_draft_attention_cpu);
+  m.impl("append_context_kv", &append_context_kv_cpu);
+}
+
+}  // namespace dspark_ops
