@@ -3,7 +3,9 @@
 Small enough to run under compute-sanitizer (memcheck, racecheck) in bench/gpu_check.sh:
 odd and tiny vocabularies, misaligned rows, ragged layouts, rows with no finite logit,
 out-of-range draft ids (not value-checked on CUDA), int32 ids, greedy drafts, G = 0; the
-scheduling ops over ties, caps, capacity limits and both sort paths (shared and global memory).
+scheduling ops over ties, caps, capacity limits and both sort paths (shared and global memory);
+block_draft_attention and append_context_kv over GQA ratios, head dims, windows, slots and rows
+that land past L.
 Run as `python -m bench.cuda_smoke [--device cpu]`. Exits non-zero on any disagreement with dspark_ops.reference beyond 1% of requests (float-rounding
 near-ties are the only allowed differences).
 """
@@ -116,6 +118,34 @@ def main() -> int:
         want = reference.pack_verify_inputs(anchor, drafts, caps, position)
         got = dspark_ops.pack_verify_inputs(*map(on_device, (anchor, drafts, caps, position)))
         assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want)), "pack_verify_inputs differs"
+
+    # Attention: GQA, every head dim, windows, slot indirection, empty and full contexts; then
+    # append_context_kv with rows past L (dropped) and a full cache row.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for dim, ratio, window in ((64, 1, None), (128, 4, 7), (256, 8, 1000)):
+        batch, block, kv_heads, slots, length = 3, 5, 2, 4, 70
+        q = torch.randn(batch, block, kv_heads * ratio, dim, generator=g).to(dtype)
+        k_block, v_block = (torch.randn(batch, block, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+        k_cache, v_cache = (torch.randn(slots, length, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+        seqlens = torch.tensor([0, 33, length], dtype=torch.int32)
+        slot = torch.tensor([3, 0, 2], dtype=torch.int32)
+        want, want_lse = reference.block_draft_attention(
+            q, k_block, v_block, k_cache, v_cache, seqlens, cache_slot=slot, window=window)
+        got, got_lse = dspark_ops.block_draft_attention(
+            *map(on_device, (q, k_block, v_block, k_cache, v_cache, seqlens)),
+            cache_slot=on_device(slot), window=window, return_lse=True)
+        err = (got.cpu().float() - want.float()).abs().max().item()
+        err = max(err, (got_lse.cpu() - want_lse).abs().max().item())
+        assert err < 5e-2, f"block_draft_attention differs by {err} (D={dim}, ratio={ratio})"
+        k_new, v_new = (torch.randn(batch, 6, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+        num_new = torch.tensor([6, 2, 4], dtype=torch.int32)
+        start = torch.tensor([length - 3, 10, length], dtype=torch.int32)
+        want = [k_cache.clone(), v_cache.clone(), start.clone()]
+        reference.append_context_kv(want[0], want[1], k_new, v_new, num_new, want[2], cache_slot=slot)
+        got = [on_device(k_cache), on_device(v_cache), on_device(start)]
+        dspark_ops.append_context_kv(got[0], got[1], on_device(k_new), on_device(v_new),
+                                     on_device(num_new), got[2], cache_slot=on_device(slot))
+        assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want)), "append_context_kv differs"
 
     seeds = torch.randint(-(2**62), 2**62, (7,))
     positions = torch.randint(0, 2**40, (7,))

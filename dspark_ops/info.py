@@ -19,7 +19,7 @@ def report() -> str:
     lines.append(f"  runtime GPU                {torch.cuda.get_device_name() if cuda else 'none'}")
     lines.append("  ops:")
     for name in OPS:
-        lines.append(f"    {name:<18} {', '.join(op_backends(name))}")
+        lines.append(f"    {name:<22} {', '.join(op_backends(name))}")
     return "\n".join(lines)
 
 

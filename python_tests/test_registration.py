@@ -149,7 +149,8 @@ def test_fake_shapes_match_real(device):
 
 def test_every_op_is_registered():
     assert set(_library.OPS) == {"verify", "philox_uniform", "schedule_verify",
-                                 "plan_verify_budget", "allocate_verify", "pack_verify_inputs"}
+                                 "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
+                                 "block_draft_attention", "append_context_kv"}
     for name in _library.OPS:
         assert hasattr(torch.ops.dspark_ops, name), name
     for name in _library.OPS:

@@ -1,0 +1,144 @@
+// CUDA entry points of the attention family: checks, device guard, split plan, workspace,
+// dispatch, launch. The kernels live in kernels/attention.cuh.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../args/attention_args.h"
+#include "../common/cuda_utils.h"
+#include "../kernels/attention.cuh"
+#include "../ops.h"
+
+namespace dspark_ops {
+
+std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& cache_slot, std::optional<double> softmax_scale,
+    std::optional<int64_t> window, bool return_lse) {
+  const auto a = check_attention_args(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
+                                      cache_slot, softmax_scale, window);
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                   "block_draft_attention(): on CUDA 'q' must have dtype Half or BFloat16, got ",
+                   q.scalar_type());
+  TORCH_CHECK_VALUE(a.length <= INT32_MAX && a.batch <= 65535, "block_draft_attention(): on CUDA "
+                    "at most 65535 requests and 2^31 cache positions, got B = ", a.batch,
+                    ", L = ", a.length);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto out = at::empty({a.batch, a.block, a.heads, a.dim}, q.options());
+  auto lse = return_lse ? at::empty({a.batch, a.block, a.heads}, q.options().dtype(at::kFloat))
+                        : at::empty({0}, q.options().dtype(at::kFloat));
+
+  kernels::AttentionParams p{};
+  p.q = a.q.const_data_ptr();
+  p.q_stride_b = a.q.stride(0), p.q_stride_g = a.q.stride(1), p.q_stride_h = a.q.stride(2);
+  p.k_block = a.k_block.const_data_ptr();
+  p.v_block = a.v_block.const_data_ptr();
+  p.kb_stride_b = a.k_block.stride(0), p.kb_stride_g = a.k_block.stride(1);
+  p.kb_stride_h = a.k_block.stride(2);
+  p.vb_stride_b = a.v_block.stride(0), p.vb_stride_g = a.v_block.stride(1);
+  p.vb_stride_h = a.v_block.stride(2);
+  p.k_cache = a.k_cache.const_data_ptr();
+  p.v_cache = a.v_cache.const_data_ptr();
+  p.kc_stride_n = a.k_cache.stride(0), p.kc_stride_l = a.k_cache.stride(1);
+  p.kc_stride_h = a.k_cache.stride(2);
+  p.vc_stride_n = a.v_cache.stride(0), p.vc_stride_l = a.v_cache.stride(1);
+  p.vc_stride_h = a.v_cache.stride(2);
+  p.cache_seqlens = a.cache_seqlens.const_data_ptr<int32_t>();
+  p.cache_slot = a.cache_slot.defined() ? a.cache_slot.const_data_ptr<int32_t>() : nullptr;
+  p.out = out.data_ptr();
+  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  p.batch = static_cast<int>(a.batch);
+  p.block = static_cast<int>(a.block);
+  p.heads = static_cast<int>(a.heads);
+  p.kv_heads = static_cast<int>(a.kv_heads);
+  p.length = static_cast<int>(a.length);
+  p.num_slots = static_cast<int>(std::min<int64_t>(a.slots, INT32_MAX));
+  p.window = a.window >= 0 ? static_cast<int>(std::min<int64_t>(a.window, a.length)) : -1;
+  p.scale = a.scale;
+
+  // Split the visible context (at most L, or the window) so that ~4 blocks per SM are busy even
+  // when B * Hkv is small; each split is a whole number of 32-row tiles.
+  const int64_t visible = p.window >= 0 ? p.window : a.length;
+  const int64_t rows = a.block * (a.heads / a.kv_heads);
+  const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
+  const int64_t base_blocks = a.batch * a.kv_heads * groups;
+  const int64_t wanted = int64_t{4} * multiprocessor_count(q.get_device());
+  const int64_t max_splits = std::max<int64_t>(1, (visible + 255) / 256);
+  const int64_t splits = std::clamp<int64_t>((wanted + base_blocks - 1) / base_blocks, 1, max_splits);
+  const int64_t tile = kernels::kAttnKeys;
+  p.split_length = static_cast<int>(((visible + splits - 1) / splits + tile - 1) / tile * tile);
+  p.splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
+  auto partial_out = at::empty({a.batch * a.kv_heads * rows * p.splits * a.dim},
+                               q.options().dtype(at::kFloat));
+  auto partial_stats = at::empty({a.batch * a.kv_heads * rows * p.splits * 2},
+                                 q.options().dtype(at::kFloat));
+  p.partial_out = partial_out.data_ptr<float>();
+  p.partial_stats = partial_stats.data_ptr<float>();
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto launch = [&](auto tag) {
+    using T = cuda_type_t<decltype(tag)>;
+    cudaError_t error = cudaSuccess;
+    switch (a.dim) {
+      case 64: error = kernels::launch_block_attention<T, 64>(p, stream); break;
+      case 128: error = kernels::launch_block_attention<T, 128>(p, stream); break;
+      default: error = kernels::launch_block_attention<T, 256>(p, stream); break;
+    }
+    C10_CUDA_CHECK(error);
+  };
+  if (q.scalar_type() == at::kHalf) launch(c10::Half{});
+  else launch(c10::BFloat16{});
+  return {out, lse};
+}
+
+void append_context_kv_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& k_new, const at::Tensor& v_new,
+                            const at::Tensor& num_new, const at::Tensor& cache_seqlens,
+                            const std::optional<at::Tensor>& cache_slot) {
+  const auto slots = check_append_args(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
+                                       cache_slot);
+  TORCH_CHECK_VALUE(k_new.size(0) <= INT32_MAX && k_cache.size(1) <= INT32_MAX,
+                    "append_context_kv(): B and L must fit int32");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const auto counts = num_new.contiguous();
+  kernels::AppendParams p{};
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.kc_stride_n = k_cache.stride(0), p.kc_stride_l = k_cache.stride(1);
+  p.kc_stride_h = k_cache.stride(2);
+  p.vc_stride_n = v_cache.stride(0), p.vc_stride_l = v_cache.stride(1);
+  p.vc_stride_h = v_cache.stride(2);
+  const auto k_rows = k_new.stride(-1) == 1 ? k_new : k_new.contiguous();
+  const auto v_rows = v_new.stride(-1) == 1 ? v_new : v_new.contiguous();
+  p.k_new = k_rows.const_data_ptr();
+  p.v_new = v_rows.const_data_ptr();
+  p.kn_stride_b = k_rows.stride(0), p.kn_stride_r = k_rows.stride(1), p.kn_stride_h = k_rows.stride(2);
+  p.vn_stride_b = v_rows.stride(0), p.vn_stride_r = v_rows.stride(1), p.vn_stride_h = v_rows.stride(2);
+  p.num_new = counts.const_data_ptr<int32_t>();
+  p.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+  p.cache_slot = slots.defined() ? slots.const_data_ptr<int32_t>() : nullptr;
+  p.batch = static_cast<int>(k_new.size(0));
+  p.rows = static_cast<int>(k_new.size(1));
+  p.kv_heads = static_cast<int>(k_cache.size(2));
+  p.dim = static_cast<int>(k_cache.size(3));
+  p.length = static_cast<int>(k_cache.size(1));
+  p.num_slots = static_cast<int>(std::min<int64_t>(k_cache.size(0), INT32_MAX));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t error = k_cache.element_size() == 2
+                                ? kernels::launch_append_context_kv<uint16_t>(p, stream)
+                                : kernels::launch_append_context_kv<uint32_t>(p, stream);
+  C10_CUDA_CHECK(error);
+}
+
+TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) {
+  m.impl("block_draft_attention", &block_draft_attention_cuda);
+  m.impl("append_context_kv", &append_context_kv_cuda);
+}
+
+}  // namespace dspark_ops
