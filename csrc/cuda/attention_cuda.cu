@@ -72,7 +72,9 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   const int64_t max_splits = std::max<int64_t>(1, (visible + 255) / 256);
   const int64_t splits = std::clamp<int64_t>((wanted + base_blocks - 1) / base_blocks, 1, max_splits);
   const int64_t tile = kernels::kAttnKeys;
-  p.split_length = static_cast<int>(((visible + splits - 1) / splits + tile - 1) / tile * tile);
+  // An empty visible context (window 0 or L 0) still gets one (empty) split.
+  p.split_length = static_cast<int>(
+      std::max<int64_t>(tile, ((visible + splits - 1) / splits + tile - 1) / tile * tile));
   p.splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
   auto partial_out = at::empty({a.batch * a.kv_heads * rows * p.splits * a.dim},
                                q.options().dtype(at::kFloat));

@@ -240,11 +240,12 @@ size_t split_shared_bytes() {
 
 template <typename T, int D>
 cudaError_t launch_block_attention(const AttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.block == 0) return cudaSuccess;
+  if (p.batch == 0 || p.block == 0 || p.heads == 0) return cudaSuccess;
   const size_t shared = split_shared_bytes<T, D>();
-  static const cudaError_t opted_in = cudaFuncSetAttribute(
-      block_attention_split_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(split_shared_bytes<T, D>()));
+  // D = 256 needs more than the default 48 KB; the opt-in is per device, so it is set every time.
+  const cudaError_t opted_in = cudaFuncSetAttribute(block_attention_split_kernel<T, D>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(shared));
   if (opted_in != cudaSuccess) return opted_in;
   const int rows = p.block * (p.heads / p.kv_heads);
   const int groups = (rows + kAttnRows - 1) / kAttnRows;
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kAttnThreads) append_context_kv_kernel(const A
         vn[b * p.vn_stride_b + r * p.vn_stride_r + h * p.vn_stride_h + d];
   }
   __syncthreads();  // every thread has read cache_seqlens[b] before it changes
-  if (threadIdx.x == 0) p.cache_seqlens[b] = static_cast<int32_t>(min(start + count, p.length));
+  if (threadIdx.x == 0) p.cache_seqlens[b] = start + min(count, p.length - start);  // no overflow
 }
 
 template <typename Unit>

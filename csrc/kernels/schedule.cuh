@@ -164,8 +164,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
 template <int Mode, bool SharedSort>
 cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
   const size_t shared_bytes = SharedSort ? size_t(p.sort_size) * sizeof(uint64_t) : 0;
-  if (SharedSort) {
-    static const cudaError_t opted_in = cudaFuncSetAttribute(
+  if (SharedSort) {  // beyond the default 48 KB; the opt-in is per device, so set every time
+    const cudaError_t opted_in = cudaFuncSetAttribute(
         schedule_kernel<Mode, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
         kSharedKeys * int{sizeof(uint64_t)});
     if (opted_in != cudaSuccess) return opted_in;
