@@ -11,8 +11,9 @@
 //  2. block_attention_merge_kernel, one warp per output row: scores of the row against the G
 //     block keys (the block's K/V are read here and nowhere else, never written), then the splits
 //     and the block keys are merged by their maxima into the output and the log-sum-exp.
-// Scores and sums use CUDA-core FMAs in float32; tensor-core MMA is the next step (the products
-// are G * Hq/Hkv rows deep, enough to make them pay).
+// Scores and sums use CUDA-core FMAs in float32 (explicit fmaf: the build turns off contraction
+// for the exactness of the sampling kernels); tensor-core MMA is the next step (the products are
+// G * Hq/Hkv rows deep, enough to make them pay).
 //
 // append_context_kv: one block per request copies its kept rows element by element and then
 // advances cache_seqlens; rows that would land at or past L are never written.
@@ -79,8 +80,11 @@ __device__ __forceinline__ int64_t partial_index(const AttentionParams& p, int b
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(const AttentionParams p) {
   extern __shared__ float smem[];
-  float* q_tile = smem;                           // [kAttnRows][D]
-  float* kv_tile = q_tile + kAttnRows * D;        // [kAttnKeys][D + 1] (padded: no bank conflicts)
+  // Padded rows keep the lanes of a warp on distinct banks: q rows (read 16 bytes at a time by 4
+  // rows per warp) by 4 floats, K/V rows (read one float at a time by 8 keys) by 1.
+  constexpr int kQStride = D + 4;
+  float* q_tile = smem;                              // [kAttnRows][D + 4]
+  float* kv_tile = q_tile + kAttnRows * kQStride;    // [kAttnKeys][D + 1]
   float* probs = kv_tile + kAttnKeys * (D + 1);   // [kAttnRows][kAttnKeys]
   constexpr int kCols = D / 8;                    // accumulators per thread
 
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
       v = attn_load(static_cast<const T*>(p.q) + b * p.q_stride_b + g * p.q_stride_g +
                     head * p.q_stride_h + d) * p.scale;
     }
-    q_tile[idx] = v;
+    q_tile[r * kQStride + d] = v;
   }
 
   float acc[kCols];
@@ -127,7 +131,9 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
       const int k = lane8 + 8 * i;
       float dot = 0.f;
 #pragma unroll 8
-      for (int d = 0; d < D; ++d) dot += q_tile[my_row * D + d] * kv_tile[k * (D + 1) + d];
+      for (int d = 0; d < D; ++d) {
+        dot = fmaf(q_tile[my_row * kQStride + d], kv_tile[k * (D + 1) + d], dot);
+      }
       s[i] = k0 + k < hi ? dot : -INFINITY;
       tile_max = fmaxf(tile_max, s[i]);
     }
@@ -161,7 +167,9 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
     for (int k = 0; k < kAttnKeys; ++k) {
       const float prob = probs[my_row * kAttnKeys + k];
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[c] += prob * kv_tile[k * (D + 1) + lane8 + 8 * c];
+      for (int c = 0; c < kCols; ++c) {
+        acc[c] = fmaf(prob, kv_tile[k * (D + 1) + lane8 + 8 * c], acc[c]);
+      }
     }
   }
 
@@ -235,7 +243,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
 
 template <typename T, int D>
 size_t split_shared_bytes() {
-  return sizeof(float) * (kAttnRows * D + kAttnKeys * (D + 1) + kAttnRows * kAttnKeys);
+  return sizeof(float) * (kAttnRows * (D + 4) + kAttnKeys * (D + 1) + kAttnRows * kAttnKeys);
 }
 
 template <typename T, int D>
