@@ -258,3 +258,99 @@ def test_cuda_graph_schedule_round_capture_and_replay():
         _assert_equal(got, schedule_round(**fresh))
         lengths.add(tuple(got[1].tolist()))
     assert len(lengths) > 1  # the replays really scheduled differently
+
+
+# --------------------------------------------------------------------------------------------
+# The attention family in a round: append the accepted rows' K/V to the context caches (in place),
+# then draft the next block over the grown context.
+# --------------------------------------------------------------------------------------------
+
+
+def _context_round_inputs(device, batch=4, block=5, heads=8, kv_heads=2, dim=64, length=24,
+                          rows=4, seed=0):
+    gen = torch.Generator().manual_seed(2000 + seed)
+    slots = batch + 3
+    dtype = torch.bfloat16
+    tensors = dict(
+        k_cache=torch.randn(slots, length, kv_heads, dim, generator=gen).to(dtype),
+        v_cache=torch.randn(slots, length, kv_heads, dim, generator=gen).to(dtype),
+        cache_seqlens=torch.tensor([0, length - 2, 9, length][:batch], dtype=torch.int32),
+        k_new=torch.randn(batch, rows, kv_heads, dim, generator=gen).to(dtype),
+        v_new=torch.randn(batch, rows, kv_heads, dim, generator=gen).to(dtype),
+        num_new=torch.randint(1, rows + 1, (batch,), generator=gen, dtype=torch.int32),
+        cache_slot=torch.randperm(slots, generator=gen)[:batch].int(),
+        q=torch.randn(batch, block, heads, dim, generator=gen).to(dtype),
+        k_block=torch.randn(batch, block, kv_heads, dim, generator=gen).to(dtype),
+        v_block=torch.randn(batch, block, kv_heads, dim, generator=gen).to(dtype),
+    )
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def context_round(k_cache, v_cache, cache_seqlens, k_new, v_new, num_new, cache_slot, q, k_block,
+                  v_block):
+    """Appends k_new/v_new (mutating the caches and cache_seqlens), then attends with and
+    without a window over the updated caches."""
+    dspark_ops.append_context_kv(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
+                                 cache_slot=cache_slot)
+    out, lse = dspark_ops.block_draft_attention(q, k_block, v_block, k_cache, v_cache,
+                                                cache_seqlens, cache_slot=cache_slot,
+                                                return_lse=True)
+    windowed = dspark_ops.block_draft_attention(q, k_block, v_block, k_cache, v_cache,
+                                                cache_seqlens, cache_slot=cache_slot, window=6)
+    return out.float() * 2, lse, windowed
+
+
+def _clone_inputs(inputs: dict) -> dict:
+    return {k: v.clone() for k, v in inputs.items()}
+
+
+MUTATED = ("k_cache", "v_cache", "cache_seqlens")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_compiled_context_round_matches_eager(device, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(context_round, fullgraph=True, backend=backend)
+    for seed in range(2):  # new values, same shapes
+        inputs = _context_round_inputs(device, seed=seed)
+        eager_inputs, compiled_inputs = _clone_inputs(inputs), _clone_inputs(inputs)
+        expected = context_round(**eager_inputs)
+        _assert_equal(compiled(**compiled_inputs), expected)
+        # The mutation of the caches and cache_seqlens happened, in the caller's tensors.
+        assert not torch.equal(eager_inputs["cache_seqlens"], inputs["cache_seqlens"])
+        for name in MUTATED:
+            assert torch.equal(compiled_inputs[name], eager_inputs[name]), name
+        state = {name: inputs[name].cpu().clone() for name in MUTATED}
+        reference.append_context_kv(state["k_cache"], state["v_cache"], inputs["k_new"].cpu(),
+                                    inputs["v_new"].cpu(), inputs["num_new"].cpu(),
+                                    state["cache_seqlens"], cache_slot=inputs["cache_slot"].cpu())
+        for name in MUTATED:
+            assert torch.equal(compiled_inputs[name].cpu(), state[name]), name
+
+
+@cuda_only
+def test_cuda_graph_context_round_capture_and_replay():
+    # Captured once; each replay appends and attends over fresh values copied into the static
+    # inputs, and equals an eager round on those values: no host sync inside either op.
+    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
+        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
+    static = _context_round_inputs("cuda", seed=40)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            context_round(**_clone_inputs(static))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = context_round(**static)
+
+    for seed in (41, 42, 43):
+        fresh = _context_round_inputs("cuda", seed=seed)
+        _copy_into(static, fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_inputs = _clone_inputs(fresh)
+        _assert_equal(tuple(t.clone() for t in captured), context_round(**eager_inputs))
+        for name in MUTATED:
+            assert torch.equal(static[name], eager_inputs[name]), name

@@ -113,6 +113,80 @@ def test_opcheck_schedule_ops(device, name, options):
     torch.library.opcheck(getattr(torch.ops.dspark_ops, name).default, args)
 
 
+def _attention_args(device, *, slot=False, window=None, scale=None, return_lse=False,
+                    dtype=torch.bfloat16):
+    """block_draft_attention's schema arguments: B=3, G=4, Hq=8, Hkv=2 (GQA 4), D=64, L=9."""
+    gen = torch.Generator().manual_seed(10)
+    batch, block, heads, kv_heads, dim, length = 3, 4, 8, 2, 64, 9
+    slots = 5 if slot else batch
+    tensors = (
+        torch.randn(batch, block, heads, dim, generator=gen).to(dtype),
+        torch.randn(batch, block, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(batch, block, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(slots, length, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(slots, length, kv_heads, dim, generator=gen).to(dtype),
+        torch.tensor([0, length, 5], dtype=torch.int32),
+        torch.tensor([4, 0, 2], dtype=torch.int32) if slot else None,
+    )
+    return (*(None if t is None else t.to(device) for t in tensors), scale, window, return_lse)
+
+
+ATTENTION_COMBOS = {
+    "plain": dict(),
+    "lse": dict(return_lse=True),
+    "slot": dict(slot=True),
+    "window": dict(window=3),
+    "window-0-lse": dict(window=0, return_lse=True),
+    "all-optional": dict(slot=True, window=4, scale=0.3, return_lse=True),
+    "f16": dict(slot=True, return_lse=True, dtype=torch.float16),
+    "f32": dict(slot=True, window=2, return_lse=True, dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combo", list(ATTENTION_COMBOS))
+def test_opcheck_block_draft_attention(device, combo):
+    options = ATTENTION_COMBOS[combo]
+    if device == "cuda" and options.get("dtype") == torch.float32:
+        pytest.skip("the CUDA kernels take float16/bfloat16 only")
+    args = _attention_args(device, **options)
+    torch.library.opcheck(torch.ops.dspark_ops.block_draft_attention.default, args)
+
+
+def _append_args(device, *, slot=False, capped=False, dtype=torch.bfloat16):
+    """append_context_kv's schema arguments: B=3, n_max=4, Hkv=2, D=64, L=9; ``capped``: some
+    rows land past L and are dropped."""
+    gen = torch.Generator().manual_seed(11)
+    batch, rows, kv_heads, dim, length = 3, 4, 2, 64, 9
+    slots = 5 if slot else batch
+    tensors = (
+        torch.randn(slots, length, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(slots, length, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(batch, rows, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(batch, rows, kv_heads, dim, generator=gen).to(dtype),
+        torch.tensor([4, 0, 2], dtype=torch.int32),
+        torch.tensor([0, 7, length] if capped else [0, 2, 5], dtype=torch.int32),
+        torch.tensor([4, 0, 2], dtype=torch.int32) if slot else None,
+    )
+    return tuple(None if t is None else t.to(device) for t in tensors)
+
+
+APPEND_COMBOS = {
+    "plain": dict(),
+    "slot": dict(slot=True),
+    "capped": dict(capped=True),
+    "slot-capped-f16": dict(slot=True, capped=True, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combo", list(APPEND_COMBOS))
+def test_opcheck_append_context_kv(device, combo):
+    # opcheck also checks that the mutated arguments are exactly those the schema marks (a!).
+    args = _append_args(device, **APPEND_COMBOS[combo])
+    torch.library.opcheck(torch.ops.dspark_ops.append_context_kv.default, args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fake_shapes_match_real(device):
     # The fake kernels give the real outputs' shapes, dtypes and devices.
@@ -146,6 +220,22 @@ def test_fake_shapes_match_real(device):
         for r, f in zip(real, fake):
             assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), name
 
+    for combo in ("plain", "lse", "all-optional"):
+        args = _attention_args(device, **ATTENTION_COMBOS[combo])
+        real = torch.ops.dspark_ops.block_draft_attention(*args)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.dspark_ops.block_draft_attention(
+                *[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        assert len(real) == len(fake) == 2, combo
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), combo
+
+    args = _append_args(device, slot=True)
+    assert torch.ops.dspark_ops.append_context_kv(*args) is None
+    with FakeTensorMode() as mode:
+        fake_args = [None if a is None else mode.from_tensor(a) for a in args]
+        assert torch.ops.dspark_ops.append_context_kv(*fake_args) is None
+
 
 def test_every_op_is_registered():
     assert set(_library.OPS) == {"verify", "philox_uniform", "schedule_verify",
@@ -172,7 +262,7 @@ def test_schemas():
     )
     schemas = {name: str(getattr(torch.ops.dspark_ops, name).default._schema)
                for name in ("schedule_verify", "plan_verify_budget", "allocate_verify",
-                            "pack_verify_inputs")}
+                            "pack_verify_inputs", "block_draft_attention", "append_context_kv")}
     assert schemas == {
         "schedule_verify": "dspark_ops::schedule_verify(Tensor confidence, Tensor step_rate, "
                            "Tensor? max_verify=None) -> Tensor",
@@ -183,6 +273,15 @@ def test_schemas():
         "pack_verify_inputs": "dspark_ops::pack_verify_inputs(Tensor anchor, Tensor draft_tokens, "
                               "Tensor num_verify, Tensor position) -> (Tensor input_ids, "
                               "Tensor positions, Tensor cu_seqlens)",
+        "block_draft_attention": "dspark_ops::block_draft_attention(Tensor q, Tensor k_block, "
+                                 "Tensor v_block, Tensor k_cache, Tensor v_cache, "
+                                 "Tensor cache_seqlens, Tensor? cache_slot=None, "
+                                 "float? softmax_scale=None, int? window=None, "
+                                 "bool return_lse=False) -> (Tensor out, Tensor lse)",
+        # The caches and cache_seqlens are mutated in place (and nothing else).
+        "append_context_kv": "dspark_ops::append_context_kv(Tensor(a!) k_cache, "
+                             "Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor num_new, "
+                             "Tensor(c!) cache_seqlens, Tensor? cache_slot=None) -> ()",
     }
 
 
@@ -205,7 +304,7 @@ def test_public_api():
     assert dspark_ops.VerifyOutput._fields == ("tokens", "num_accepted", "valid")
     assert dspark_ops.VerifyBatch._fields == ("input_ids", "positions", "cu_seqlens")
     for name in ("schedule_verify", "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
-                 "profile_step_rate", "VerifyBatch"):
+                 "profile_step_rate", "VerifyBatch", "block_draft_attention", "append_context_kv"):
         assert name in dspark_ops.__all__ and callable(getattr(dspark_ops, name)), name
     assert (dspark_ops.reference.PURPOSE_DRAFT, dspark_ops.reference.PURPOSE_ACCEPT,
             dspark_ops.reference.PURPOSE_RESAMPLE) == (0, 1, 2)
