@@ -8,6 +8,7 @@
 // and are never written anywhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -20,6 +21,7 @@
 namespace dspark_ops {
 namespace {
 
+using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kKeyTile = 256;
 
 template <typename T>
@@ -89,8 +91,17 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
           const float rescale = std::exp(row_max[r] - new_max);  // 0 on the first tile
           float* acc_row = acc.data() + r * dim;
           for (int64_t d = 0; d < dim; ++d) acc_row[d] *= rescale;
-          float sum = 0.f;
-          for (int64_t k = 0; k < tile; ++k) {
+          // exp(s - max) over the tile: vectorised (SLEEF), the tail in scalar.
+          const Vec max_v(new_max);
+          Vec sum_v(0.f);
+          int64_t k = 0;
+          for (; k + Vec::size() <= tile; k += Vec::size()) {
+            const Vec e = (Vec::loadu(s + k) - max_v).exp();
+            e.store(s + k);
+            sum_v += e;
+          }
+          float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum_v);
+          for (; k < tile; ++k) {
             s[k] = std::exp(s[k] - new_max);
             sum += s[k];
           }
