@@ -47,7 +47,7 @@ fi
 
 # 1. Build for this GPU only, with the ptxas register/spill report.
 TORCH_CUDA_ARCH_LIST=$ARCH DSPARK_OPS_CUDA=1 DSPARK_OPS_PTXAS_VERBOSE=1 MAX_JOBS=$(nproc) \
-  run_step build 120 $PY -m pip install --no-build-isolation --no-deps -v -e .
+  run_step build 90 $PY -m pip install --no-build-isolation --no-deps -v -e .
 build_ok=$?
 grep -E "Compiling entry|registers|spill" "$OUT/build.log" >"$OUT/ptxas.txt" 2>/dev/null
 $PY -m dspark_ops.info >"$OUT/info.txt" 2>&1
@@ -57,7 +57,7 @@ if ((build_ok == 0)); then
     run_step cuda_tests 90 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider
     run_step smoke_cpu 60 $PY -m bench.cuda_smoke --device cpu
   else
-    run_step cuda_tests 100 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider \
+    run_step cuda_tests 150 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider \
       --junitxml="$OUT/cuda_tests.xml"
     if command -v compute-sanitizer >/dev/null; then
       run_step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m bench.cuda_smoke
