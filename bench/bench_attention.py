@@ -65,8 +65,9 @@ import dspark_ops
 from dspark_ops import reference
 from dspark_ops._library import op_backends
 from bench.common import (
-    Row, environment, family_arg_parser, finish_row, format_us, log, measure_copy_bandwidth,
-    print_table, report_once, resolve_device, synchronize, time_op, warn_if_busy, write_results,
+    Row, Timing, environment, family_arg_parser, finish_row, format_us, log,
+    measure_copy_bandwidth, print_table, report_once, resolve_device, synchronize, time_op,
+    try_time, warn_if_busy, write_results,
 )
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
@@ -289,14 +290,6 @@ def _flash_factory() -> Optional[Callable[[AttentionCase], Dict[str, Optional[Ca
 # Measurement
 
 
-@dataclasses.dataclass
-class Timing:
-    """How hard to time each competitor (ours gets the most repeats)."""
-
-    ours: dict
-    others: dict
-
-
 def _timings(device: torch.device, quick: bool) -> Timing:
     if device.type == "cuda":
         if quick:
@@ -305,17 +298,6 @@ def _timings(device: torch.device, quick: bool) -> Timing:
     if quick:
         return Timing(dict(min_run_time=0.15), dict(min_run_time=0.1))
     return Timing(dict(min_run_time=0.3), dict(min_run_time=0.2))
-
-
-def _try_time(label: str, fn: Optional[Callable], device: torch.device, **kw) -> Optional[float]:
-    """Median microseconds, or None (and a log line) when ``fn`` is absent or fails."""
-    if fn is None:
-        return None
-    try:
-        return time_op(fn, device, **kw) * 1e6
-    except Exception as error:
-        log(f"  {label}: not measured ({type(error).__name__}: {error})")
-        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,11 +363,11 @@ def bench_attention(case: AttentionCase, device: torch.device, timing: Timing,
     if "err" not in row.extra:
         row.extra["err"] = None
 
-    row.ours_us = _try_time("ours", competitors["ours"], device, **timing.ours)
-    row.reference_us = _try_time("ref", competitors["ref"], device, **timing.others)
+    row.ours_us = try_time("ours", competitors["ours"], device, **timing.ours)
+    row.reference_us = try_time("ref", competitors["ref"], device, **timing.others)
     if device.type == "cuda":
         for name in ("flash-attn", "fa-append"):
-            row.anchors[name] = _try_time(name, competitors.get(name), device, **timing.others)
+            row.anchors[name] = try_time(name, competitors.get(name), device, **timing.others)
 
     row.extra["SPEC"] = None
     if device.type == "cpu" and (batch, case.context) == CPU_SPEC_SHAPE:
@@ -443,9 +425,9 @@ def bench_append(case: AppendCase, device: torch.device, timing: Timing,
         fn = fns[name]
         return None if fn is None else call(fn, case.k_cache, case.v_cache, seqlens)
 
-    row.ours_us = _try_time("ours", timed("ours"), device, **timing.ours)
-    row.reference_us = _try_time("ref", timed("ref"), device, **timing.others)
-    row.anchors["eager-torch"] = _try_time("eager-torch", timed("eager-torch"), device,
+    row.ours_us = try_time("ours", timed("ours"), device, **timing.ours)
+    row.reference_us = try_time("ref", timed("ref"), device, **timing.others)
+    row.anchors["eager-torch"] = try_time("eager-torch", timed("eager-torch"), device,
                                            **timing.others)
     row.extra["SPEC"] = None
     row.bytes_moved = append_bytes(case)

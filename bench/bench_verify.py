@@ -53,8 +53,9 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, family_arg_parser, format_us, environment, finish_row, log, measure_copy_bandwidth, print_table, report_once,
-    resolve_device, synchronize, time_op, warn_if_busy, write_results,
+    Row, Timing, environment, family_arg_parser, finish_row, format_us, log,
+    measure_copy_bandwidth, print_table, report_once, resolve_device, synchronize, time_op,
+    try_time, warn_if_busy, write_results,
 )
 
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
@@ -445,14 +446,6 @@ def bytes_moved(case: VerifyCase, num_accepted: torch.Tensor) -> Tuple[int, int]
     return int(needed), int(every)
 
 
-@dataclasses.dataclass
-class Timing:
-    """How hard to time each competitor (ours gets the most repeats)."""
-
-    ours: dict
-    others: dict
-
-
 def _timings(device: torch.device, quick: bool) -> Timing:
     if device.type == "cuda":
         if quick:
@@ -461,17 +454,6 @@ def _timings(device: torch.device, quick: bool) -> Timing:
     if quick:
         return Timing(dict(min_run_time=0.2), dict(min_run_time=0.05))
     return Timing(dict(min_run_time=1.5), dict(min_run_time=1.0))
-
-
-def _try_time(label: str, fn: Optional[Callable], device: torch.device, **kw) -> Optional[float]:
-    """Median microseconds, or None (and a log line) when ``fn`` is absent or fails."""
-    if fn is None:
-        return None
-    try:
-        return time_op(fn, device, **kw) * 1e6
-    except Exception as error:
-        log(f"  {label}: not measured ({type(error).__name__}: {error})")
-        return None
 
 
 def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
@@ -513,9 +495,9 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
     else:
         row.extra["match"] = None
 
-    row.ours_us = _try_time("ours", ours, device, **timing.ours)
-    row.reference_us = _try_time("ref", ref, device, **timing.others)
-    row.anchors["eager-torch"] = _try_time("eager-torch", eager, device, **timing.others)
+    row.ours_us = try_time("ours", ours, device, **timing.ours)
+    row.reference_us = try_time("ref", ref, device, **timing.others)
+    row.anchors["eager-torch"] = try_time("eager-torch", eager, device, **timing.others)
     for name, factory in anchors.items():
         fn = None
         if factory is not None:
@@ -523,7 +505,7 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
                 fn = factory(case)
             except Exception as error:
                 log(f"  {name}: not run ({type(error).__name__}: {error})")
-        row.anchors[name] = _try_time(name, fn, device, **timing.others)
+        row.anchors[name] = try_time(name, fn, device, **timing.others)
 
     if device.type == "cuda":
         needed, every = bytes_moved(case, num_accepted)

@@ -269,6 +269,25 @@ def finish_row(row: Row, copy_gbps: Optional[float]) -> Row:
     return row
 
 
+@dataclasses.dataclass
+class Timing:
+    """How hard to time each competitor: ``time_op`` keyword arguments (ours gets the most)."""
+
+    ours: dict
+    others: dict
+
+
+def try_time(label: str, fn: Optional[Callable], device: torch.device, **kw) -> Optional[float]:
+    """Median microseconds, or None (and a log line) when ``fn`` is absent or fails."""
+    if fn is None:
+        return None
+    try:
+        return time_op(fn, device, **kw) * 1e6
+    except Exception as error:
+        log(f"  {label}: not measured ({type(error).__name__}: {error})")
+        return None
+
+
 def format_us(value: Optional[float]) -> str:
     """Microseconds for progress lines; "-" when not measured."""
     return "-" if value is None else f"{value:.1f}"
