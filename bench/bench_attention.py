@@ -49,7 +49,6 @@ import argparse
 import dataclasses
 import functools
 import inspect
-import json
 import sys
 import time
 from pathlib import Path
@@ -65,9 +64,8 @@ import dspark_ops
 from dspark_ops import reference
 from dspark_ops._library import op_backends
 from bench.common import (
-    Row, Timing, environment, family_arg_parser, finish_row, format_us, log,
-    measure_copy_bandwidth, print_table, report_once, resolve_device, synchronize, time_op,
-    try_time, warn_if_busy, write_results,
+    Row, Timing, family_arg_parser, family_main, finish_row, format_us, log,
+    measure_copy_bandwidth, report_once, synchronize, try_time,
 )
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
@@ -506,29 +504,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None, *, emit: bool = True) -> List[Row]:
     """Command-line entry point; returns the rows (``emit=False``: print nothing to stdout)."""
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    log(f"bench attention on {device} ({torch.get_num_threads()} threads)")
-    warn_if_busy(device)
-
-    @functools.lru_cache(maxsize=None)
-    def meta():  # measured once: the copy bandwidth takes a 1 GiB copy
-        copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
-        return environment(device, copy_gbps)
-
-    def checkpoint(rows):
-        return write_results(rows, "attention", device, meta())
-
-    rows = run(device, quick=args.quick, use_anchors=not args.no_anchors, checkpoint=checkpoint)
-    log("wrote " + ", ".join(str(p) for p in checkpoint(rows)))
-    if emit:
-        if args.json_only:
-            print(json.dumps({"environment": meta(), "rows": [r.to_dict() for r in rows]},
-                             indent=2))
-        else:
-            print_table(rows, title=f"attention on {meta()['device_name']} ({device})")
-            _print_cpu_spec(rows, device)
-    return rows
+    return family_main(
+        "attention", parse_args(argv),
+        lambda device, args, checkpoint: run(device, quick=args.quick,
+                                             use_anchors=not args.no_anchors,
+                                             checkpoint=checkpoint),
+        emit=emit, after_table=_print_cpu_spec)
 
 
 def _print_cpu_spec(rows: List[Row], device: torch.device) -> None:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -67,8 +66,7 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, family_arg_parser, format_us, environment, log, print_table, report_once, resolve_device, synchronize, time_op,
-    warn_if_busy, write_results,
+    Row, family_arg_parser, family_main, format_us, log, report_once, synchronize, time_op,
 )
 
 BATCHES = (64, 256, 1024)
@@ -498,24 +496,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None, *, emit: bool = True) -> List[Row]:
     """Command-line entry point; returns the rows (``emit=False``: print nothing to stdout)."""
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    log(f"bench schedule on {device} ({torch.get_num_threads()} threads)")
-    warn_if_busy(device)
-
-    def checkpoint(rows):
-        return write_results(rows, "schedule", device, environment(device))
-
-    rows = run(device, quick=args.quick, checkpoint=checkpoint)
-    log("wrote " + ", ".join(str(p) for p in checkpoint(rows)))
-    if emit:
-        if args.json_only:
-            print(json.dumps({"environment": environment(device),
-                              "rows": [r.to_dict() for r in rows]}, indent=2))
-        else:
-            print_table(rows, title=f"schedule on {environment(device)['device_name']} "
-                                    f"({device})")
-    return rows
+    return family_main(
+        "schedule", parse_args(argv),
+        lambda device, args, checkpoint: run(device, quick=args.quick, checkpoint=checkpoint),
+        emit=emit, copy_bandwidth=False)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import functools
 import inspect
-import json
 import math
 import sys
 import time
@@ -53,9 +52,8 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, Timing, environment, family_arg_parser, finish_row, format_us, log,
-    measure_copy_bandwidth, print_table, report_once, resolve_device, synchronize, time_op,
-    try_time, warn_if_busy, write_results,
+    Row, Timing, family_arg_parser, family_main, finish_row, format_us, log,
+    measure_copy_bandwidth, report_once, synchronize, try_time,
 )
 
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
@@ -586,28 +584,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None, *, emit: bool = True) -> List[Row]:
     """Command-line entry point; returns the rows (``emit=False``: print nothing to stdout)."""
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    log(f"bench verify on {device} ({torch.get_num_threads()} threads)")
-    warn_if_busy(device)
-
-    @functools.lru_cache(maxsize=None)
-    def meta():  # measured once: the copy bandwidth takes a 1 GiB copy
-        copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
-        return environment(device, copy_gbps)
-
-    def checkpoint(rows):
-        return write_results(rows, "verify", device, meta())
-
-    rows = run(device, quick=args.quick, use_anchors=not args.no_anchors, checkpoint=checkpoint)
-    log("wrote " + ", ".join(str(p) for p in checkpoint(rows)))
-    if emit:
-        if args.json_only:
-            print(json.dumps({"environment": meta(), "rows": [r.to_dict() for r in rows]},
-                             indent=2))
-        else:
-            print_table(rows, title=f"verify on {meta()['device_name']} ({device})")
-    return rows
+    return family_main(
+        "verify", parse_args(argv),
+        lambda device, args, checkpoint: run(device, quick=args.quick,
+                                             use_anchors=not args.no_anchors,
+                                             checkpoint=checkpoint),
+        emit=emit)
 
 
 if __name__ == "__main__":

@@ -288,6 +288,41 @@ def try_time(label: str, fn: Optional[Callable], device: torch.device, **kw) -> 
         return None
 
 
+def family_main(name: str, args: argparse.Namespace, run: Callable[..., List[Row]], *,
+                emit: bool = True, copy_bandwidth: bool = True,
+                after_table: Optional[Callable[[List[Row], torch.device], None]] = None) -> List[Row]:
+    """What every ``bench_<family>.main`` does around its ``run``.
+
+    Resolves the device, calls ``run(device, args, checkpoint)`` (``checkpoint(rows)`` writes the
+    rows measured so far, so a killed run keeps them), writes the results and prints the table
+    (or JSON with ``--json-only``). ``copy_bandwidth``: measure it (once, on GPU) for the
+    ``% copy`` column.
+    """
+    device = resolve_device(args.device)
+    log(f"bench {name} on {device} ({torch.get_num_threads()} threads)")
+    warn_if_busy(device)
+
+    @functools.lru_cache(maxsize=None)
+    def meta():  # measured once: the copy bandwidth takes a 1 GiB copy
+        measure = copy_bandwidth and device.type == "cuda"
+        return environment(device, measure_copy_bandwidth(device) if measure else None)
+
+    def checkpoint(rows):
+        return write_results(rows, name, device, meta())
+
+    rows = run(device, args, checkpoint)
+    log("wrote " + ", ".join(str(p) for p in checkpoint(rows)))
+    if emit:
+        if args.json_only:
+            print(json.dumps({"environment": meta(), "rows": [r.to_dict() for r in rows]},
+                             indent=2))
+        else:
+            print_table(rows, title=f"{name} on {meta()['device_name']} ({device})")
+            if after_table is not None:
+                after_table(rows, device)
+    return rows
+
+
 def format_us(value: Optional[float]) -> str:
     """Microseconds for progress lines; "-" when not measured."""
     return "-" if value is None else f"{value:.1f}"
