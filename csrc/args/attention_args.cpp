@@ -115,6 +115,14 @@ AttentionArgs check_attention_args(const at::Tensor& q, const at::Tensor& k_bloc
   return a;
 }
 
+std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const AttentionArgs& a,
+                                                              bool return_lse) {
+  const auto lse_options = a.q.options().dtype(at::kFloat);
+  return {at::empty({a.batch, a.block, a.heads, a.dim}, a.q.options()),
+          return_lse ? at::empty({a.batch, a.block, a.heads}, lse_options)
+                     : at::empty({0}, lse_options)};
+}
+
 at::Tensor check_append_args(const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& k_new, const at::Tensor& v_new,
                              const at::Tensor& num_new, const at::Tensor& cache_seqlens,

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 namespace dspark_ops {
 
@@ -24,6 +25,11 @@ AttentionArgs check_attention_args(const at::Tensor& q, const at::Tensor& k_bloc
                                    const std::optional<at::Tensor>& cache_slot,
                                    std::optional<double> softmax_scale,
                                    std::optional<int64_t> window);
+
+// out [B, G, Hq, D] in q's dtype, and lse float32 [B, G, Hq] (empty unless return_lse), on q's
+// device.
+std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const AttentionArgs& args,
+                                                              bool return_lse);
 
 // Checks append_context_kv's arguments; returns cache_slot made contiguous (undefined if absent).
 at::Tensor check_append_args(const at::Tensor& k_cache, const at::Tensor& v_cache,

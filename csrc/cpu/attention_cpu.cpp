@@ -132,9 +132,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cpu(
     std::optional<int64_t> window, bool return_lse) {
   const auto a = check_attention_args(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
                                       cache_slot, softmax_scale, window);
-  auto out = at::empty({a.batch, a.block, a.heads, a.dim}, q.options());
-  auto lse = return_lse ? at::empty({a.batch, a.block, a.heads}, q.options().dtype(at::kFloat))
-                        : at::empty({0}, q.options().dtype(at::kFloat));
+  auto [out, lse] = allocate_attention_outputs(a, return_lse);
   dispatch_logit_type(q.scalar_type(), [&](auto tag) {
     attend<decltype(tag)>(a, out, return_lse ? lse.data_ptr<float>() : nullptr);
   });

@@ -30,9 +30,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
                     "at most 65535 requests and 2^31 cache positions, got B = ", a.batch,
                     ", L = ", a.length);
   const c10::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty({a.batch, a.block, a.heads, a.dim}, q.options());
-  auto lse = return_lse ? at::empty({a.batch, a.block, a.heads}, q.options().dtype(at::kFloat))
-                        : at::empty({0}, q.options().dtype(at::kFloat));
+  auto [out, lse] = allocate_attention_outputs(a, return_lse);
 
   kernels::AttentionParams p{};
   p.q = a.q.const_data_ptr();
