@@ -11,6 +11,23 @@ TORCH_LIBRARY(dspark_ops, m) {
       "Tensor seed, Tensor position, Tensor? draft_logits=None, Tensor? target_start=None, "
       "Tensor? draft_temperature=None) -> (Tensor tokens, Tensor num_accepted, Tensor valid)",
       {at::Tag::pt2_compliant_tag});
+  // The sequential drafting stage (SPEC §3.2): the whole block of G slots in one call, each slot's
+  // logits corrected by W2 . W1[previous token] (Markov head) or W2 . tanh(o) (RNN head) and
+  // sampled from the draft stream; returns the tokens and the corrected pre-temperature logits.
+  m.def(
+      "markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, Tensor w2, Tensor temperature, "
+      "Tensor seed, Tensor position) -> (Tensor tokens, Tensor draft_logits)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, Tensor w1, Tensor w2, "
+      "Tensor joint_weight, Tensor joint_bias, Tensor temperature, Tensor seed, Tensor position) "
+      "-> (Tensor tokens, Tensor draft_logits)",
+      {at::Tag::pt2_compliant_tag});
+  // Conditional draft confidences sigmoid((w . [h_j; W1[x_j]] + b) / tau_j), float32 [B, G].
+  m.def(
+      "draft_confidence(Tensor hidden, Tensor prev_tokens, Tensor w1, Tensor weight, "
+      "Tensor? bias=None, Tensor? calib_temperature=None) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
   // Algorithm 1 (SPEC §3.4): per-request verify lengths admitted in survival order while
   // expected tokens x step rate strictly improves, stopping at the first admission that does not.
   m.def("schedule_verify(Tensor confidence, Tensor step_rate, Tensor? max_verify=None) -> Tensor",

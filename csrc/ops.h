@@ -25,6 +25,26 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
                          const std::optional<at::Tensor>& target_start,
                          const std::optional<at::Tensor>& draft_temperature);
 
+// Drafting family; a "backend" suffix per entry point.
+using DraftResult = std::tuple<at::Tensor, at::Tensor>;  // tokens, draft_logits
+#define DSPARK_OPS_DECLARE_DRAFT(backend)                                                       \
+  DraftResult markov_draft_##backend(const at::Tensor& base_logits, const at::Tensor& anchor,  \
+                                     const at::Tensor& w1, const at::Tensor& w2,               \
+                                     const at::Tensor& temperature, const at::Tensor& seed,    \
+                                     const at::Tensor& position);                              \
+  DraftResult rnn_draft_##backend(const at::Tensor& base_logits, const at::Tensor& anchor,     \
+                                  const at::Tensor& hidden, const at::Tensor& w1,              \
+                                  const at::Tensor& w2, const at::Tensor& joint_weight,        \
+                                  const at::Tensor& joint_bias, const at::Tensor& temperature, \
+                                  const at::Tensor& seed, const at::Tensor& position);         \
+  at::Tensor draft_confidence_##backend(const at::Tensor& hidden, const at::Tensor& prev_tokens, \
+                                        const at::Tensor& w1, const at::Tensor& weight,         \
+                                        const std::optional<at::Tensor>& bias,                  \
+                                        const std::optional<at::Tensor>& calib_temperature);
+DSPARK_OPS_DECLARE_DRAFT(cpu)
+DSPARK_OPS_DECLARE_DRAFT(cuda)
+#undef DSPARK_OPS_DECLARE_DRAFT
+
 // Scheduling family; a "backend" suffix per entry point.
 #define DSPARK_OPS_DECLARE_SCHEDULE(backend)                                                   \
   at::Tensor schedule_verify_##backend(const at::Tensor& confidence, const at::Tensor& step_rate, \

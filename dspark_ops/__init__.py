@@ -10,6 +10,14 @@ load_library()
 
 from . import reference  # noqa: E402
 from .ops.attention import append_context_kv, block_draft_attention  # noqa: E402
+from .ops.draft import (  # noqa: E402
+    DraftOutput,
+    draft_confidence,
+    expected_calibration_error,
+    fit_sequential_temperatures,
+    markov_draft,
+    rnn_draft,
+)
 from .ops.random import philox_uniform  # noqa: E402
 from .ops.schedule import (  # noqa: E402
     VerifyBatch,
@@ -23,16 +31,22 @@ from .ops.verify import VerifyOutput, verify  # noqa: E402
 
 __all__ = [
     "OPS",
+    "DraftOutput",
     "VerifyBatch",
     "VerifyOutput",
     "allocate_verify",
     "append_context_kv",
     "block_draft_attention",
+    "draft_confidence",
+    "expected_calibration_error",
+    "fit_sequential_temperatures",
+    "markov_draft",
     "pack_verify_inputs",
     "philox_uniform",
     "plan_verify_budget",
     "profile_step_rate",
     "reference",
+    "rnn_draft",
     "schedule_verify",
     "verify",
 ]

@@ -10,6 +10,9 @@ import torch
 # Every op of the library, in torch.ops.dspark_ops.
 OPS = (
     "verify",
+    "markov_draft",
+    "rnn_draft",
+    "draft_confidence",
     "schedule_verify",
     "plan_verify_budget",
     "allocate_verify",

@@ -23,6 +23,11 @@ __all__ = [
     "uniform_from_bits",
     "VerifyOutput",
     "verify",
+    "DraftOutput",
+    "draft_sample",
+    "markov_draft",
+    "rnn_draft",
+    "draft_confidence",
     "survivals",
     "schedule_verify",
     "plan_verify_budget",
@@ -219,6 +224,100 @@ def verify(
     tokens = torch.where(j < j_star[:, None], x, -1)
     tokens[b, j_star] = token
     return VerifyOutput(tokens, num_accepted.int(), ~invalid)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sequential drafting (SPEC §1 step 3, §3.2, §3.3).
+#
+# Slot j drafts x_{j+1} from z_j = base_logits[:, j] + W2 . bias_input_j, where bias_input_j is
+# W1[x_j] (Markov head) or tanh(o_j) (RNN head), x_0 the anchor. The head's arithmetic runs in
+# float64 (every product of two float32 numbers is exact there) and z_j is rounded to float32 once;
+# the stored z_j is the proposal: x_{j+1} ~ softmax(z_j / T), drawn by the Gumbel-max rule
+#   x = argmax_v  z_j(v) * (1/T) - log(E(v)),   E(v) = -log1p(-u_v),
+# u_v element v of the draft stream at position p0 + 1 + j (greedy, T <= 1e-5: argmax z_j, ties to
+# the lowest id). Non-finite z never wins; a row without a finite z yields token 0. An id outside
+# [0, V) (only on CUDA without value checks) embeds as a zero row.
+
+
+class DraftOutput(NamedTuple):
+    tokens: torch.Tensor  # int64 [B, G]: x_1..x_G
+    draft_logits: torch.Tensor  # float32 [B, G, V]: z_0..z_{G-1}, pre-temperature
+
+
+def _embed(w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """W1[ids] in float64; ids outside [0, V) give zero rows."""
+    in_range = (ids >= 0) & (ids < w1.shape[0])
+    rows = w1[ids.long().clamp(0, w1.shape[0] - 1)].double()
+    return torch.where(in_range[..., None], rows, 0.0)
+
+
+def draft_sample(
+    z: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
+) -> torch.Tensor:
+    """One token per row of float32 ``z [B, V]`` from softmax(z / T), drawn at ``position``."""
+    greedy = ~(temperature > GREEDY_TEMPERATURE)
+    inv_t = torch.where(greedy, 1.0, 1.0 / temperature)[:, None]
+    u = philox_uniform(seed, position, PURPOSE_DRAFT, z.shape[-1])
+    log_e = torch.log(-torch.log1p(-u))
+    key = torch.where(greedy[:, None], z, z * inv_t - log_e)
+    return torch.where(torch.isfinite(z), key, float("-inf")).argmax(-1)
+
+
+def _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2):
+    """The sequential walk shared by both heads; bias_input(j, prev) gives the [B, r] float64
+    vector that W2 maps to the logit bias of slot j."""
+    w2 = w2.double()
+    prev = anchor.long()
+    tokens, logits = [], []
+    for j in range(base_logits.shape[1]):
+        bias = bias_input(j, prev) @ w2.T
+        z = (bias + base_logits[:, j].double()).float()
+        prev = draft_sample(z, temperature, seed, position + 1 + j)
+        tokens.append(prev)
+        logits.append(z)
+    batch, block, vocab = base_logits.shape
+    if block == 0:
+        return DraftOutput(anchor.new_empty((batch, 0), dtype=torch.int64),
+                           base_logits.new_empty((batch, 0, vocab), dtype=torch.float32))
+    return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1))
+
+
+def markov_draft(base_logits, anchor, w1, w2, temperature, seed, position) -> DraftOutput:
+    """Markov head (SPEC §3.2): z_j = base_logits[:, j] + W2 . W1[x_j], one slot at a time."""
+    return _draft_block(base_logits, anchor, temperature, seed, position,
+                        lambda j, prev: _embed(w1, prev), w2)
+
+
+def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed,
+              position) -> DraftOutput:
+    """RNN head (SPEC §1 step 3): [g; c; o] = J [s_j; W1[x_j]; h_j] + b, bias W2 . tanh(o), then
+    s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), s_0 = 0."""
+    rank = w1.shape[1]
+    weight, bias = joint_weight.double(), joint_bias.double()
+    state = torch.zeros(base_logits.shape[0], rank, dtype=torch.float64, device=w1.device)
+
+    def bias_input(j, prev):
+        nonlocal state
+        u = torch.cat([state, _embed(w1, prev), hidden[:, j].double()], -1)
+        gate, candidate, output = (u @ weight.T + bias).split(rank, -1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)  # after this slot's bias input
+        return torch.tanh(output)
+
+    return _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2)
+
+
+def draft_confidence(hidden, prev_tokens, w1, weight, bias=None, calib_temperature=None):
+    """c_j = sigmoid(logit_j / tau_j), logit_j = w . [h_j; W1[x_j]] + b in float64 rounded to
+    float32 (SPEC §3.3); float32 [B, G]."""
+    features = torch.cat([hidden.double(), _embed(w1, prev_tokens)], -1)
+    logit = features @ weight.double()
+    if bias is not None:
+        logit = logit + bias.double().reshape(())
+    logit = logit.float()
+    if calib_temperature is not None:
+        logit = logit / calib_temperature.float()
+    return torch.sigmoid(logit)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,288 @@
+"""Semi-autoregressive drafting: the Markov and RNN heads and the confidence head (SPEC §3.2-3.3).
+
+The parallel backbone gives base logits for all G block slots in one pass; a thin sequential head
+then walks the slots, adding to slot j's logits a low-rank bias that depends on the token just
+drafted, and samples the next token from the corrected distribution. Each op here runs the whole
+walk in one call and returns the corrected logits it sampled from, so :func:`verify` sees exactly
+the proposal distribution. :func:`fit_sequential_temperatures` calibrates the confidence head.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..reference import DraftOutput
+
+__all__ = [
+    "DraftOutput",
+    "markov_draft",
+    "rnn_draft",
+    "draft_confidence",
+    "expected_calibration_error",
+    "fit_sequential_temperatures",
+]
+
+_SHARED_PARAMETERS = """
+    base_logits : torch.Tensor
+        float32/bfloat16/float16 ``[B, G, V]``: the backbone's logits of the G block slots (slot
+        ``j`` predicts ``x_{j+1}``); any strides (a copy is made unless the last one is 1).
+    anchor : torch.Tensor
+        int64 or int32 ``[B]``: ``x_0``, the last token the target emitted, in ``[0, V)``."""
+
+_SHARED_SAMPLING = """
+    temperature : torch.Tensor
+        float32 ``[B]``: draft temperature, finite and ``>= 0``; ``<= 1e-5`` is greedy (argmax,
+        ties to the lowest id). Greedy and sampled requests mix in one call.
+    seed : torch.Tensor or None
+        int64 ``[B]``: per-request seeds; ``None`` draws them from ``generator``.
+    position : torch.Tensor
+        int64 ``[B]``: absolute position ``p0`` of each anchor, in ``[0, 2**62]``. Slot ``j``
+        draws from the draft stream of position ``p0 + 1 + j`` only (the acceptance and
+        resampling streams :func:`verify` uses at that position are independent of it)."""
+
+_SHARED_RETURNS = """
+    Returns
+    -------
+    DraftOutput
+        ``tokens`` int64 ``[B, G]`` (``x_1..x_G``, always in ``[0, V)``: a slot with no finite
+        logit yields 0, which :func:`verify` then reports as invalid) and ``draft_logits``
+        float32 ``[B, G, V]``: ``z_j`` before temperature, exactly the values ``x_{j+1}`` was
+        sampled from. Pass them to :func:`verify` as ``draft_logits`` with
+        ``draft_temperature=temperature``.
+
+    Notes
+    -----
+    Sampling is the Gumbel-max rule ``argmax_v z_j(v) / T - log(E_v)``, ``E_v = -log1p(-u_v)``,
+    with Philox uniforms ``u`` that depend only on ``(seed, p0 + 1 + j, v)``, so a request's
+    drafts do not depend on its batch neighbours. The head's dot products are float64 on CPU and
+    in the reference (``z`` rounded once to float32) and float32 (tensor cores for 16-bit weights)
+    on CUDA. No host synchronisation on CUDA; value checks (ids, positions, temperatures) always
+    run on CPU and on CUDA with ``DSPARK_OPS_DEBUG=1``. Without them an out-of-range id embeds as
+    a zero row instead of being read out of bounds."""
+
+
+def _seed_or_draw(seed, batch, device, generator):
+    if seed is not None:
+        return seed
+    return torch.randint(0, 2**62, (batch,), generator=generator, device=device, dtype=torch.int64)
+
+
+def markov_draft(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: Optional[torch.Tensor],
+    position: torch.Tensor,
+    *,
+    generator: Optional[torch.Generator] = None,
+) -> DraftOutput:
+    seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
+    tokens, draft_logits = torch.ops.dspark_ops.markov_draft(
+        base_logits, anchor, w1, w2, temperature, seed, position
+    )
+    return DraftOutput(tokens, draft_logits)
+
+
+markov_draft.__doc__ = f"""Drafts a whole block with the Markov head in one call (SPEC §3.2).
+
+    For slot ``j = 0..G-1``: ``z_j = base_logits[:, j] + W2 . W1[x_j]`` (``x_0`` = anchor, so
+    even slot 0 is biased) and ``x_{{j+1}} ~ softmax(z_j / T)``.
+
+    Parameters
+    ----------{_SHARED_PARAMETERS}
+    w1 : torch.Tensor
+        ``[V, r]`` previous-token embedding (``markov_head.markov_w1.weight``).
+    w2 : torch.Tensor
+        ``[V, r]`` logit projection (``markov_head.markov_w2.weight``, the ``nn.Linear(r, V)``
+        weight), in ``w1``'s dtype (float32, bfloat16 or float16); ``1 <= r <= 1024``.{_SHARED_SAMPLING}
+    generator : torch.Generator, optional
+        Only used to draw ``seed`` when it is ``None``.
+{_SHARED_RETURNS}
+    """
+
+
+def rnn_draft(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    joint_weight: torch.Tensor,
+    joint_bias: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: Optional[torch.Tensor],
+    position: torch.Tensor,
+    *,
+    generator: Optional[torch.Generator] = None,
+) -> DraftOutput:
+    seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
+    tokens, draft_logits = torch.ops.dspark_ops.rnn_draft(
+        base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position
+    )
+    return DraftOutput(tokens, draft_logits)
+
+
+rnn_draft.__doc__ = f"""Drafts a whole block with the RNN head in one call (SPEC §1 step 3).
+
+    For slot ``j``: ``[g; c; o] = J [s_j; W1[x_j]; h_j] + b`` (``J = joint_weight``, rows split
+    as gate, candidate, output), ``z_j = base_logits[:, j] + W2 . tanh(o)``,
+    ``x_{{j+1}} ~ softmax(z_j / T)``, then ``s_{{j+1}} = sigmoid(g) * s_j + (1 - sigmoid(g)) *
+    tanh(c)`` with ``s_0 = 0`` (the bias of slot j uses the state before its update).
+
+    Parameters
+    ----------{_SHARED_PARAMETERS}
+    hidden : torch.Tensor
+        float32/bfloat16/float16 ``[B, G, d]``: the backbone's hidden state ``h_j`` of each slot.
+    w1, w2 : torch.Tensor
+        ``[V, r]`` as in :func:`markov_draft`.
+    joint_weight : torch.Tensor
+        ``[3r, 2r + d]`` in ``w1``'s dtype; input columns ordered ``[s; W1[x]; h]``.
+    joint_bias : torch.Tensor
+        ``[3r]`` in ``w1``'s dtype.{_SHARED_SAMPLING}
+    generator : torch.Generator, optional
+        Only used to draw ``seed`` when it is ``None``.
+{_SHARED_RETURNS}
+    """
+
+
+def draft_confidence(
+    hidden: torch.Tensor,
+    prev_tokens: torch.Tensor,
+    w1: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    calib_temperature: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Conditional confidences of the drafts (SPEC §3.3).
+
+    ``c_j = sigmoid((w . [h_j; W1[x_j]] + b) / tau_j)``: the probability that draft ``x_{j+1}``
+    survives verification given that ``x_1..x_j`` did. The survival of the first ``j + 1`` drafts
+    is the cumulative product, which :func:`schedule_verify` takes.
+
+    Parameters
+    ----------
+    hidden : torch.Tensor
+        float32/bfloat16/float16 ``[B, G, d]``: the tensor that feeds the LM head.
+    prev_tokens : torch.Tensor
+        int64 or int32 ``[B, G]``: ``[anchor, x_1, ..., x_{G-1}]``, in ``[0, V)``.
+    w1 : torch.Tensor
+        ``[V, r]``: the Markov head's embedding.
+    weight : torch.Tensor
+        ``[d + r]``: the confidence head's ``nn.Linear(d + r, 1)`` weight (flattened).
+    bias : torch.Tensor, optional
+        A one-element tensor: the head's bias.
+    calib_temperature : torch.Tensor, optional
+        float32 ``[G]``, finite and ``> 0``: per-slot calibration temperatures (see
+        :func:`fit_sequential_temperatures`); default 1.
+
+    Returns
+    -------
+    torch.Tensor
+        float32 ``[B, G]`` confidences in ``[0, 1]``. The dot product is float64 on CPU (float32
+        on CUDA); the logit is rounded to float32 before the temperature and sigmoid.
+    """
+    return torch.ops.dspark_ops.draft_confidence(
+        hidden, prev_tokens, w1, weight, bias, calib_temperature
+    )
+
+
+def expected_calibration_error(
+    probability: torch.Tensor, outcome: torch.Tensor, num_bins: int = 20
+) -> float:
+    """ECE over equal-width bins of ``[0, 1]``: ``sum_bins (n_bin / n) |mean p - mean outcome|``."""
+    p = probability.double().flatten()
+    y = outcome.double().flatten()
+    if p.numel() == 0:
+        return 0.0
+    bins = (p * num_bins).long().clamp(0, num_bins - 1)
+    gap = torch.zeros(num_bins, dtype=torch.float64, device=p.device).index_add_(0, bins, p - y)
+    return float(gap.abs().sum() / p.numel())
+
+
+def fit_sequential_temperatures(
+    confidence_logits: torch.Tensor,
+    num_accepted: torch.Tensor,
+    *,
+    num_verified: Optional[torch.Tensor] = None,
+    grid: Optional[torch.Tensor] = None,
+    num_bins: int = 20,
+) -> torch.Tensor:
+    """Sequential temperature scaling of the confidence head (DSpark §3.2.1).
+
+    From left to right, slot ``k``'s temperature is the grid value minimising the expected
+    calibration error of the survival ``prod_{i<=k} sigmoid(z_i / tau_i)`` against the outcome
+    "the first ``k + 1`` drafts were all accepted", with the temperatures of earlier slots held
+    fixed. Temperature scaling keeps each slot's ranking, so it changes what the scheduler
+    believes, never the order in which it admits a request's drafts.
+
+    Parameters
+    ----------
+    confidence_logits : torch.Tensor
+        ``[N, G]`` held-out confidence logits (``w . [h_j; W1[x_j]] + b``, before the sigmoid).
+    num_accepted : torch.Tensor
+        int ``[N]``: how many drafts of each sample were accepted (``verify``'s ``num_accepted``).
+    num_verified : torch.Tensor, optional
+        int ``[N]``: how many drafts of each sample were verified (default ``G``); slot ``k`` is
+        fitted on the samples with ``num_verified > k`` only.
+    grid : torch.Tensor, optional
+        Candidate temperatures (positive); default 241 values spaced geometrically over
+        ``[0.05, 20]``, plus 1.
+    num_bins : int
+        Bins of the calibration error (20, as DeepSpec's evaluator uses).
+
+    Returns
+    -------
+    torch.Tensor
+        float32 ``[G]``: ``calib_temperature`` for :func:`draft_confidence`.
+    """
+    logits = confidence_logits.double()
+    samples, block = logits.shape
+    accepted = num_accepted.long().to(logits.device)
+    verified = (
+        torch.full_like(accepted, block) if num_verified is None
+        else num_verified.long().to(logits.device)
+    )
+    if grid is None:
+        grid = torch.cat([torch.logspace(-1.30103, 1.30103, 241, dtype=torch.float64),
+                          torch.ones(1, dtype=torch.float64)])
+    grid = grid.double().to(logits.device)
+    temperatures = torch.ones(block, dtype=torch.float64, device=logits.device)
+    survival_before = torch.ones(samples, dtype=torch.float64, device=logits.device)
+    for k in range(block):
+        seen = verified > k
+        outcome = (accepted > k).double()
+        if bool(seen.any()):
+            errors = [
+                expected_calibration_error(
+                    (survival_before * torch.sigmoid(logits[:, k] / t))[seen], outcome[seen],
+                    num_bins,
+                )
+                for t in grid.tolist()
+            ]
+            temperatures[k] = grid[int(torch.tensor(errors).argmin())]
+        survival_before = survival_before * torch.sigmoid(logits[:, k] / temperatures[k])
+    return temperatures.float()
+
+
+@torch.library.register_fake("dspark_ops::markov_draft")
+def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position):
+    torch._check(base_logits.dim() == 3, lambda: "markov_draft(): 'base_logits' must be 3-D")
+    batch, block, _ = base_logits.shape
+    return (base_logits.new_empty((batch, block), dtype=torch.int64),
+            base_logits.new_empty(base_logits.shape, dtype=torch.float32))
+
+
+@torch.library.register_fake("dspark_ops::rnn_draft")
+def _rnn_draft_fake(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature,
+                    seed, position):
+    return _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position)
+
+
+@torch.library.register_fake("dspark_ops::draft_confidence")
+def _draft_confidence_fake(hidden, prev_tokens, w1, weight, bias=None, calib_temperature=None):
+    torch._check(hidden.dim() == 3, lambda: "draft_confidence(): 'hidden' must be 3-D")
+    return hidden.new_empty(hidden.shape[:2], dtype=torch.float32)
