@@ -1,0 +1,181 @@
+// CUDA entry points of the drafting family: checks, device guard, group plan, workspace, dtype
+// dispatch, launch. The kernels live in kernels/draft.cuh.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../args/draft_args.h"
+#include "../common/cuda_utils.h"
+#include "../common/dispatch.h"
+#include "../kernels/draft.cuh"
+#include "../ops.h"
+
+namespace dspark_ops {
+namespace {
+
+int logit_type(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? kernels::kLogitBFloat16
+         : dtype == at::kHalf   ? kernels::kLogitHalf
+                                : kernels::kLogitFloat;
+}
+
+bool rows_aligned(const at::Tensor& w) {
+  const int64_t per16 = 16 / static_cast<int64_t>(w.element_size());
+  return reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 == 0 && w.stride(0) % per16 == 0;
+}
+
+kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits) {
+  kernels::DraftParams p{};
+  p.w1 = a.w1.const_data_ptr();
+  p.w1_stride = a.w1.stride(0);
+  p.w2 = a.w2.const_data_ptr();
+  p.w2_stride = a.w2.stride(0);
+  p.w2_aligned = rows_aligned(a.w2);
+  p.base = a.base.const_data_ptr();
+  p.base_type = logit_type(a.base.scalar_type());
+  p.base_stride_b = a.base.stride(0);
+  p.base_stride_j = a.base.stride(1);
+  p.anchor = a.anchor.const_data_ptr();
+  p.anchor_int32 = a.anchor.scalar_type() == at::kInt;
+  p.temperature = a.temperature.const_data_ptr<float>();
+  p.seed = a.seed.const_data_ptr<int64_t>();
+  p.position = a.position.const_data_ptr<int64_t>();
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.draft_logits = logits.data_ptr<float>();
+  p.batch = static_cast<int>(a.batch);
+  p.block = static_cast<int>(a.block);
+  p.rank = static_cast<int>(a.rank);
+  p.vocab = a.vocab;
+  p.num_tiles = static_cast<int>((a.vocab + kernels::kTileRows - 1) / kernels::kTileRows);
+  return p;
+}
+
+// Requests per block: up to 64, halved until the bias inputs fit the shared-memory budget.
+template <typename W, bool kRnn>
+int group_size(int64_t batch, int64_t rank) {
+  int size = kernels::kMaxGroup;
+  while (size > 8 && kernels::draft_shared_bytes<W, kRnn>(size, static_cast<int>(rank)) >
+                         kernels::kMaxInputBytes) {
+    size /= 2;
+  }
+  // No wider than the batch (rounded up to whole MMA column tiles of 8).
+  return static_cast<int>(std::min<int64_t>(size, std::max<int64_t>(8, (batch + 7) / 8 * 8)));
+}
+
+template <bool kRnn>
+void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
+               kernels::DraftParams p) {
+  dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
+    using W = cuda_type_t<decltype(w_tag)>;
+    p.group_size = group_size<W, kRnn>(a.batch, a.rank);
+    const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;
+    TORCH_CHECK_VALUE(groups <= 65535, kRnn ? "rnn_draft" : "markov_draft",
+                      "(): too many requests for one call on CUDA: ", a.batch);
+    // Workspace: packed per-request maxima [G, B] and arrival counters [G, groups], zeroed.
+    const int64_t best_bytes = a.block * a.batch * 8;
+    auto workspace = at::zeros({best_bytes + a.block * groups * 4}, a.base.options().dtype(at::kByte));
+    p.best = reinterpret_cast<unsigned long long*>(workspace.data_ptr<uint8_t>());
+    p.arrivals = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + best_bytes);
+    at::Tensor rnn_workspace;
+    if (kRnn) {
+      rnn_workspace = at::zeros({a.batch * 4 * a.rank}, a.base.options().dtype(at::kFloat));
+      p.state = rnn_workspace.data_ptr<float>();
+      p.preactivation = p.state + a.batch * a.rank;
+    }
+    const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
+    const int64_t resident = int64_t{kernels::draft_blocks_per_sm<W, kRnn>(shared_bytes)} *
+                             multiprocessor_count(a.base.get_device());
+    const int grid_tiles = static_cast<int>(
+        std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
+    C10_CUDA_CHECK((kernels::launch_draft<W, kRnn>(p, grid_tiles,
+                                                   c10::cuda::getCurrentCUDAStream())));
+  });
+}
+
+}  // namespace
+
+DraftResult markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor,
+                              const at::Tensor& w1, const at::Tensor& w2,
+                              const at::Tensor& temperature, const at::Tensor& seed,
+                              const at::Tensor& position) {
+  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position);
+  const c10::cuda::CUDAGuard guard(base_logits.device());
+  auto [tokens, draft_logits] = allocate_draft_outputs(a);
+  if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
+  run_draft<false>(a, tokens, draft_logits, draft_params(a, tokens, draft_logits));
+  return {tokens, draft_logits};
+}
+
+DraftResult rnn_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor,
+                           const at::Tensor& hidden, const at::Tensor& w1, const at::Tensor& w2,
+                           const at::Tensor& joint_weight, const at::Tensor& joint_bias,
+                           const at::Tensor& temperature, const at::Tensor& seed,
+                           const at::Tensor& position) {
+  const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
+                                      joint_bias, temperature, seed, position);
+  const c10::cuda::CUDAGuard guard(base_logits.device());
+  auto [tokens, draft_logits] = allocate_draft_outputs(a);
+  if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
+  auto p = draft_params(a, tokens, draft_logits);
+  p.hidden = a.hidden.const_data_ptr();
+  p.hidden_type = logit_type(a.hidden.scalar_type());
+  p.hidden_stride_b = a.hidden.stride(0);
+  p.hidden_stride_j = a.hidden.stride(1);
+  p.hidden_size = static_cast<int>(a.hidden_size);
+  p.joint_weight = a.joint_weight.const_data_ptr();
+  p.joint_stride = a.joint_weight.stride(0);
+  p.joint_bias = a.joint_bias.const_data_ptr();
+  run_draft<true>(a, tokens, draft_logits, p);
+  return {tokens, draft_logits};
+}
+
+at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& prev_tokens,
+                                 const at::Tensor& w1, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias,
+                                 const std::optional<at::Tensor>& calib_temperature) {
+  const auto a = check_confidence_args(hidden, prev_tokens, w1, weight, bias, calib_temperature);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  auto out = at::empty({a.batch, a.block}, a.hidden.options().dtype(at::kFloat));
+  kernels::ConfidenceParams p{};
+  p.hidden = a.hidden.const_data_ptr();
+  p.hidden_type = logit_type(a.hidden.scalar_type());
+  p.hidden_stride_b = a.hidden.stride(0);
+  p.hidden_stride_j = a.hidden.stride(1);
+  p.prev_tokens = a.prev_tokens.const_data_ptr();
+  p.ids_int32 = a.prev_tokens.scalar_type() == at::kInt;
+  p.id_stride_b = a.prev_tokens.stride(0);
+  p.id_stride_j = a.prev_tokens.stride(1);
+  p.w1 = a.w1.const_data_ptr();
+  p.w1_stride = a.w1.stride(0);
+  p.weight = a.weight.const_data_ptr();
+  p.weight_type = logit_type(a.weight.scalar_type());
+  p.bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
+  p.bias_type = a.bias.defined() ? logit_type(a.bias.scalar_type()) : kernels::kLogitFloat;
+  p.calib_temperature =
+      a.calib_temperature.defined() ? a.calib_temperature.const_data_ptr<float>() : nullptr;
+  p.out = out.data_ptr<float>();
+  p.batch = static_cast<int>(a.batch);
+  p.block = static_cast<int>(a.block);
+  p.rank = static_cast<int>(a.rank);
+  p.hidden_size = static_cast<int>(a.hidden_size);
+  p.vocab = a.vocab;
+  dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
+    using W = cuda_type_t<decltype(w_tag)>;
+    C10_CUDA_CHECK((kernels::launch_draft_confidence<W>(p, c10::cuda::getCurrentCUDAStream())));
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) {
+  m.impl("markov_draft", &markov_draft_cuda);
+  m.impl("rnn_draft", &rnn_draft_cuda);
+  m.impl("draft_confidence", &draft_confidence_cuda);
+}
+
+}  // namespace dspark_ops

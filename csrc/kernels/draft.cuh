@@ -1,0 +1,618 @@
+// CUDA kernels of the drafting family (SPEC §3.2, §3.3), torch-free.
+//
+// Math: kernels/draft_math.h (shared with the CPU kernel). Input contract: DraftParams and
+// ConfidenceParams below; the ATen glue in cuda/draft_cuda.cu checks shapes, dtypes and devices.
+// Ids are not trusted: an id outside [0, V) embeds as a zero row and is never used as an address.
+//
+// markov_draft: one launch of draft_slot_kernel per slot j (G launches, no host work between).
+//   Grid (tiles, request groups): a block takes up to 64 requests and walks 128-row tiles of the
+//   vocabulary. Its prologue gathers the group's bias inputs W1[x_j] (x_j = the anchor, or the token
+//   the previous launch wrote) into shared memory; per tile each warp multiplies 16 rows of W2 by
+//   all of them with mma.sync m16n8k16 (bf16/fp16 in, float32 accumulate; float32 weights use
+//   CUDA-core FMAs in the same register layout), so W2 is read from HBM once per slot for up to 64
+//   requests. The epilogue adds the base logits, stores z = draft_logits, and computes Gumbel-max
+//   keys z/T - log(-log1p(-u)) with Philox uniforms (a lane computes one Philox block and four
+//   lanes trade words by shuffles, so no block is computed twice); an element whose key bound
+//   z/T + 1/u - 1 is below the best key seen so far skips the logarithms. Warp maxima go to shared
+//   memory, block maxima to one packed 64-bit atomicMax per request (key order, then lower id), and
+//   the last block of the group to arrive (threadfence + arrival counter) writes the tokens, which
+//   the next slot's launch reads. A persistent kernel with a grid barrier per slot would save
+//   G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
+// rnn_draft: per slot, rnn_head_kernel computes [g; c; o] = J [s; W1[x]; h] + b for every request
+//   (each warp 4 rows of J x 8 requests, float32), then draft_slot_kernel runs as above with the
+//   activation tanh(o) split into a high and a low 16-bit part (two MMAs against the same W2
+//   fragments: ~16-bit mantissa instead of 8), and its first block per group advances the state.
+// draft_confidence: one warp per (request, slot) row; float32 dot product, warp reduction.
+//
+// Float32 accumulation in an order of the hardware's choosing, so draft_logits match the float64
+// reference to ~1e-6 relative and tokens match except at float-rounding near-ties.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "draft_math.h"
+#include "verify_math.h"
+
+namespace dspark_ops::kernels {
+
+constexpr int kDraftThreads = 256;
+constexpr int kDraftWarps = kDraftThreads / 32;
+constexpr int kTileRows = 16 * kDraftWarps;  // vocabulary rows per block tile: 16 per warp
+constexpr int kMaxGroup = 64;                // requests per block: 8 MMA column tiles of 8
+constexpr int kKChunk = 32;                  // k per fragment load (two m16n8k16 steps)
+constexpr int kChunksInFlight = 4;           // W2 fragment loads issued before the first MMA
+// Dynamic shared memory per block, below the 48 KB that needs no opt-in (GroupSampling is static).
+constexpr int kMaxInputBytes = 44 * 1024;
+
+enum LogitType : int { kLogitFloat = 0, kLogitBFloat16 = 1, kLogitHalf = 2 };
+
+__device__ __forceinline__ float load_float(const void* p, int type, int64_t i) {
+  switch (type) {
+    case kLogitBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case kLogitHalf: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+template <typename W> __device__ __forceinline__ float to_float(W v);
+template <> __device__ __forceinline__ float to_float(float v) { return v; }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename W> __device__ __forceinline__ W from_float(float v);
+template <> __device__ __forceinline__ float from_float(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+
+struct DraftParams {
+  const void* w1;  // [V, r] of type W, unit stride along r
+  int64_t w1_stride;
+  const void* w2;  // [V, r] of type W, unit stride along r
+  int64_t w2_stride;
+  bool w2_aligned;  // rows start 16-byte aligned: vector fragment loads
+  const void* base;  // [B, G, V], unit stride along V, LogitType base_type
+  int base_type;
+  int64_t base_stride_b, base_stride_j;
+  const void* anchor;  // int32 or int64 [B]
+  bool anchor_int32;
+  const float* temperature;
+  const int64_t* seed;
+  const int64_t* position;
+  int64_t* tokens;      // [B, G]
+  float* draft_logits;  // [B, G, V]
+  // rnn_draft only.
+  const void* hidden;  // [B, G, d], unit stride along d, LogitType hidden_type
+  int hidden_type;
+  int64_t hidden_stride_b, hidden_stride_j;
+  const void* joint_weight;  // [3r, 2r + d] of type W, unit stride along columns
+  int64_t joint_stride;
+  const void* joint_bias;  // [3r] of type W
+  float* preactivation;    // [B, 3r] workspace
+  float* state;            // [B, r] workspace, zero-initialised
+  // Workspace, zero-initialised.
+  unsigned long long* best;  // [G, B] packed candidates
+  int32_t* arrivals;         // [G, groups]
+  int batch, block, rank, hidden_size, group_size, num_tiles, slot;
+  int64_t vocab;
+};
+
+// x_j of request b: the anchor for slot 0, else the token the previous slot's launch wrote.
+__device__ __forceinline__ int64_t previous_token(const DraftParams& p, int b) {
+  if (p.slot == 0) {
+    return p.anchor_int32 ? static_cast<const int32_t*>(p.anchor)[b]
+                          : static_cast<const int64_t*>(p.anchor)[b];
+  }
+  return p.tokens[int64_t{b} * p.block + p.slot - 1];
+}
+
+// Shared-memory row stride (elements) of the bias inputs: 64 extra bytes for 16-bit types and 16
+// for float32 keep the fragment reads of one quarter-warp on distinct banks.
+template <typename W>
+__host__ __device__ constexpr int input_stride(int padded_rank) {
+  return sizeof(W) == 2 ? padded_rank + 32 : padded_rank + 4;
+}
+
+__host__ __device__ constexpr int padded_rank(int rank) { return (rank + kKChunk - 1) / kKChunk * kKChunk; }
+
+// Passes over W2 per tile: the RNN activation enters 16-bit MMAs as a high and a low part.
+template <typename W, bool kRnn>
+constexpr int input_passes() { return kRnn && sizeof(W) == 2 ? 2 : 1; }
+
+template <typename W, bool kRnn>
+__host__ int draft_shared_bytes(int group_size, int rank) {
+  return input_passes<W, kRnn>() * group_size * input_stride<W>(padded_rank(rank)) * int{sizeof(W)};
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tensor-core fragments. Lane (g = lane / 4, t = lane % 4) of a warp owns W2 rows g and g + 8 of
+// its 16-row tile and, for each k chunk of 32, the 8 consecutive k at 8t: that is one 16-byte
+// load per row, feeding two m16n8k16 MMAs. The MMA's k positions {2t, 2t+1, 2t+8, 2t+9} map to
+// k = 8t + {0..3} in the first MMA and 8t + {4..7} in the second; the B fragment (bias inputs of
+// request g of the column tile) uses the same map, so the sum over k is unchanged.
+
+struct Frag16 {
+  uint4 row_lo, row_hi;  // rows g and g + 8: 8 values each as 4 x 32-bit pairs
+};
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1, __nv_bfloat16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1, __half) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// Eight k values of one W2 row starting at k (zero past the rank or past the vocabulary).
+template <typename W>
+__device__ __forceinline__ uint4 load_w2_8(const DraftParams& p, int64_t v, int k) {
+  uint4 out = make_uint4(0, 0, 0, 0);
+  if (v >= p.vocab || k >= p.rank) return out;
+  const W* row = static_cast<const W*>(p.w2) + v * p.w2_stride;
+  if (p.w2_aligned && k + 8 <= p.rank) return __ldg(reinterpret_cast<const uint4*>(row + k));
+  W* e = reinterpret_cast<W*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = k + i < p.rank ? row[k + i] : from_float<W>(0.f);
+  return out;
+}
+
+// acc[nt] += W2[16 rows] x inputs[column tile nt] over all k, for 16-bit weights.
+template <typename W, int kPasses>
+__device__ __forceinline__ void tile_products(const DraftParams& p, int64_t row0,
+                                              const W* inputs, int stride, int plane,
+                                              int column_tiles, float (&acc)[kMaxGroup / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int chunks = padded_rank(p.rank) / kKChunk;
+  for (int c0 = 0; c0 < chunks; c0 += kChunksInFlight) {
+    Frag16 a[kChunksInFlight];
+#pragma unroll
+    for (int i = 0; i < kChunksInFlight; ++i) {
+      if (c0 + i < chunks) {
+        const int k = (c0 + i) * kKChunk + 8 * t;
+        a[i].row_lo = load_w2_8<W>(p, row0 + g, k);
+        a[i].row_hi = load_w2_8<W>(p, row0 + g + 8, k);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksInFlight; ++i) {
+      if (c0 + i >= chunks) break;
+      const int k = (c0 + i) * kKChunk + 8 * t;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+#pragma unroll
+        for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
+          if (nt >= column_tiles) break;
+          const W* in = inputs + (pass * plane + nt * 8 + g) * stride + k;
+          const uint4 b = *reinterpret_cast<const uint4*>(in);
+          mma_16816(acc[nt], a[i].row_lo.x, a[i].row_hi.x, a[i].row_lo.y, a[i].row_hi.y, b.x, b.y,
+                    W{});
+          mma_16816(acc[nt], a[i].row_lo.z, a[i].row_hi.z, a[i].row_lo.w, a[i].row_hi.w, b.z, b.w,
+                    W{});
+        }
+      }
+    }
+  }
+}
+
+// The same products for float32 weights on CUDA cores, in the MMA's accumulator layout: lane
+// (g, t) sums over all k for rows g, g + 8 and requests 2t, 2t + 1 of each column tile.
+template <>
+__device__ __forceinline__ void tile_products<float, 1>(const DraftParams& p, int64_t row0,
+                                                        const float* inputs, int stride, int,
+                                                        int column_tiles,
+                                                        float (&acc)[kMaxGroup / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float* rows[2] = {nullptr, nullptr};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t v = row0 + g + 8 * h;
+    if (v < p.vocab) rows[h] = static_cast<const float*>(p.w2) + v * p.w2_stride;
+  }
+  for (int k = 0; k < p.rank; k += 4) {
+    float a[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (rows[h] && p.w2_aligned && k + 4 <= p.rank) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(rows[h] + k));
+        a[h][0] = f.x, a[h][1] = f.y, a[h][2] = f.z, a[h][3] = f.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[h][e] = rows[h] && k + e < p.rank ? rows[h][k + e] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
+      if (nt >= column_tiles) break;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float4 b = *reinterpret_cast<const float4*>(inputs + (nt * 8 + 2 * t + q) * stride + k);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& c = acc[nt][2 * h + q];
+          c += a[h][0] * b.x;
+          c += a[h][1] * b.y;
+          c += a[h][2] * b.z;
+          c += a[h][3] * b.w;
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Epilogue helpers.
+
+__device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int mask) {
+  const uint32_t lo = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v), mask);
+  const uint32_t hi = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), mask);
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
+
+__device__ __forceinline__ uint32_t select_word(const Philox4& x, int i) {
+  return i == 0 ? x.x[0] : i == 1 ? x.x[1] : i == 2 ? x.x[2] : x.x[3];
+}
+
+// The key of a packed candidate (the inverse of pack_candidate's order map); -inf for none.
+__device__ __forceinline__ float candidate_key(unsigned long long packed) {
+  if (packed == 0) return -INFINITY;
+  const uint32_t ordered = static_cast<uint32_t>(packed >> 32);
+  return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+
+struct GroupSampling {
+  float inv_t[kMaxGroup];
+  int64_t seed[kMaxGroup];
+  int64_t position[kMaxGroup];  // p0 + 1 + j
+  bool greedy[kMaxGroup];
+  unsigned long long best[kMaxGroup];
+  bool any_sampled;
+};
+
+// Fills the group's bias inputs (kPasses planes of [group, stride] W values) and sampling state.
+template <typename W, bool kRnn>
+__device__ void load_group(const DraftParams& p, int first, int members, W* inputs, int stride,
+                           GroupSampling& s) {
+  constexpr int kPasses = input_passes<W, kRnn>();
+  const int plane = p.group_size;
+  const int width = padded_rank(p.rank);
+  for (int i = threadIdx.x; i < p.group_size; i += blockDim.x) {
+    const int b = first + i;
+    const float temperature = i < members ? p.temperature[b] : 0.f;
+    s.greedy[i] = is_greedy(temperature);
+    s.inv_t[i] = s.greedy[i] ? 1.f : 1.f / temperature;
+    s.seed[i] = i < members ? p.seed[b] : 0;
+    s.position[i] = i < members ? p.position[b] + 1 + p.slot : 0;
+    s.best[i] = 0;
+  }
+  for (int e = threadIdx.x; e < p.group_size * width; e += blockDim.x) {
+    const int i = e / width, k = e % width, b = first + i;
+    float value = 0.f;
+    if (i < members && k < p.rank) {
+      if (kRnn) {
+        value = tanhf(p.preactivation[(int64_t{b} * 3 + 2) * p.rank + k]);
+      } else {
+        const int64_t x = previous_token(p, b);
+        if (x >= 0 && x < p.vocab) value = to_float(static_cast<const W*>(p.w1)[x * p.w1_stride + k]);
+      }
+    }
+    const W hi = from_float<W>(value);
+    inputs[i * stride + k] = hi;
+    if (kPasses == 2) inputs[(plane + i) * stride + k] = from_float<W>(value - to_float(hi));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bool any = false;
+    for (int i = 0; i < members; ++i) any = any || !s.greedy[i];
+    s.any_sampled = any;
+  }
+  __syncthreads();
+}
+
+// Stores z and folds the keys of one 16-row x 8-request accumulator tile into s.best.
+__device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0, int first,
+                                              int members, int nt, const float (&c)[4],
+                                              GroupSampling& s) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, quad = g & 3;
+  // Philox: lane with quad position m computes block m of its quad's four, m = (rows g+8?, request
+  // 2t+1?), and the quad trades words so each lane holds word `quad` (its row's) of all four.
+  float u[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+  if (s.any_sampled) {
+    const int i_m = nt * 8 + 2 * t + (quad & 1);
+    const int64_t v_m = row0 + (g & ~3) + 8 * (quad >> 1);
+    const Philox4 block = philox_block(s.seed[i_m], s.position[i_m], kPurposeDraft,
+                                       static_cast<uint32_t>(v_m >> 2));
+#pragma unroll
+    for (int round = 0; round < 4; ++round) {
+      // Receiver at quad position q reads the lane at q ^ round, which sends word (its q) ^ round.
+      const uint32_t word = select_word(block, quad ^ round);
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, word, round << 2);
+      u[quad ^ round] = uniform_from_bits(got);  // the block of quad position quad ^ round
+    }
+  }
+  // The best keys so far of this lane's two requests (read atomically: other warps update them).
+  float seen_key[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int i = nt * 8 + 2 * t + q;
+    if (s.any_sampled && i < members) seen_key[q] = candidate_key(atomicAdd(&s.best[i], 0ull));
+  }
+  unsigned long long best[2] = {0, 0};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q
+    const int i = nt * 8 + 2 * t + q;
+    const int64_t v = row0 + g + 8 * h;
+    if (i >= members || v >= p.vocab) continue;
+    const int b = first + i;
+    const float z = c[e] + load_float(p.base, p.base_type,
+                                      b * p.base_stride_b + p.slot * p.base_stride_j + v);
+    p.draft_logits[(int64_t{b} * p.block + p.slot) * p.vocab + v] = z;
+    if (!isfinite(z)) continue;
+    float key;
+    if (s.greedy[i]) {
+      key = z;
+    } else {
+      // u of (row, request) is block m = 2h + q, word `quad`.
+      const float uu = u[2 * h + q];
+      const float zt = z * s.inv_t[i];
+      // key = zt - log(E) <= zt - log(u) <= zt + 1/u - 1 (E >= u): skip the logarithms when even
+      // that bound is clearly below the best key seen so far; near-ties are always computed.
+      const float seen = seen_key[q];
+      const float bound = zt + (1.f / uu - 1.f);
+      if (bound + 1e-4f * (1.f + fabsf(zt) + fabsf(seen)) < seen) continue;
+      key = zt - logf(-log1pf(-uu));
+      if (isnan(key)) continue;
+    }
+    const unsigned long long packed = pack_candidate(key, static_cast<int32_t>(v));
+    best[q] = packed > best[q] ? packed : best[q];
+  }
+  // Reduce over the 8 lanes of each t (rows), then lanes 0..3 publish requests 2t, 2t + 1.
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+#pragma unroll
+    for (int mask = 4; mask < 32; mask <<= 1) {
+      const unsigned long long other = shfl_xor_u64(best[q], mask);
+      best[q] = other > best[q] ? other : best[q];
+    }
+    const int i = nt * 8 + 2 * t + q;
+    if (g == 0 && best[q] != 0 && i < members) atomicMax(&s.best[i], best[q]);
+  }
+}
+
+// One slot of the block walk (see the file header).
+template <typename W, bool kRnn>
+__global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const DraftParams p) {
+  constexpr int kPasses = input_passes<W, kRnn>();
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  W* inputs = reinterpret_cast<W*>(shared_raw);
+  __shared__ GroupSampling s;
+  __shared__ bool last;
+  const int group = blockIdx.y;
+  const int first = group * p.group_size;
+  const int members = min(p.group_size, p.batch - first);
+  const int stride = input_stride<W>(padded_rank(p.rank));
+  load_group<W, kRnn>(p, first, members, inputs, stride, s);
+
+  const int column_tiles = (members + 7) / 8;
+  const int warp = threadIdx.x >> 5;
+  for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
+    const int64_t row0 = int64_t{tile} * kTileRows + 16 * warp;
+    if (row0 >= p.vocab) continue;
+    float acc[kMaxGroup / 8][4] = {};
+    tile_products<W, kPasses>(p, row0, inputs, stride, p.group_size, column_tiles, acc);
+#pragma unroll
+    for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
+      if (nt >= column_tiles) break;
+      tile_epilogue(p, row0, first, members, nt, acc[nt], s);
+    }
+  }
+  __syncthreads();
+
+  // Publish the block's best per request; the last block of the group writes the tokens.
+  unsigned long long* best = p.best + int64_t{p.slot} * p.batch;
+  for (int i = threadIdx.x; i < members; i += blockDim.x) {
+    if (s.best[i] != 0) atomicMax(best + first + i, s.best[i]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int groups = gridDim.y;
+    last = atomicAdd(p.arrivals + p.slot * groups + group, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    for (int i = threadIdx.x; i < members; i += blockDim.x) {
+      const int32_t id = candidate_id(__ldcg(best + first + i));
+      p.tokens[int64_t{first + i} * p.block + p.slot] = id < 0 ? 0 : id;
+    }
+  }
+  if (kRnn && blockIdx.x == 0) {
+    // s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c); rnn_head_kernel of this slot has
+    // read s_j already, and the next one runs after this launch.
+    for (int e = threadIdx.x; e < members * p.rank; e += blockDim.x) {
+      const int i = e / p.rank, k = e % p.rank, b = first + i;
+      const float* pre = p.preactivation + int64_t{b} * 3 * p.rank;
+      const float gate = 1.f / (1.f + expf(-pre[k]));
+      float& state = p.state[int64_t{b} * p.rank + k];
+      state = gate * state + (1.f - gate) * tanhf(pre[p.rank + k]);
+    }
+  }
+}
+
+// [g; c; o] = J [s; W1[x]; h] + b for slot p.slot. Grid (3r / 32, ceil(B / 8)): warp w of block
+// (x, y) computes rows 32x + 4w .. +4 of J for requests 8y .. 8y + 8, lanes striding over the input.
+constexpr int kHeadRowsPerWarp = 4;
+constexpr int kHeadRequests = 8;
+
+template <typename W>
+__global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * kDraftWarps + warp) * kHeadRowsPerWarp;
+  const int b0 = blockIdx.y * kHeadRequests;
+  const int rows = 3 * p.rank;
+  if (row0 >= rows) return;
+  const W* joint = static_cast<const W*>(p.joint_weight);
+  const W* w1 = static_cast<const W*>(p.w1);
+  float acc[kHeadRowsPerWarp][kHeadRequests] = {};
+  int64_t x[kHeadRequests];
+#pragma unroll
+  for (int q = 0; q < kHeadRequests; ++q) x[q] = b0 + q < p.batch ? previous_token(p, b0 + q) : -1;
+  const int width = 2 * p.rank + p.hidden_size;
+  for (int k = lane; k < width; k += 32) {
+    float weight[kHeadRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+      weight[r] = row0 + r < rows ? to_float(joint[int64_t{row0 + r} * p.joint_stride + k]) : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < kHeadRequests; ++q) {
+      const int b = b0 + q;
+      if (b >= p.batch) break;
+      float in;
+      if (k < p.rank) {
+        in = p.state[int64_t{b} * p.rank + k];
+      } else if (k < 2 * p.rank) {
+        in = x[q] >= 0 && x[q] < p.vocab ? to_float(w1[x[q] * p.w1_stride + k - p.rank]) : 0.f;
+      } else {
+        in = load_float(p.hidden, p.hidden_type,
+                        b * p.hidden_stride_b + p.slot * p.hidden_stride_j + k - 2 * p.rank);
+      }
+#pragma unroll
+      for (int r = 0; r < kHeadRowsPerWarp; ++r) acc[r][q] += weight[r] * in;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+#pragma unroll
+    for (int q = 0; q < kHeadRequests; ++q) {
+      float v = acc[r][q];
+#pragma unroll
+      for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+      const int b = b0 + q;
+      if (lane == 0 && b < p.batch && row0 + r < rows) {
+        p.preactivation[int64_t{b} * rows + row0 + r] =
+            v + to_float(static_cast<const W*>(p.joint_bias)[row0 + r]);
+      }
+    }
+  }
+}
+
+// Blocks of draft_slot_kernel resident per SM (a host query, cached per instantiation).
+template <typename W, bool kRnn>
+int draft_blocks_per_sm(int shared_bytes) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, draft_slot_kernel<W, kRnn>, kDraftThreads,
+                                                    shared_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 2;
+  }
+  return n > 0 ? n : 1;
+}
+
+// Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).
+// `grid_tiles` blocks per group walk the p.num_tiles vocabulary tiles.
+template <typename W, bool kRnn>
+cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
+  const int groups = (p.batch + p.group_size - 1) / p.group_size;
+  const int shared_bytes = draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
+  for (int j = 0; j < p.block; ++j) {
+    p.slot = j;
+    if (kRnn) {
+      const dim3 head_grid((3 * p.rank + kDraftWarps * kHeadRowsPerWarp - 1) /
+                               (kDraftWarps * kHeadRowsPerWarp),
+                           (p.batch + kHeadRequests - 1) / kHeadRequests);
+      rnn_head_kernel<W><<<head_grid, kDraftThreads, 0, stream>>>(p);
+      const cudaError_t error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+    }
+    draft_slot_kernel<W, kRnn><<<dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream>>>(p);
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------
+// draft_confidence.
+
+struct ConfidenceParams {
+  const void* hidden;  // [B, G, d], unit stride along d
+  int hidden_type;
+  int64_t hidden_stride_b, hidden_stride_j;
+  const void* prev_tokens;  // int32/int64 [B, G]
+  bool ids_int32;
+  int64_t id_stride_b, id_stride_j;
+  const void* w1;  // [V, r] of type W
+  int64_t w1_stride;
+  const void* weight;  // [d + r]
+  int weight_type;
+  const void* bias;  // one element or null
+  int bias_type;
+  const float* calib_temperature;  // [G] or null
+  float* out;                      // [B, G]
+  int batch, block, rank, hidden_size;
+  int64_t vocab;
+};
+
+template <typename W>
+__global__ void __launch_bounds__(kDraftThreads) draft_confidence_kernel(const ConfidenceParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t{blockIdx.x} * kDraftWarps + (threadIdx.x >> 5);
+  if (row >= int64_t{p.batch} * p.block) return;
+  const int b = static_cast<int>(row / p.block), j = static_cast<int>(row % p.block);
+  const int64_t id_offset = b * p.id_stride_b + j * p.id_stride_j;
+  const int64_t x = p.ids_int32 ? static_cast<const int32_t*>(p.prev_tokens)[id_offset]
+                                : static_cast<const int64_t*>(p.prev_tokens)[id_offset];
+  const bool in_range = x >= 0 && x < p.vocab;
+  float sum = 0.f;
+  for (int k = lane; k < p.hidden_size; k += 32) {
+    sum += load_float(p.hidden, p.hidden_type, b * p.hidden_stride_b + j * p.hidden_stride_j + k) *
+           load_float(p.weight, p.weight_type, k);
+  }
+  if (in_range) {
+    const W* w1 = static_cast<const W*>(p.w1) + x * p.w1_stride;
+    for (int k = lane; k < p.rank; k += 32) {
+      sum += to_float(w1[k]) * load_float(p.weight, p.weight_type, p.hidden_size + k);
+    }
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  if (lane == 0) {
+    float logit = sum + (p.bias ? load_float(p.bias, p.bias_type, 0) : 0.f);
+    if (p.calib_temperature) logit = logit / p.calib_temperature[j];
+    p.out[row] = confidence_sigmoid(logit);
+  }
+}
+
+template <typename W>
+cudaError_t launch_draft_confidence(const ConfidenceParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t{p.batch} * p.block;
+  if (rows == 0) return cudaSuccess;
+  const int64_t blocks = (rows + kDraftWarps - 1) / kDraftWarps;
+  draft_confidence_kernel<W><<<static_cast<unsigned>(blocks), kDraftThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace dspark_ops::kernels
