@@ -32,4 +32,16 @@ inline int multiprocessor_count(int device) {
   return count;
 }
 
+// Major compute capability of a device, queried once per device.
+inline int compute_capability_major(int device) {
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
+  int major = cache[device].load(std::memory_order_relaxed);
+  if (major == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cache[device].store(major, std::memory_order_relaxed);
+  }
+  return major;
+}
+
 }  // namespace dspark_ops

@@ -126,7 +126,8 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
             }
           }
           for (int64_t i = 0; i < n; ++i) {
-            if (std::isfinite(zs[i]) && !std::isnan(key[i])) {
+            // Non-finite z, and keys that are -inf (z / T overflowing) or NaN, never win.
+            if (std::isfinite(zs[i]) && key[i] > -INFINITY) {
               chunk_best = better_candidate(chunk_best, RaceCandidate{key[i], static_cast<int32_t>(x + i)});
             }
           }

@@ -73,10 +73,16 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
                kernels::DraftParams p) {
   dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
     using W = cuda_type_t<decltype(w_tag)>;
+    const char* op = kRnn ? "rnn_draft" : "markov_draft";
+    TORCH_CHECK_VALUE(sizeof(W) == 4 || compute_capability_major(a.base.get_device()) >= 8, op,
+                      "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
+                      "on CUDA; pass float32 weights on this GPU");
     p.group_size = group_size<W, kRnn>(a.batch, a.rank);
     const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;
-    TORCH_CHECK_VALUE(groups <= 65535, kRnn ? "rnn_draft" : "markov_draft",
-                      "(): too many requests for one call on CUDA: ", a.batch);
+    TORCH_CHECK_VALUE(groups <= 65535 && (a.batch + kernels::kHeadRequests - 1) /
+                                             kernels::kHeadRequests <= 65535,
+                      op, "(): at most ", 65535 * kernels::kHeadRequests,
+                      " requests per call on CUDA, got ", a.batch);
     // Workspace: packed per-request maxima [G, B] and arrival counters [G, groups], zeroed.
     const int64_t best_bytes = a.block * a.batch * 8;
     auto workspace = at::zeros({best_bytes + a.block * groups * 4}, a.base.options().dtype(at::kByte));

@@ -24,8 +24,10 @@
 //   fragments: ~16-bit mantissa instead of 8), and its first block per group advances the state.
 // draft_confidence: one warp per (request, slot) row; float32 dot product, warp reduction.
 //
-// Float32 accumulation in an order of the hardware's choosing, so draft_logits match the float64
-// reference to ~1e-6 relative and tokens match except at float-rounding near-ties.
+// Float32 accumulation in an order of the hardware's choosing (explicit fmaf: the build's
+// --fmad=false only keeps the sampling arithmetic unfused), so draft_logits match the float64
+// reference to ~1e-6 of the bias scale (|base| + sum |w2| |input|; ~2^-17 for the RNN head's
+// split activation) and tokens match except at float-rounding near-ties.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,6 +35,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cuda/atomic>
+#include <map>
+#include <mutex>
 
 #include "draft_math.h"
 #include "verify_math.h"
@@ -109,11 +114,12 @@ __device__ __forceinline__ int64_t previous_token(const DraftParams& p, int b) {
   return p.tokens[int64_t{b} * p.block + p.slot - 1];
 }
 
-// Shared-memory row stride (elements) of the bias inputs: 64 extra bytes for 16-bit types and 16
-// for float32 keep the fragment reads of one quarter-warp on distinct banks.
+// Shared-memory row stride (elements) of the bias inputs: an odd multiple of 64 bytes for 16-bit
+// types and 16 extra bytes for float32 keep the fragment reads of one quarter-warp on distinct
+// banks.
 template <typename W>
 __host__ __device__ constexpr int input_stride(int padded_rank) {
-  return sizeof(W) == 2 ? padded_rank + 32 : padded_rank + 4;
+  return sizeof(W) == 2 ? (padded_rank + 63) / 64 * 64 + 32 : padded_rank + 4;
 }
 
 __host__ __device__ constexpr int padded_rank(int rank) { return (rank + kKChunk - 1) / kKChunk * kKChunk; }
@@ -250,10 +256,10 @@ __device__ __forceinline__ void tile_products<float, 1>(const DraftParams& p, in
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& c = acc[nt][2 * h + q];
-          c += a[h][0] * b.x;
-          c += a[h][1] * b.y;
-          c += a[h][2] * b.z;
-          c += a[h][3] * b.w;
+          c = fmaf(a[h][0], b.x, c);
+          c = fmaf(a[h][1], b.y, c);
+          c = fmaf(a[h][2], b.z, c);
+          c = fmaf(a[h][3], b.w, c);
         }
       }
     }
@@ -305,20 +311,24 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
     s.position[i] = i < members ? p.position[b] + 1 + p.slot : 0;
     s.best[i] = 0;
   }
-  for (int e = threadIdx.x; e < p.group_size * width; e += blockDim.x) {
-    const int i = e / width, k = e % width, b = first + i;
-    float value = 0.f;
-    if (i < members && k < p.rank) {
-      if (kRnn) {
-        value = tanhf(p.preactivation[(int64_t{b} * 3 + 2) * p.rank + k]);
-      } else {
-        const int64_t x = previous_token(p, b);
-        if (x >= 0 && x < p.vocab) value = to_float(static_cast<const W*>(p.w1)[x * p.w1_stride + k]);
-      }
+  // One warp per request row: the row's source is resolved once, its loads are independent.
+  for (int i = threadIdx.x >> 5; i < p.group_size; i += kDraftWarps) {
+    const int b = first + i;
+    const float* o = nullptr;
+    const W* embedding = nullptr;
+    if (i < members && kRnn) o = p.preactivation + (int64_t{b} * 3 + 2) * p.rank;
+    if (i < members && !kRnn) {
+      const int64_t x = previous_token(p, b);
+      if (x >= 0 && x < p.vocab) embedding = static_cast<const W*>(p.w1) + x * p.w1_stride;
     }
-    const W hi = from_float<W>(value);
-    inputs[i * stride + k] = hi;
-    if (kPasses == 2) inputs[(plane + i) * stride + k] = from_float<W>(value - to_float(hi));
+#pragma unroll 4
+    for (int k = threadIdx.x & 31; k < width; k += 32) {
+      float value = 0.f;
+      if (k < p.rank) value = o ? tanhf(o[k]) : embedding ? to_float(embedding[k]) : 0.f;
+      const W hi = from_float<W>(value);
+      inputs[i * stride + k] = hi;
+      if (kPasses == 2) inputs[(plane + i) * stride + k] = from_float<W>(value - to_float(hi));
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -347,7 +357,9 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
       // Receiver at quad position q reads the lane at q ^ round, which sends word (its q) ^ round.
       const uint32_t word = select_word(block, quad ^ round);
       const uint32_t got = __shfl_xor_sync(0xffffffffu, word, round << 2);
-      u[quad ^ round] = uniform_from_bits(got);  // the block of quad position quad ^ round
+      const float value = uniform_from_bits(got);  // from the block of quad position quad ^ round
+#pragma unroll
+      for (int m = 0; m < 4; ++m) u[m] = (quad ^ round) == m ? value : u[m];  // stays in registers
     }
   }
   // The best keys so far of this lane's two requests (read atomically: other warps update them).
@@ -355,7 +367,22 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int i = nt * 8 + 2 * t + q;
-    if (s.any_sampled && i < members) seen_key[q] = candidate_key(atomicAdd(&s.best[i], 0ull));
+    if (s.any_sampled && i < members) {
+      seen_key[q] = candidate_key(
+          cuda::atomic_ref<unsigned long long, cuda::thread_scope_block>(s.best[i]).load(
+              cuda::memory_order_relaxed));
+    }
+  }
+  // The four base logits first, so their loads are in flight together.
+  float base[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int i = nt * 8 + 2 * t + (e & 1);
+    const int64_t v = row0 + g + 8 * (e >> 1);
+    base[e] = i < members && v < p.vocab
+                  ? load_float(p.base, p.base_type,
+                               (first + i) * p.base_stride_b + p.slot * p.base_stride_j + v)
+                  : 0.f;
   }
   unsigned long long best[2] = {0, 0};
 #pragma unroll
@@ -365,8 +392,7 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
     const int64_t v = row0 + g + 8 * h;
     if (i >= members || v >= p.vocab) continue;
     const int b = first + i;
-    const float z = c[e] + load_float(p.base, p.base_type,
-                                      b * p.base_stride_b + p.slot * p.base_stride_j + v);
+    const float z = c[e] + base[e];
     p.draft_logits[(int64_t{b} * p.block + p.slot) * p.vocab + v] = z;
     if (!isfinite(z)) continue;
     float key;
@@ -382,8 +408,8 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
       const float bound = zt + (1.f / uu - 1.f);
       if (bound + 1e-4f * (1.f + fabsf(zt) + fabsf(seen)) < seen) continue;
       key = zt - logf(-log1pf(-uu));
-      if (isnan(key)) continue;
     }
+    if (!(key > -INFINITY)) continue;  // -inf (z / T overflowing) and NaN keys never win
     const unsigned long long packed = pack_candidate(key, static_cast<int32_t>(v));
     best[q] = packed > best[q] ? packed : best[q];
   }
@@ -448,10 +474,11 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
       p.tokens[int64_t{first + i} * p.block + p.slot] = id < 0 ? 0 : id;
     }
   }
-  if (kRnn && blockIdx.x == 0) {
-    // s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c); rnn_head_kernel of this slot has
-    // read s_j already, and the next one runs after this launch.
-    for (int e = threadIdx.x; e < members * p.rank; e += blockDim.x) {
+  if (kRnn) {
+    // s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), spread over the group's blocks;
+    // rnn_head_kernel of this slot has read s_j already, and nothing in this launch reads it.
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < members * p.rank;
+         e += gridDim.x * blockDim.x) {
       const int i = e / p.rank, k = e % p.rank, b = first + i;
       const float* pre = p.preactivation + int64_t{b} * 3 * p.rank;
       const float gate = 1.f / (1.f + expf(-pre[k]));
@@ -479,30 +506,31 @@ __global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftPara
   int64_t x[kHeadRequests];
 #pragma unroll
   for (int q = 0; q < kHeadRequests; ++q) x[q] = b0 + q < p.batch ? previous_token(p, b0 + q) : -1;
-  const int width = 2 * p.rank + p.hidden_size;
-  for (int k = lane; k < width; k += 32) {
-    float weight[kHeadRowsPerWarp];
+  // The input [s; W1[x]; h] in three segments, so each k step's loads are issued together.
+  const auto segment = [&](int k0, int k1, auto&& input) {
+    for (int k = k0 + lane; k < k1; k += 32) {
+      float weight[kHeadRowsPerWarp], in[kHeadRequests];
 #pragma unroll
-    for (int r = 0; r < kHeadRowsPerWarp; ++r) {
-      weight[r] = row0 + r < rows ? to_float(joint[int64_t{row0 + r} * p.joint_stride + k]) : 0.f;
-    }
-#pragma unroll
-    for (int q = 0; q < kHeadRequests; ++q) {
-      const int b = b0 + q;
-      if (b >= p.batch) break;
-      float in;
-      if (k < p.rank) {
-        in = p.state[int64_t{b} * p.rank + k];
-      } else if (k < 2 * p.rank) {
-        in = x[q] >= 0 && x[q] < p.vocab ? to_float(w1[x[q] * p.w1_stride + k - p.rank]) : 0.f;
-      } else {
-        in = load_float(p.hidden, p.hidden_type,
-                        b * p.hidden_stride_b + p.slot * p.hidden_stride_j + k - 2 * p.rank);
+      for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+        weight[r] = row0 + r < rows ? to_float(joint[int64_t{row0 + r} * p.joint_stride + k]) : 0.f;
       }
 #pragma unroll
-      for (int r = 0; r < kHeadRowsPerWarp; ++r) acc[r][q] += weight[r] * in;
+      for (int q = 0; q < kHeadRequests; ++q) in[q] = b0 + q < p.batch ? input(q, k - k0) : 0.f;
+#pragma unroll
+      for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+#pragma unroll
+        for (int q = 0; q < kHeadRequests; ++q) acc[r][q] = fmaf(weight[r], in[q], acc[r][q]);
+      }
     }
-  }
+  };
+  segment(0, p.rank, [&](int q, int k) { return p.state[int64_t{b0 + q} * p.rank + k]; });
+  segment(p.rank, 2 * p.rank, [&](int q, int k) {
+    return x[q] >= 0 && x[q] < p.vocab ? to_float(w1[x[q] * p.w1_stride + k]) : 0.f;
+  });
+  segment(2 * p.rank, 2 * p.rank + p.hidden_size, [&](int q, int k) {
+    return load_float(p.hidden, p.hidden_type,
+                      (b0 + q) * p.hidden_stride_b + p.slot * p.hidden_stride_j + k);
+  });
 #pragma unroll
   for (int r = 0; r < kHeadRowsPerWarp; ++r) {
 #pragma unroll
@@ -519,16 +547,22 @@ __global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftPara
   }
 }
 
-// Blocks of draft_slot_kernel resident per SM (a host query, cached per instantiation).
+// Blocks of draft_slot_kernel resident per SM (a host query, cached per instantiation and
+// shared-memory size).
 template <typename W, bool kRnn>
 int draft_blocks_per_sm(int shared_bytes) {
+  static std::mutex mutex;
+  static std::map<int, int> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(shared_bytes);
+  if (found != cache.end()) return found->second;
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, draft_slot_kernel<W, kRnn>, kDraftThreads,
                                                     shared_bytes) != cudaSuccess) {
-    (void)cudaGetLastError();
+    (void)cudaGetLastError();  // the query's own error; nothing else is pending at this point
     n = 2;
   }
-  return n > 0 ? n : 1;
+  return cache[shared_bytes] = n > 0 ? n : 1;
 }
 
 // Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).
@@ -588,13 +622,13 @@ __global__ void __launch_bounds__(kDraftThreads) draft_confidence_kernel(const C
   const bool in_range = x >= 0 && x < p.vocab;
   float sum = 0.f;
   for (int k = lane; k < p.hidden_size; k += 32) {
-    sum += load_float(p.hidden, p.hidden_type, b * p.hidden_stride_b + j * p.hidden_stride_j + k) *
-           load_float(p.weight, p.weight_type, k);
+    sum = fmaf(load_float(p.hidden, p.hidden_type, b * p.hidden_stride_b + j * p.hidden_stride_j + k),
+               load_float(p.weight, p.weight_type, k), sum);
   }
   if (in_range) {
     const W* w1 = static_cast<const W*>(p.w1) + x * p.w1_stride;
     for (int k = lane; k < p.rank; k += 32) {
-      sum += to_float(w1[k]) * load_float(p.weight, p.weight_type, p.hidden_size + k);
+      sum = fmaf(to_float(w1[k]), load_float(p.weight, p.weight_type, p.hidden_size + k), sum);
     }
   }
 #pragma unroll

@@ -22,6 +22,7 @@ DSPARK_HOST_DEVICE float confidence_sigmoid(float x) { return 1.f / (1.f + expf(
 // A candidate (key, id) as one unsigned 64-bit word whose unsigned order is the race order: larger
 // key first, then lower id. 0 is "no candidate"; keys must not be NaN.
 DSPARK_HOST_DEVICE uint64_t pack_candidate(float key, int32_t id) {
+  key = key + 0.f;  // -0 -> +0: equal keys must pack equal, so the lower id wins
 #if defined(__CUDA_ARCH__)
   const uint32_t bits = __float_as_uint(key);
 #else
