@@ -169,6 +169,145 @@ def test_compiled_reduce_overhead_on_cuda():
 
 
 # --------------------------------------------------------------------------------------------
+# The drafting family in a round: base logits -> markov_draft -> draft_confidence -> a verify
+# length from the survivals -> target logits -> verify with the draft logits.
+# --------------------------------------------------------------------------------------------
+
+
+def _draft_round_inputs(device, batch=4, block=5, vocab=257, rank=16, hidden_size=32, seed=0):
+    gen = torch.Generator().manual_seed(3000 + seed)
+    tensors = dict(
+        hidden=torch.randn(batch, block, hidden_size, generator=gen),
+        lm_head=torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5 * 3,
+        target_hidden=torch.randn(batch, block + 1, hidden_size, generator=gen),
+        target_head=torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5 * 3,
+        anchor=torch.randint(0, vocab, (batch,), generator=gen),
+        w1=torch.randn(vocab, rank, generator=gen) * rank**-0.25,
+        w2=torch.randn(vocab, rank, generator=gen) * rank**-0.25,
+        confidence_weight=torch.randn(hidden_size + rank, generator=gen) / 4,
+        confidence_bias=torch.tensor(1.0),
+        calib_temperature=1 + torch.rand(block, generator=gen),
+        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3] * batch)[:batch],
+        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        position=torch.randint(0, 2**40, (batch,), generator=gen),
+    )
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def draft_round(hidden, lm_head, target_hidden, target_head, anchor, w1, w2, confidence_weight,
+                confidence_bias, calib_temperature, temperature, seed, position):
+    """Drafts a block with the Markov head, scores it, verifies the drafts whose survival is at
+    least 1/4 against a target that also sees the draft hidden states."""
+    base_logits = hidden @ lm_head.T
+    draft = dspark_ops.markov_draft(base_logits, anchor, w1, w2, temperature, seed, position)
+    prev_tokens = torch.cat([anchor[:, None], draft.tokens[:, :-1]], 1)
+    confidence = dspark_ops.draft_confidence(hidden, prev_tokens, w1, confidence_weight,
+                                             confidence_bias, calib_temperature)
+    num_draft = (torch.cumprod(confidence, 1) >= 0.25).sum(1, dtype=torch.int32)
+    target_logits = target_hidden @ target_head.T
+    target_logits[:, :-1] += base_logits  # a target that agrees with the draft model in part
+    out = dspark_ops.verify(target_logits, draft.tokens, num_draft, temperature, seed, position,
+                            draft_logits=draft.draft_logits)
+    return (draft.tokens, draft.draft_logits, confidence, num_draft, out.tokens,
+            out.num_accepted, out.valid)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_compiled_draft_round_matches_eager(device, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(draft_round, fullgraph=True, backend=backend)
+    verified = set()
+    for seed in range(2):  # second call: new values, same shapes (no recompile needed)
+        inputs = _draft_round_inputs(device, seed=seed)
+        expected = draft_round(**inputs)
+        _assert_equal(compiled(**inputs), expected)
+        verified.update(expected[3].tolist())
+        if device == "cpu":
+            # The eager round is the reference's.
+            draft = reference.markov_draft(inputs["hidden"] @ inputs["lm_head"].T,
+                                           inputs["anchor"], inputs["w1"], inputs["w2"],
+                                           inputs["temperature"], inputs["seed"],
+                                           inputs["position"])
+            assert torch.equal(expected[0], draft.tokens)
+    assert len(verified) > 1  # the confidences really chose different verify lengths
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_draft_ops_dynamic_batch(device):
+    # Symbolic batch sizes go through the fake kernels' shape rules (both heads, confidence).
+    torch._dynamo.reset()
+
+    def fn(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed,
+           position, confidence_weight):
+        markov = dspark_ops.markov_draft(base_logits, anchor, w1, w2, temperature, seed, position)
+        rnn = dspark_ops.rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias,
+                                   temperature, seed, position)
+        confidence = dspark_ops.draft_confidence(hidden, markov.tokens, w1, confidence_weight)
+        return (*markov, *rnn, confidence)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for batch in (3, 6):
+        inputs = _draft_round_inputs(device, batch=batch, seed=batch)
+        rank, width = inputs["w1"].shape[1], 2 * inputs["w1"].shape[1] + inputs["hidden"].shape[2]
+        gen = torch.Generator().manual_seed(batch)
+        args = (inputs["hidden"] @ inputs["lm_head"].T, inputs["anchor"], inputs["hidden"],
+                inputs["w1"], inputs["w2"],
+                (torch.randn(3 * rank, width, generator=gen) / width**0.5).to(device),
+                torch.randn(3 * rank, generator=gen).to(device), inputs["temperature"],
+                inputs["seed"], inputs["position"], inputs["confidence_weight"])
+        _assert_equal(compiled(*args), fn(*args))
+
+
+def _markov_graph_inputs(seed, batch=8, block=6, vocab=1000, rank=32):
+    gen = torch.Generator().manual_seed(4000 + seed)
+    tensors = dict(
+        base_logits=torch.randn(batch, block, vocab, generator=gen).bfloat16(),
+        anchor=torch.randint(0, vocab, (batch,), generator=gen),
+        w1=(torch.randn(vocab, rank, generator=gen) * rank**-0.25).bfloat16(),
+        w2=(torch.randn(vocab, rank, generator=gen) * rank**-0.25).bfloat16(),
+        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3] * batch)[:batch],
+        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        position=torch.randint(0, 2**40, (batch,), generator=gen),
+    )
+    return {k: v.to("cuda") for k, v in tensors.items()}
+
+
+@cuda_only
+def test_cuda_graph_markov_draft_capture_and_replay():
+    # Captured once; replays with new base logits, anchors, weights, temperatures, seeds and
+    # positions written into the static inputs equal eager calls: no host sync inside the op.
+    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
+        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
+    static = _markov_graph_inputs(0)
+
+    def run(inputs):
+        return dspark_ops.markov_draft(inputs["base_logits"], inputs["anchor"], inputs["w1"],
+                                       inputs["w2"], inputs["temperature"], inputs["seed"],
+                                       inputs["position"])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(static)
+
+    drafts = set()
+    for seed in (1, 2, 3):
+        fresh = _markov_graph_inputs(seed)
+        _copy_into(static, fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = tuple(t.clone() for t in captured)
+        _assert_equal(got, tuple(run(fresh)))
+        drafts.add(tuple(got[0].flatten().tolist()))
+    assert len(drafts) == 3  # the replays really drafted from the new inputs
+
+
+# --------------------------------------------------------------------------------------------
 # Scheduling ops in a round: plan (stale confidences) -> allocate (fresh) -> pack -> target over
 # the ragged batch -> verify.
 # --------------------------------------------------------------------------------------------

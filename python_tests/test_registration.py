@@ -53,6 +53,86 @@ def test_opcheck_verify(device, combo):
     torch.library.opcheck(torch.ops.dspark_ops.verify.default, args)
 
 
+def _draft_args(device, *, head="markov", weight_dtype=torch.float32, base_dtype=torch.float32,
+                id_dtype=torch.int64, block=4):
+    """markov_draft's (or, with head="rnn", rnn_draft's) schema arguments: B=3, V=37, r=8,
+    d=16, greedy and sampled requests."""
+    gen = torch.Generator().manual_seed(12)
+    batch, vocab, rank, hidden_size = 3, 37, 8, 16
+    base = torch.randn(batch, block, vocab, generator=gen).to(base_dtype)
+    anchor = torch.randint(0, vocab, (batch,), generator=gen).to(id_dtype)
+    w1 = (torch.randn(vocab, rank, generator=gen) / 2).to(weight_dtype)
+    w2 = (torch.randn(vocab, rank, generator=gen) / 2).to(weight_dtype)
+    sampling = (
+        torch.tensor([0.0, 0.7, 1.3]),
+        torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        torch.randint(0, 2**40, (batch,), generator=gen),
+    )
+    if head == "markov":
+        args = (base, anchor, w1, w2, *sampling)
+    else:
+        width = 2 * rank + hidden_size
+        hidden = torch.randn(batch, block, hidden_size, generator=gen).to(base_dtype)
+        joint_weight = (torch.randn(3 * rank, width, generator=gen) / width**0.5).to(weight_dtype)
+        joint_bias = torch.randn(3 * rank, generator=gen).to(weight_dtype)
+        args = (base, anchor, hidden, w1, w2, joint_weight, joint_bias, *sampling)
+    return tuple(a.to(device) for a in args)
+
+
+DRAFT_COMBOS = {
+    "markov-f32": dict(),
+    "markov-bf16-int32-ids": dict(weight_dtype=torch.bfloat16, base_dtype=torch.bfloat16,
+                                  id_dtype=torch.int32),
+    "markov-f16-weights-f32-base": dict(weight_dtype=torch.float16),
+    "markov-G0": dict(block=0),
+    "rnn-f32": dict(head="rnn"),
+    "rnn-bf16-int32-ids": dict(head="rnn", weight_dtype=torch.bfloat16,
+                               base_dtype=torch.float16, id_dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combo", list(DRAFT_COMBOS))
+def test_opcheck_draft(device, combo):
+    options = DRAFT_COMBOS[combo]
+    op = torch.ops.dspark_ops.rnn_draft if options.get("head") == "rnn" else (
+        torch.ops.dspark_ops.markov_draft)
+    torch.library.opcheck(op.default, _draft_args(device, **options))
+
+
+def _confidence_args(device, *, bias=False, calib=False, dtype=torch.float32,
+                     id_dtype=torch.int64):
+    """draft_confidence's schema arguments: B=3, G=4, V=37, r=8, d=16."""
+    gen = torch.Generator().manual_seed(13)
+    batch, block, vocab, rank, hidden_size = 3, 4, 37, 8, 16
+    args = (
+        torch.randn(batch, block, hidden_size, generator=gen).to(dtype),
+        torch.randint(0, vocab, (batch, block), generator=gen).to(id_dtype),
+        torch.randn(vocab, rank, generator=gen).to(dtype),
+        (torch.randn(hidden_size + rank, generator=gen) / 4).to(dtype),
+        torch.tensor(0.3).to(dtype) if bias else None,
+        0.5 + torch.rand(block, generator=gen) if calib else None,
+    )
+    return tuple(None if a is None else a.to(device) for a in args)
+
+
+CONFIDENCE_COMBOS = {
+    "plain": dict(),
+    "bias": dict(bias=True),
+    "calib": dict(calib=True),
+    "bias-calib": dict(bias=True, calib=True),
+    "bf16-int32-ids": dict(bias=True, calib=True, dtype=torch.bfloat16, id_dtype=torch.int32),
+    "f16": dict(calib=True, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combo", list(CONFIDENCE_COMBOS))
+def test_opcheck_draft_confidence(device, combo):
+    args = _confidence_args(device, **CONFIDENCE_COMBOS[combo])
+    torch.library.opcheck(torch.ops.dspark_ops.draft_confidence.default, args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("purpose,count", [(0, 1), (1, 7), (2, 64)])
 def test_opcheck_philox_uniform(device, purpose, count):
@@ -230,6 +310,22 @@ def test_fake_shapes_match_real(device):
         for r, f in zip(real, fake):
             assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), combo
 
+    draft_calls = [(torch.ops.dspark_ops.markov_draft, _draft_args(device, **options))
+                   for options in DRAFT_COMBOS.values() if options.get("head") != "rnn"]
+    draft_calls += [(torch.ops.dspark_ops.rnn_draft, _draft_args(device, **options))
+                    for options in DRAFT_COMBOS.values() if options.get("head") == "rnn"]
+    draft_calls += [(torch.ops.dspark_ops.draft_confidence, _confidence_args(device, **options))
+                    for options in CONFIDENCE_COMBOS.values()]
+    for op, args in draft_calls:
+        real = op(*args)
+        with FakeTensorMode() as mode:
+            fake = op(*[None if a is None else mode.from_tensor(a) for a in args])
+        real = real if isinstance(real, tuple) else (real,)
+        fake = fake if isinstance(fake, tuple) else (fake,)
+        assert len(real) == len(fake), op
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), op
+
     args = _append_args(device, slot=True)
     assert torch.ops.dspark_ops.append_context_kv(*args) is None
     with FakeTensorMode() as mode:
@@ -238,7 +334,8 @@ def test_fake_shapes_match_real(device):
 
 
 def test_every_op_is_registered():
-    assert set(_library.OPS) == {"verify", "philox_uniform", "schedule_verify",
+    assert set(_library.OPS) == {"verify", "philox_uniform", "markov_draft", "rnn_draft",
+                                 "draft_confidence", "schedule_verify",
                                  "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
                                  "block_draft_attention", "append_context_kv"}
     for name in _library.OPS:
@@ -261,9 +358,20 @@ def test_schemas():
         "dspark_ops::philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor"
     )
     schemas = {name: str(getattr(torch.ops.dspark_ops, name).default._schema)
-               for name in ("schedule_verify", "plan_verify_budget", "allocate_verify",
-                            "pack_verify_inputs", "block_draft_attention", "append_context_kv")}
+               for name in ("markov_draft", "rnn_draft", "draft_confidence", "schedule_verify",
+                            "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
+                            "block_draft_attention", "append_context_kv")}
     assert schemas == {
+        "markov_draft": "dspark_ops::markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, "
+                        "Tensor w2, Tensor temperature, Tensor seed, Tensor position) -> "
+                        "(Tensor tokens, Tensor draft_logits)",
+        "rnn_draft": "dspark_ops::rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, "
+                     "Tensor w1, Tensor w2, Tensor joint_weight, Tensor joint_bias, "
+                     "Tensor temperature, Tensor seed, Tensor position) -> "
+                     "(Tensor tokens, Tensor draft_logits)",
+        "draft_confidence": "dspark_ops::draft_confidence(Tensor hidden, Tensor prev_tokens, "
+                            "Tensor w1, Tensor weight, Tensor? bias=None, "
+                            "Tensor? calib_temperature=None) -> Tensor",
         "schedule_verify": "dspark_ops::schedule_verify(Tensor confidence, Tensor step_rate, "
                            "Tensor? max_verify=None) -> Tensor",
         "plan_verify_budget": "dspark_ops::plan_verify_budget(Tensor confidence, "
@@ -303,8 +411,11 @@ def test_cuda_build_where_a_gpu_is_present():
 def test_public_api():
     assert dspark_ops.VerifyOutput._fields == ("tokens", "num_accepted", "valid")
     assert dspark_ops.VerifyBatch._fields == ("input_ids", "positions", "cu_seqlens")
+    assert dspark_ops.DraftOutput._fields == ("tokens", "draft_logits")
     for name in ("schedule_verify", "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
-                 "profile_step_rate", "VerifyBatch", "block_draft_attention", "append_context_kv"):
+                 "profile_step_rate", "VerifyBatch", "block_draft_attention", "append_context_kv",
+                 "markov_draft", "rnn_draft", "draft_confidence", "DraftOutput",
+                 "expected_calibration_error", "fit_sequential_temperatures"):
         assert name in dspark_ops.__all__ and callable(getattr(dspark_ops, name)), name
     assert (dspark_ops.reference.PURPOSE_DRAFT, dspark_ops.reference.PURPOSE_ACCEPT,
             dspark_ops.reference.PURPOSE_RESAMPLE) == (0, 1, 2)

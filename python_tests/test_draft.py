@@ -1,0 +1,1703 @@
+"""The drafting family (SPEC §1 steps 3-4, §3.2, §3.3): markov_draft, rnn_draft and
+draft_confidence against the reference (exact on CPU, within float32 rounding on CUDA), literal
+outcomes of constructed heads, layouts, non-finite logits, batch invariance, seeds, statistical
+tests of the sampled drafts (SPEC §5), the lossless hand-off to verify, sequential temperature
+scaling and every argument check."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zlib
+from typing import Optional
+
+import pytest
+import torch
+
+import dspark_ops
+from dspark_ops import reference
+from conftest import DEVICES, cuda_only, full_tests, non_contiguous
+from stats import chi_square, chi_square_passes
+
+FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
+             torch.int64: "i64", torch.int32: "i32"}
+INF = float("inf")
+NAN = float("nan")
+DEBUG = os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0")
+
+# Head weights: the dtype the op receives, and whether float32 values are rounded to bfloat16
+# first. With 16-bit mantissas every product is exact in float64 and so is the whole dot product,
+# which makes the CPU kernel's draft_logits bit-identical to the reference's. "f32full" keeps full
+# 24-bit mantissas: the float64 sum order may then differ from the reference's BLAS in the last
+# bit of z (1 ulp after rounding to float32).
+WEIGHTS = {
+    "f32": (torch.float32, True),
+    "bf16": (torch.bfloat16, False),
+    "f16": (torch.float16, False),
+    "f32full": (torch.float32, False),
+}
+ULP_RTOL = 1.2e-7  # just above 2**-23: one float32 ulp relative to the value
+RNN_RTOL = 1e-6  # tanh / sigmoid in float64 may differ from torch's in the last float64 bits
+
+
+# --------------------------------------------------------------------------------------------
+# Building inputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DraftCase:
+    """One call's arguments, for the Markov head or (with ``hidden``) the RNN head."""
+
+    base_logits: torch.Tensor
+    anchor: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    temperature: torch.Tensor
+    seed: Optional[torch.Tensor]
+    position: torch.Tensor
+    hidden: Optional[torch.Tensor] = None
+    joint_weight: Optional[torch.Tensor] = None
+    joint_bias: Optional[torch.Tensor] = None
+
+    PER_REQUEST = ("base_logits", "anchor", "temperature", "seed", "position", "hidden")
+
+    @property
+    def head(self) -> str:
+        return "markov" if self.hidden is None else "rnn"
+
+    @property
+    def vocab(self) -> int:
+        return self.base_logits.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.base_logits.device
+
+    def call(self, ops=dspark_ops, **extra):
+        """Runs ``ops.markov_draft`` / ``ops.rnn_draft`` (the op, or ``reference``)."""
+        if self.head == "markov":
+            return ops.markov_draft(self.base_logits, self.anchor, self.w1, self.w2,
+                                    self.temperature, self.seed, self.position, **extra)
+        return ops.rnn_draft(self.base_logits, self.anchor, self.hidden, self.w1, self.w2,
+                             self.joint_weight, self.joint_bias, self.temperature, self.seed,
+                             self.position, **extra)
+
+    def fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes) -> "DraftCase":
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device) -> "DraftCase":
+        return DraftCase(**{k: None if v is None else v.to(device)
+                            for k, v in self.fields().items()})
+
+    def select(self, index: torch.Tensor) -> "DraftCase":
+        """The requests ``index``, in that order (the weights are shared)."""
+        return self.replace(**{k: getattr(self, k)[index] for k in self.PER_REQUEST
+                               if getattr(self, k) is not None})
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def stable_seed(*key) -> int:
+    """A seed derived from test parameters, the same in every process (unlike hash())."""
+    return zlib.crc32(repr(key).encode())
+
+
+def peaky_logits(shape, vocab: int, gen: torch.Generator, heads: int = 3) -> torch.Tensor:
+    """float32 logits: a dense random tail plus a few boosted tokens per row, as LM logits have."""
+    logits = torch.randn(*shape, vocab, generator=gen)
+    if vocab > heads:
+        index = torch.rand(*shape, vocab, generator=gen).topk(heads, dim=-1).indices
+        boost = 0.5 * math.log(vocab) + 2 * torch.rand(*shape, heads, generator=gen)
+        logits.scatter_add_(-1, index, boost)
+    return logits
+
+
+def make_weight(shape, scale: float, kind: str, gen: torch.Generator) -> torch.Tensor:
+    dtype, bf16_values = WEIGHTS[kind]
+    w = torch.randn(*shape, generator=gen) * scale
+    if bf16_values:
+        w = w.to(torch.bfloat16)
+    return w.to(dtype)
+
+
+def make_temperature(kind, batch: int, gen: torch.Generator) -> torch.Tensor:
+    if isinstance(kind, torch.Tensor):
+        return kind.float()
+    if isinstance(kind, (int, float)):
+        return torch.full((batch,), float(kind))
+    sampled = 0.4 + 1.2 * torch.rand(batch, generator=gen)
+    if kind == "sampled":
+        return sampled
+    if kind == "greedy":
+        return torch.tensor([0.0, 1e-6, 1e-5])[torch.arange(batch) % 3]
+    if kind == "mixed":
+        # Every third request greedy (0, 1e-6, exactly the 1e-5 threshold), so even B = 2 mixes.
+        greedy = torch.tensor([0.0, 1e-6, 1e-5])[torch.arange(batch) // 3 % 3]
+        return torch.where(torch.arange(batch) % 3 == 0, greedy, sampled)
+    raise ValueError(kind)
+
+
+def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
+    return ~(temperature.float() > reference.GREEDY_TEMPERATURE)
+
+
+def make_case(batch: int, block: int, vocab: int, rank: int = 8, *, seed: int,
+              temperature="mixed", weights: str = "bf16", base_dtype=torch.float32,
+              anchor_dtype=torch.int64, head: str = "markov", hidden_size: int = 16,
+              bias_scale: float = 1.0) -> DraftCase:
+    """Random inputs whose head bias (std about ``bias_scale``) is comparable to the spread of
+    the base logits, so the previous token really changes the next draft."""
+    gen = generator(seed)
+    base = peaky_logits((batch, block), vocab, gen).to(base_dtype)
+    if head == "markov":
+        scale = (bias_scale / rank**0.5) ** 0.5  # W2 . W1[x] ~ sqrt(r) * scale^2
+        w1, w2 = (make_weight((vocab, rank), scale, weights, gen) for _ in range(2))
+        extra = {}
+    else:
+        width = 2 * rank + hidden_size
+        w1 = make_weight((vocab, rank), 1.0, weights, gen)
+        w2 = make_weight((vocab, rank), 1.7 * bias_scale / rank**0.5, weights, gen)
+        extra = dict(
+            hidden=torch.randn(batch, block, hidden_size, generator=gen).to(base_dtype),
+            joint_weight=make_weight((3 * rank, width), 1.5 / width**0.5, weights, gen),
+            joint_bias=make_weight((3 * rank,), 0.5, weights, gen),
+        )
+    return DraftCase(
+        base_logits=base,
+        anchor=torch.randint(0, vocab, (batch,), generator=gen).to(anchor_dtype),
+        w1=w1,
+        w2=w2,
+        temperature=make_temperature(temperature, batch, gen),
+        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        # Across the 2^32 boundary of the counter's position words.
+        position=torch.randint(0, 2**33, (batch,), generator=gen),
+        **extra,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Checking outputs
+# --------------------------------------------------------------------------------------------
+
+
+def embed(w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """W1[ids] in float64; ids outside [0, V) give zero rows (as the ops specify)."""
+    ids = ids.long()
+    in_range = (ids >= 0) & (ids < w1.shape[0])
+    rows = w1[ids.clamp(0, w1.shape[0] - 1)].double()
+    return torch.where(in_range[..., None], rows, 0.0)
+
+
+def previous_tokens(anchor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[anchor, x_1, ..., x_{G-1}]: the token each slot is biased by."""
+    return torch.cat([anchor.long()[:, None], tokens[:, :-1].long()], 1)
+
+
+def teacher_forced_logits(case: DraftCase, tokens: torch.Tensor) -> torch.Tensor:
+    """z_j (SPEC §1 step 3) for the given drafts, in float64 rounded once to float32, on the CPU:
+    what draft_logits must be for these tokens."""
+    case, tokens = case.to("cpu"), tokens.cpu()
+    prev = previous_tokens(case.anchor, tokens)
+    w2 = case.w2.double()
+    if case.head == "markov":
+        bias = embed(case.w1, prev) @ w2.T
+    else:
+        rank = case.w1.shape[1]
+        weight, jbias = case.joint_weight.double(), case.joint_bias.double()
+        state = torch.zeros(tokens.shape[0], rank, dtype=torch.float64)
+        inputs = []
+        for j in range(tokens.shape[1]):
+            u = torch.cat([state, embed(case.w1, prev[:, j]), case.hidden[:, j].double()], -1)
+            g, c, o = (u @ weight.T + jbias).split(rank, -1)
+            inputs.append(torch.tanh(o))
+            state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
+        bias = torch.stack(inputs, 1) @ w2.T if inputs else torch.zeros(*tokens.shape, case.vocab,
+                                                                         dtype=torch.float64)
+    return (bias + case.base_logits.double()).float()
+
+
+def check_output_contract(case: DraftCase, out) -> None:
+    """What every output must satisfy whatever the inputs (SPEC §3.2)."""
+    batch, block, vocab = case.base_logits.shape
+    assert isinstance(out, dspark_ops.DraftOutput)
+    assert out.tokens.dtype == torch.int64 and out.tokens.shape == (batch, block)
+    assert out.draft_logits.dtype == torch.float32
+    assert out.draft_logits.shape == (batch, block, vocab)
+    assert out.tokens.device == out.draft_logits.device == case.device
+    tokens = out.tokens.cpu()
+    assert ((tokens >= 0) & (tokens < vocab)).all(), f"ids out of range: {tokens}"
+
+
+def describe_token_difference(case: DraftCase, got: torch.Tensor, expected: torch.Tensor) -> str:
+    bad = (got.cpu() != expected.cpu()).nonzero()
+    b, j = bad[0].tolist()
+    return (
+        f"{bad.shape[0]} of {got.numel()} tokens differ; first b={b} j={j}: op {got[b].tolist()} "
+        f"reference {expected[b].tolist()}; temperature={float(case.temperature[b])} "
+        f"seed={int(case.seed[b])} position={int(case.position[b])}"
+    )
+
+
+def assert_same_outputs(got, expected, case: DraftCase) -> None:
+    assert torch.equal(got.tokens, expected.tokens), describe_token_difference(
+        case, got.tokens, expected.tokens)
+    torch.testing.assert_close(got.draft_logits, expected.draft_logits, rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def logits_tolerance(case: DraftCase) -> dict:
+    """CPU draft_logits against the reference: bit-exact when the float64 dot product is."""
+    if case.head == "rnn":
+        return dict(rtol=RNN_RTOL, atol=1e-12)
+    if case.w1.dtype == torch.float32 and not bf16_representable(case.w1, case.w2):
+        return dict(rtol=ULP_RTOL, atol=1e-12)
+    return dict(rtol=0, atol=0)
+
+
+def bf16_representable(*tensors) -> bool:
+    return all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in tensors)
+
+
+def cuda_tolerance(case: DraftCase, z: torch.Tensor, factor: float = 1.0) -> dict:
+    """CUDA's float32 head against float64 math: relative 1e-3, and an absolute part scaled by
+    the largest head bias |z - base| (the float32 dot product's rounding grows with it)."""
+    bias = (z.double() - case.base_logits.cpu().double()).abs()
+    bias = bias[torch.isfinite(bias)]
+    scale = float(bias.max()) if bias.numel() else 0.0
+    return dict(rtol=1e-3, atol=factor * 1e-3 * max(1.0, scale))
+
+
+def literal_tolerance(case: DraftCase, z: torch.Tensor) -> dict:
+    """RNN draft_logits against float64 math spelt out in a test."""
+    if case.device.type == "cpu":
+        return dict(rtol=RNN_RTOL, atol=1e-6)
+    return cuda_tolerance(case, z)
+
+
+def draft_keys(z: torch.Tensor, temperature, seed, position) -> torch.Tensor:
+    """reference.draft_sample's Gumbel-max keys (z for greedy rows; -inf where z is not finite)."""
+    greedy = is_greedy(temperature)
+    inv_t = torch.where(greedy, 1.0, 1.0 / temperature)[:, None]
+    u = reference.philox_uniform(seed, position, reference.PURPOSE_DRAFT, z.shape[-1])
+    key = torch.where(greedy[:, None], z, z * inv_t - torch.log(-torch.log1p(-u)))
+    return torch.where(torch.isfinite(z), key, -INF)
+
+
+def assert_sampled_from_stored_logits(case: DraftCase, out, max_mismatch: float = 0.01) -> None:
+    """Every token is the Gumbel-max winner of its own stored draft_logits row (recomputed on the
+    CPU with reference.draft_sample), except where the two best keys are within float rounding of
+    each other (CUDA computes the keys with its own log/log1p). Greedy rows match exactly."""
+    case = case.to("cpu")
+    z, tokens = out.draft_logits.cpu(), out.tokens.cpu()
+    greedy = is_greedy(case.temperature)
+    mismatches = 0
+    for j in range(tokens.shape[1]):
+        position = case.position + 1 + j
+        expected = reference.draft_sample(z[:, j], case.temperature, case.seed, position)
+        differ = expected != tokens[:, j]
+        if not differ.any():
+            continue
+        assert not (differ & greedy).any(), describe_token_difference(
+            case, tokens[:, j:j + 1], expected[:, None])
+        keys = draft_keys(z[:, j], case.temperature, case.seed, position)
+        rows = differ.nonzero()[:, 0]
+        best, theirs = keys[rows, expected[rows]], keys[rows, tokens[rows, j]]
+        gap = best - theirs
+        assert (gap <= 1e-4 * (1 + best.abs())).all(), (
+            f"slot {j}: tokens {tokens[rows, j].tolist()} are not near-ties of the winners "
+            f"{expected[rows].tolist()} (key gaps {gap.tolist()})")
+        mismatches += int(differ.sum())
+    assert mismatches <= max(1, max_mismatch * tokens.numel()), mismatches
+
+
+def check_against_reference(case: DraftCase):
+    """Runs the op and checks it against the reference: on the CPU tokens bit for bit and
+    draft_logits exactly (or within the rounding ``logits_tolerance`` allows); on CUDA (float32
+    accumulation) draft_logits against the z the reference computes for the CUDA op's own drafts,
+    and the drafts against their own stored logits."""
+    got = case.call()
+    check_output_contract(case, got)
+    if case.device.type == "cpu":
+        expected = case.call(reference)
+        assert torch.equal(got.tokens, expected.tokens), describe_token_difference(
+            case, got.tokens, expected.tokens)
+        torch.testing.assert_close(got.draft_logits, expected.draft_logits, equal_nan=True,
+                                   **logits_tolerance(case))
+    else:
+        forced = teacher_forced_logits(case, got.tokens)
+        full_f32 = case.w1.dtype == torch.float32 and not bf16_representable(case.w1, case.w2)
+        torch.testing.assert_close(got.draft_logits.cpu(), forced, equal_nan=True,
+                                   **cuda_tolerance(case, forced, 4.0 if full_f32 else 1.0))
+        assert_sampled_from_stored_logits(case, got)
+    return got
+
+
+# --------------------------------------------------------------------------------------------
+# Exact agreement with the reference over shapes, dtypes and temperatures
+# --------------------------------------------------------------------------------------------
+
+# (B, G, V, r, weights, base dtype, anchor dtype, temperature). Every V and G of the brief's
+# sweep, both ranks, every weight and base dtype and both id dtypes appear; the reference costs
+# tens of ms per slot at V = 151936, so large vocabularies run with small B and G here.
+MARKOV_CASES = [
+    (3, 7, 2, 8, "f32", torch.float32, torch.int64, "mixed"),
+    (64, 32, 2, 256, "bf16", torch.bfloat16, torch.int32, "sampled"),
+    (64, 16, 100, 8, "f16", torch.float16, torch.int64, "mixed"),
+    (5, 32, 100, 256, "f32", torch.bfloat16, torch.int32, "mixed"),
+    (16, 7, 100, 256, "bf16", torch.float32, torch.int64, "greedy"),
+    (4, 16, 8193, 8, "bf16", torch.float32, torch.int64, "mixed"),
+    (3, 7, 8193, 256, "f16", torch.bfloat16, torch.int32, "sampled"),
+    (6, 1, 8193, 256, "f32", torch.float16, torch.int64, "mixed"),
+    (1, 32, 8193, 256, "bf16", torch.float16, torch.int32, "sampled"),
+    (2, 1, 151936, 256, "bf16", torch.bfloat16, torch.int64, "mixed"),
+    (2, 2, 151936, 8, "f16", torch.float32, torch.int32, "mixed"),
+    (2, 2, 151936, 256, "f32", torch.float32, torch.int64, "sampled"),
+]
+
+
+def _case_id(c) -> str:
+    batch, block, vocab, rank, weights, base, ids, temperature = c
+    return (f"B{batch}-G{block}-V{vocab}-r{rank}-w{weights}-{DTYPE_IDS[base]}-{DTYPE_IDS[ids]}"
+            f"-{temperature}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", MARKOV_CASES, ids=[_case_id(c) for c in MARKOV_CASES])
+def test_markov_draft_matches_reference(device, params):
+    batch, block, vocab, rank, weights, base_dtype, anchor_dtype, temperature = params
+    case = make_case(batch, block, vocab, rank, seed=stable_seed(params), weights=weights,
+                     base_dtype=base_dtype, anchor_dtype=anchor_dtype,
+                     temperature=temperature).to(device)
+    out = check_against_reference(case)
+    if device == "cpu":
+        # The stored logits are the z of the drafted tokens (an independent spelling of §1 step 3).
+        torch.testing.assert_close(out.draft_logits, teacher_forced_logits(case, out.tokens),
+                                   rtol=0, atol=0)
+    if batch * block >= 100 and vocab > 2 and temperature != "greedy":
+        # Sampled drafts are not simply the argmax of their rows.
+        assert (out.tokens != out.draft_logits.argmax(-1)).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weights", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("base_dtype", FLOAT_DTYPES, ids=DTYPE_IDS.get)
+def test_markov_draft_dtypes(device, weights, base_dtype):
+    case = make_case(16, 7, 1000, 256, seed=stable_seed("dtypes", weights, base_dtype),
+                     weights=weights, base_dtype=base_dtype, anchor_dtype=torch.int32)
+    check_against_reference(case.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(8, 7, 3000, 256), (2, 2, 151936, 256), (32, 16, 100, 8)],
+                         ids=lambda s: "B{}-G{}-V{}-r{}".format(*s))
+def test_markov_draft_full_mantissa_weights(device, shape):
+    # float32 weights with 24-bit mantissas: z may differ from the reference by one float32 ulp
+    # (float64 sum order); the drafts still agree exactly.
+    case = make_case(*shape, seed=stable_seed("f32full", shape), weights="f32full")
+    assert not bf16_representable(case.w1, case.w2)
+    check_against_reference(case.to(device))
+
+
+def _full_sweep():
+    if not full_tests():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
+    params, i = [], 0
+    for vocab in (2, 100, 8193, 10000, 151936):
+        for block in (1, 2, 7, 16, 32):
+            for rank in (8, 256):
+                for weights in ("f32", "bf16", "f16"):
+                    base = FLOAT_DTYPES[i % 3]
+                    ids = (torch.int64, torch.int32)[i % 2]
+                    i += 1
+                    batch = 2 if vocab == 151936 else (64 if vocab <= 100 else 3)
+                    params.append(pytest.param(
+                        (batch, block, vocab, rank, weights, base, ids, "mixed"),
+                        id=f"B{batch}-G{block}-V{vocab}-r{rank}-w{weights}-{DTYPE_IDS[base]}"))
+    return params
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", _full_sweep())
+def test_markov_draft_full_sweep(device, params):
+    batch, block, vocab, rank, weights, base_dtype, anchor_dtype, temperature = params
+    case = make_case(batch, block, vocab, rank, seed=stable_seed("sweep", params),
+                     weights=weights, base_dtype=base_dtype, anchor_dtype=anchor_dtype,
+                     temperature=temperature)
+    check_against_reference(case.to(device))
+
+
+# (B, G, V, r, d, weights, base/hidden dtype, anchor dtype)
+RNN_CASES = [
+    (8, 7, 100, 8, 16, "f32", torch.float32, torch.int64),
+    (4, 16, 8193, 8, 64, "bf16", torch.bfloat16, torch.int32),
+    (8, 5, 100, 256, 16, "f16", torch.float16, torch.int64),
+    (3, 4, 300, 256, 64, "f32full", torch.float32, torch.int32),
+    (16, 3, 2, 8, 64, "bf16", torch.float32, torch.int64),
+    (2, 2, 151936, 8, 16, "bf16", torch.bfloat16, torch.int64),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", RNN_CASES, ids=lambda c: "B{}-G{}-V{}-r{}-d{}-w{}".format(*c))
+def test_rnn_draft_matches_reference(device, params):
+    batch, block, vocab, rank, hidden_size, weights, base_dtype, anchor_dtype = params
+    case = make_case(batch, block, vocab, rank, seed=stable_seed("rnn", params), weights=weights,
+                     base_dtype=base_dtype, anchor_dtype=anchor_dtype, head="rnn",
+                     hidden_size=hidden_size)
+    out = check_against_reference(case.to(device))
+    if device == "cpu":
+        torch.testing.assert_close(out.draft_logits, teacher_forced_logits(case, out.tokens),
+                                   rtol=RNN_RTOL, atol=1e-12)
+
+
+def _rnn_full_sweep():
+    if not full_tests():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
+    params, i = [], 0
+    for vocab in (2, 100, 8193, 151936):
+        for block in (1, 7, 32):
+            for rank, hidden_size in ((8, 16), (8, 64), (256, 16), (256, 64)):
+                weights = ("f32", "bf16", "f16")[i % 3]
+                base = FLOAT_DTYPES[i // 3 % 3]
+                i += 1
+                batch = 2 if vocab == 151936 else 8
+                params.append(pytest.param(
+                    (batch, block, vocab, rank, hidden_size, weights, base, torch.int64),
+                    id=f"B{batch}-G{block}-V{vocab}-r{rank}-d{hidden_size}-w{weights}"))
+    return params
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", _rnn_full_sweep())
+def test_rnn_draft_full_sweep(device, params):
+    batch, block, vocab, rank, hidden_size, weights, base_dtype, anchor_dtype = params
+    case = make_case(batch, block, vocab, rank, seed=stable_seed("rnn-sweep", params),
+                     weights=weights, base_dtype=base_dtype, anchor_dtype=anchor_dtype,
+                     head="rnn", hidden_size=hidden_size)
+    check_against_reference(case.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weights", ["f32", "bf16", "f16"])
+def test_rnn_draft_dtypes(device, weights):
+    for i, base_dtype in enumerate(FLOAT_DTYPES):
+        case = make_case(8, 6, 700, 32, seed=stable_seed("rnn-dtypes", weights, i),
+                         weights=weights, base_dtype=base_dtype, head="rnn", hidden_size=24)
+        # The hidden states in another dtype than the base logits.
+        case.hidden = case.hidden.to(FLOAT_DTYPES[(i + 1) % 3])
+        check_against_reference(case.to(device))
+
+
+# --------------------------------------------------------------------------------------------
+# Constructed heads with literal outcomes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weights", ["f32", "bf16", "f16"])
+def test_markov_permutation_chain(device, weights):
+    # W1 = identity (r = V) and W2 = 100 * a permutation: the bias after token i is +100 on
+    # perm[i] only, so every slot drafts perm[previous token], starting from the anchor (slot 0 is
+    # biased too). Holds for greedy and sampled requests (100 / T dwarfs the Gumbel noise).
+    batch, block, vocab = 32, 9, 50
+    gen = generator(101)
+    perm = torch.randperm(vocab, generator=gen)
+    dtype = WEIGHTS[weights][0]
+    w1 = torch.eye(vocab).to(dtype)
+    w2 = torch.zeros(vocab, vocab)
+    w2[perm, torch.arange(vocab)] = 100.0
+    base = torch.randn(batch, block, vocab, generator=gen)
+    anchor = torch.randint(0, vocab, (batch,), generator=gen)
+    case = DraftCase(base, anchor, w1, w2.to(dtype),
+                     make_temperature("mixed", batch, gen).clamp_max(1.5),
+                     torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+                     torch.randint(0, 2**40, (batch,), generator=gen)).to(device)
+    out = check_against_reference(case)
+    expected, prev = [], anchor
+    for _ in range(block):
+        prev = perm[prev]
+        expected.append(prev)
+    expected = torch.stack(expected, 1)
+    assert torch.equal(out.tokens.cpu(), expected)
+    bias = torch.zeros(batch, block, vocab)
+    bias.scatter_(-1, expected[..., None], 100.0)
+    torch.testing.assert_close(out.draft_logits.cpu(), base + bias, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rnn_gate_candidate_output_order(device):
+    # J = 0 and a bias whose gate, candidate and output parts differ: every slot's logit bias is
+    # W2 . tanh(o_bias), whatever the tokens and the state (the output part is the third chunk).
+    batch, block, vocab, rank, hidden_size = 8, 5, 300, 8, 16
+    gen = generator(102)
+    w2 = torch.randn(vocab, rank, generator=gen)
+    joint_bias = torch.cat([torch.full((rank,), 5.0), torch.full((rank,), -3.0),
+                            torch.linspace(-1.5, 1.5, rank)])
+    case = DraftCase(
+        peaky_logits((batch, block), vocab, gen), torch.randint(0, vocab, (batch,), generator=gen),
+        torch.randn(vocab, rank, generator=gen), w2, make_temperature("mixed", batch, gen),
+        torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        torch.randint(0, 2**40, (batch,), generator=gen),
+        hidden=torch.randn(batch, block, hidden_size, generator=gen),
+        joint_weight=torch.zeros(3 * rank, 2 * rank + hidden_size), joint_bias=joint_bias,
+    ).to(device)
+    out = check_against_reference(case)
+    bias = w2.double() @ torch.tanh(joint_bias[2 * rank:].double())
+    expected = (case.base_logits.cpu().double() + bias).float()
+    torch.testing.assert_close(out.draft_logits.cpu(), expected,
+                               **literal_tolerance(case, expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rnn_state_update_is_after_the_bias(device):
+    # The output rows of J read the state only (o = s_j), the gate and candidate are constants:
+    # s_{j+1} = sig(g) s_j + (1 - sig(g)) tanh(c), s_0 = 0. Slot j's bias is W2 . tanh(s_j), from
+    # the state before its update, so slot 0 is unbiased.
+    batch, block, vocab, rank, hidden_size = 4, 6, 200, 8, 16
+    gen = generator(103)
+    g, c = 0.4, 1.2
+    joint_weight = torch.zeros(3 * rank, 2 * rank + hidden_size)
+    joint_weight[2 * rank:, :rank] = torch.eye(rank)
+    joint_bias = torch.cat([torch.full((rank,), g), torch.linspace(-c, c, rank),
+                            torch.zeros(rank)])
+    w2 = torch.randn(vocab, rank, generator=gen)
+    case = DraftCase(
+        peaky_logits((batch, block), vocab, gen), torch.randint(0, vocab, (batch,), generator=gen),
+        torch.randn(vocab, rank, generator=gen), w2, make_temperature("mixed", batch, gen),
+        torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+        torch.randint(0, 2**40, (batch,), generator=gen),
+        hidden=torch.randn(batch, block, hidden_size, generator=gen),
+        joint_weight=joint_weight, joint_bias=joint_bias,
+    ).to(device)
+    out = check_against_reference(case)
+    gate = torch.sigmoid(torch.tensor(g, dtype=torch.float64))
+    state, expected = torch.zeros(rank, dtype=torch.float64), []
+    for j in range(block):
+        expected.append(case.base_logits[:, j].cpu().double() + w2.double() @ torch.tanh(state))
+        state = gate * state + (1 - gate) * torch.tanh(joint_bias[rank:2 * rank].double())
+    expected = torch.stack(expected, 1).float()
+    torch.testing.assert_close(out.draft_logits.cpu(), expected,
+                               **literal_tolerance(case, expected))
+    torch.testing.assert_close(out.draft_logits[:, 0], case.base_logits[:, 0].float(), rtol=0,
+                               atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vocabulary_of_one(device):
+    # V = 1: every draft is token 0; z = base + W2[0] . W1[0] (or W2[0] . tanh(o)).
+    for head in ("markov", "rnn"):
+        case = make_case(5, 4, 1, 8, seed=104, head=head).to(device)
+        case.anchor = torch.zeros_like(case.anchor)
+        out = check_against_reference(case)
+        assert (out.tokens == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("shape", [(4, 0, 50), (0, 5, 50), (0, 0, 7)],
+                         ids=lambda s: "B{}-G{}-V{}".format(*s))
+def test_empty_block_and_batch(device, head, shape):
+    batch, block, vocab = shape
+    case = make_case(batch, block, vocab, 8, seed=105, head=head,
+                     anchor_dtype=torch.int32).to(device)
+    out = case.call()
+    check_output_contract(case, out)
+    expected = case.call(reference)
+    assert expected.tokens.shape == out.tokens.shape
+    assert expected.draft_logits.shape == out.draft_logits.shape
+    hidden = torch.randn(batch, block, 16, device=device)
+    confidence = dspark_ops.draft_confidence(
+        hidden, torch.zeros(batch, block, dtype=torch.int32, device=device), case.w1,
+        torch.randn(16 + 8, device=device), torch.tensor(0.5, device=device),
+        torch.ones(block, device=device))
+    assert confidence.shape == (batch, block) and confidence.dtype == torch.float32
+    assert confidence.device == case.device
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts: non-contiguous and broadcast inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """[B, G, ...] stored as [G, B, ...]: the batch stride is smaller than the slot stride."""
+    out = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not out.is_contiguous() or t.shape[0] <= 1 or t.shape[1] <= 1
+    return out
+
+
+def relayout(value: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "transposed":
+        return _transposed(value) if value.dim() == 3 else non_contiguous(value, "strided")
+    return non_contiguous(value, kind if value.dim() >= 2 else "strided")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("kind", ["strided", "padded", "transposed"])
+def test_non_contiguous_inputs(device, head, kind):
+    # Every tensor argument in another layout (gaps hold NaN / INT_MIN, never to be read): the
+    # same tokens and draft_logits as with contiguous inputs.
+    case = make_case(16, 7, 1000, 32, seed=stable_seed("layout", head), head=head,
+                     base_dtype=torch.bfloat16, anchor_dtype=torch.int32).to(device)
+    out = check_against_reference(case)
+    changed = {k: relayout(v, kind) for k, v in case.fields().items() if v is not None}
+    other = case.replace(**changed)
+    assert_same_outputs(other.call(), out, case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_broadcast_base_logits(device):
+    # A stride-0 batch (one shared row per slot, as the statistical tests use) and weights sliced
+    # out of wider buffers: the same results as materialised copies.
+    case = make_case(24, 5, 999, 16, seed=106, weights="f32").to(device)
+    shared = case.base_logits[:1].expand_as(case.base_logits)
+    out = case.replace(base_logits=shared).call()
+    wide = torch.randn(case.vocab, 40, device=device)
+    w1 = wide[:, 3:19].copy_(case.w1)
+    w2 = wide[:, 21:37].copy_(case.w2)
+    expected = case.replace(base_logits=shared.contiguous(), w1=w1.contiguous(),
+                            w2=w2.contiguous()).call()
+    assert_same_outputs(out, expected, case)
+    assert_same_outputs(case.replace(base_logits=shared, w1=w1, w2=w2).call(), expected, case)
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite base logits
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("temperature", ["greedy", "sampled", "mixed"])
+def test_non_finite_base_logits(device, head, temperature):
+    # NaN and +-inf base logits make z non-finite there: such tokens are never drafted, even at
+    # each row's would-be winner; a slot without any finite z drafts 0; draft_logits keep the
+    # computed values (NaN and inf propagate).
+    batch, block, vocab = 64, 6, 500
+    case = make_case(batch, block, vocab, 16, seed=stable_seed("nonfinite", head, temperature),
+                     head=head, temperature=temperature)
+    gen = generator(107)
+    base = case.base_logits.clone()
+    poison = torch.rand(base.shape, generator=gen)
+    base[poison < 0.3] = NAN
+    base[(poison >= 0.3) & (poison < 0.33)] = INF
+    base[(poison >= 0.33) & (poison < 0.36)] = -INF
+    top = case.base_logits.topk(2, dim=-1).indices  # where the drafts would mostly land
+    rows, slots = torch.arange(batch)[:, None, None], torch.arange(block)[None, :, None]
+    base[rows, slots, top] = torch.tensor([NAN, INF])
+    # Whole slots without a finite logit.
+    dead = torch.rand(batch, block, generator=gen) < 0.15
+    kinds = torch.tensor([NAN, -INF, INF])[torch.arange(vocab) % 3]
+    for b, j in dead.nonzero().tolist():
+        base[b, j] = [torch.full((vocab,), NAN), torch.full((vocab,), -INF), kinds][(b + j) % 3]
+    case = case.replace(base_logits=base).to(device)
+    out = check_against_reference(case)
+    z, tokens = out.draft_logits.cpu(), out.tokens.cpu()
+    finite = torch.isfinite(z)
+    assert torch.equal(finite, torch.isfinite(base))
+    assert torch.equal(torch.isnan(z), torch.isnan(base))
+    assert torch.equal(z == INF, base == INF) and torch.equal(z == -INF, base == -INF)
+    assert finite.gather(-1, tokens[..., None])[..., 0][~dead].all()
+    assert (tokens[dead] == 0).all() and dead.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_keys_overflowing_float32(device):
+    # Finite z whose Gumbel-max key z / T overflows float32 (|z| / T > FLT_MAX): -inf keys never
+    # beat finite ones and +inf keys beat everything (ties to the lowest id); a sampled row whose
+    # keys are all -inf drafts 0, as the reference's argmax over all -inf keys does. Greedy rows
+    # compare z itself, which is finite. Zero weights: z = base exactly on every device.
+    vocab = 40
+    base = torch.full((6, 1, vocab), -3e38)
+    base[0, 0, 0] = NAN  # all keys -inf, id 0 not even finite
+    base[2, 0, 7] = -1e38  # the one finite key
+    base[3, 0, [5, 9]] = 3e38  # two +inf keys
+    base[3, 0, 6] = 3.2e38
+    base[4, 0, :5] = NAN
+    base[5, 0, 0] = NAN  # greedy: the first finite maximum, id 1
+    temperature = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.25, 0.0])
+    case = DraftCase(base, torch.zeros(6, dtype=torch.int64), torch.zeros(vocab, 4),
+                     torch.zeros(vocab, 4), temperature, torch.arange(6) * 7919,
+                     torch.arange(6) * 1000).to(device)
+    out = check_against_reference(case)
+    assert out.tokens[:, 0].tolist() == [0, 0, 7, 5, 0, 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Batch invariance, greedy requests, seeds and positions
+# --------------------------------------------------------------------------------------------
+
+
+def _assert_request_equal(got, i, expected, b, context):
+    assert torch.equal(got.tokens[i], expected.tokens[b]), (context, b)
+    torch.testing.assert_close(got.draft_logits[i], expected.draft_logits[b], rtol=0, atol=0,
+                               equal_nan=True, msg=lambda m: f"{context} b={b}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_batch_invariance(device, head):
+    batch, block, vocab = 24, 8, 2048
+    case = make_case(batch, block, vocab, 64, seed=stable_seed("invariance", head),
+                     head=head).to(device)
+    out = check_against_reference(case)
+    gen = generator(108)
+    arrangements = {
+        "alone": [torch.tensor([b]) for b in range(0, batch, 5)],
+        "reordered": [torch.randperm(batch, generator=gen)],
+        "subset": [torch.randperm(batch, generator=gen)[:7]],
+    }
+    for name, index_lists in arrangements.items():
+        for index in index_lists:
+            got = case.select(index.to(device)).call()
+            for i, b in enumerate(index.tolist()):
+                _assert_request_equal(got, i, out, b, name)
+    # Other requests (their own inputs, seeds and positions) interleaved with these.
+    others = make_case(40, block, vocab, 64, seed=109, head=head).to(device)
+    joined = case.replace(**{
+        k: torch.cat([getattr(case, k), getattr(others, k)]) for k in DraftCase.PER_REQUEST
+        if getattr(case, k) is not None})
+    mix = torch.randperm(batch + 40, generator=gen)
+    got = joined.select(mix.to(device)).call()
+    for i, b in enumerate(mix.tolist()):
+        if b < batch:
+            _assert_request_equal(got, i, out, b, "joined")
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_cpu_results_do_not_depend_on_thread_count(head):
+    # The CPU kernels split the vocabulary (and the RNN's joint rows) over threads and merge in a
+    # fixed order: one thread gives the same drafts, logits and confidences as many.
+    case = make_case(16, 5, 20000, 64, seed=stable_seed("threads", head), head=head)
+    confidence = make_confidence_case(512, 5, 1000, 64, 64, seed=136)
+    threads = torch.get_num_threads()
+    out, conf = case.call(), confidence.call()
+    try:
+        torch.set_num_threads(1)
+        single, single_conf = case.call(), confidence.call()
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_outputs(single, out, case)
+    assert torch.equal(single_conf, conf)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_ignores_seed_and_position(device):
+    case = make_case(32, 6, 1500, 16, seed=110, temperature="greedy").to(device)
+    out = check_against_reference(case)
+    for other in (case.replace(seed=case.seed + 1), case.replace(position=case.position + 7)):
+        assert_same_outputs(other.call(), out, case)
+    # Greedy: each slot drafts the argmax of its stored logits (ties to the lowest id).
+    assert torch.equal(out.tokens, out.draft_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_ties_go_to_the_lowest_id(device):
+    # Integer-valued logits and a zero bias: many ties; greedy requests take the lowest tied id.
+    batch, block, vocab = 32, 5, 64
+    gen = generator(111)
+    base = torch.randint(0, 3, (batch, block, vocab), generator=gen).float()
+    case = DraftCase(base, torch.randint(0, vocab, (batch,), generator=gen),
+                     torch.zeros(vocab, 4), torch.randn(vocab, 4, generator=gen),
+                     torch.zeros(batch), torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+                     torch.randint(0, 2**40, (batch,), generator=gen)).to(device)
+    out = check_against_reference(case)
+    first_max = (base == base.amax(-1, keepdim=True)).int().argmax(-1)
+    assert torch.equal(out.tokens.cpu(), first_max)
+    assert ((base == base.amax(-1, keepdim=True)).sum(-1) > 1).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_threshold(device):
+    # T <= 1e-5 is greedy (including exactly 1e-5); the next float32 above it samples.
+    batch, block, vocab = 16, 3, 400
+    threshold = torch.tensor(reference.GREEDY_TEMPERATURE, dtype=torch.float32)
+    above = torch.nextafter(threshold, torch.tensor(1.0))
+    case = make_case(batch, block, vocab, 8, seed=112)
+    gen = generator(113)
+    # Nearly flat rows (z / T ~ 0.1 above the threshold): a sampled draft is rarely the argmax.
+    case.base_logits = 1e-6 * torch.randn(batch, block, vocab, generator=gen)
+    case.w1 = torch.zeros_like(case.w1)
+    for t, greedy in ((threshold, True), (above, False)):
+        out = check_against_reference(case.replace(temperature=t.expand(batch).clone()).to(device))
+        is_argmax = out.tokens == out.draft_logits.argmax(-1)
+        assert bool(is_argmax.all()) == greedy
+
+
+def _fraction_of_requests_changed(a, b) -> float:
+    return (a.tokens != b.tokens).any(1).float().mean().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_seed_and_position_change_drafts(device, head):
+    # Spread-out rows: another seed or position redraws almost every sampled request.
+    batch, block, vocab = 64, 4, 1000
+    case = make_case(batch, block, vocab, 16, seed=114, temperature=1.0, head=head)
+    case.base_logits = torch.randn(batch, block, vocab, generator=generator(115))
+    case = case.to(device)
+    out = check_against_reference(case)
+    assert _fraction_of_requests_changed(out, case.call()) == 0  # deterministic
+    assert_same_outputs(case.call(), out, case)
+    for other in (case.replace(seed=case.seed + 1), case.replace(seed=case.seed ^ (1 << 40)),
+                  case.replace(position=case.position + 1),
+                  case.replace(position=case.position + 2**32)):
+        assert _fraction_of_requests_changed(out, check_against_reference(other)) > 0.75
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_j_draws_at_position_plus_one_plus_j(device):
+    # Slot j draws from the draft stream of position p0 + 1 + j: drafting the block's tail on its
+    # own (base rows 1.., the first draft as the anchor, p0 + 1) reproduces the tail exactly.
+    case = make_case(32, 6, 3000, 16, seed=116, temperature="mixed",
+                     weights="f32").to(device)
+    out = check_against_reference(case)
+    tail = case.replace(base_logits=case.base_logits[:, 1:], anchor=out.tokens[:, 0],
+                        position=case.position + 1)
+    got = check_against_reference(tail)
+    assert torch.equal(got.tokens, out.tokens[:, 1:])
+    torch.testing.assert_close(got.draft_logits, out.draft_logits[:, 1:], rtol=0, atol=0)
+    # The draft stream is not the acceptance or resampling stream at the same position.
+    z, t = out.draft_logits[:, 0].cpu(), case.temperature.cpu()
+    u = {purpose: reference.philox_uniform(case.seed.cpu(), case.position.cpu() + 1, purpose,
+                                           case.vocab)
+         for purpose in (reference.PURPOSE_DRAFT, reference.PURPOSE_ACCEPT)}
+    assert not torch.equal(u[reference.PURPOSE_DRAFT], u[reference.PURPOSE_ACCEPT])
+    keys = z / t.clamp_min(1e-5)[:, None] - torch.log(-torch.log1p(-u[reference.PURPOSE_ACCEPT]))
+    sampled = ~is_greedy(t)
+    assert (keys.argmax(-1) != out.tokens[:, 0].cpu())[sampled].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_seed_none_uses_generator(device, head):
+    case = make_case(32, 4, 1000, 16, seed=117, temperature=1.0, head=head).to(device)
+    case.base_logits = torch.randn(case.base_logits.shape, generator=generator(118)).to(device)
+
+    def run(generator_seed):
+        gen = torch.Generator(device).manual_seed(generator_seed)
+        return case.replace(seed=None).call(generator=gen)
+
+    first, again, other = run(5), run(5), run(6)
+    check_output_contract(case, first)
+    assert_same_outputs(again, first, case)
+    assert _fraction_of_requests_changed(first, other) > 0.5
+    # Without a generator, torch's default generator for the device is used.
+    torch.manual_seed(3)
+    default = case.replace(seed=None).call()
+    torch.manual_seed(3)
+    assert_same_outputs(case.replace(seed=None).call(), default, case)
+
+
+# --------------------------------------------------------------------------------------------
+# Statistical tests of the drafts (SPEC §5)
+# --------------------------------------------------------------------------------------------
+
+STAT_VOCAB = 128
+STAT_RANK = 16
+STAT_TRIALS = 10 * STAT_VOCAB
+STAT_GROUPS = 2  # step-2 checks on the most frequent first drafts
+MIN_GROUP_TRIALS = 120
+
+
+def stat_inputs(seed: int):
+    """One request's base rows for two slots (slot 0 with three boosted tokens, so a few first
+    drafts are frequent) and a Markov head whose bias (std ~1.6) is as large as the base logits'
+    spread, so every previous token leads to a clearly different next distribution."""
+    gen = generator(seed)
+    base = torch.randn(2, STAT_VOCAB, generator=gen)
+    heads = torch.randperm(STAT_VOCAB, generator=gen)[:3]
+    base[0, heads] += torch.tensor([3.5, 3.0, 2.5])
+    scale = 1.3 * STAT_RANK**-0.25
+    w1 = make_weight((STAT_VOCAB, STAT_RANK), scale, "f32", gen)
+    w2 = make_weight((STAT_VOCAB, STAT_RANK), scale, "f32", gen)
+    anchor = int(torch.randint(0, STAT_VOCAB, (), generator=gen))
+    return base, anchor, w1, w2, gen
+
+
+def next_token_probs(base_row, w1, w2, prev: int, temperature: float) -> torch.Tensor:
+    """softmax((base + W2 . W1[prev]) / T) in float64."""
+    z = base_row.double() + w2.double() @ w1[prev].double()
+    return torch.softmax(z / temperature, -1)
+
+
+def draft_steps_follow_softmax(tokens, base, anchor, w1, w2, temperature):
+    """(a) x1 ~ softmax((base[0] + W2 . W1[anchor]) / T) over all trials; (b) for the most
+    frequent x1 values, x2 | x1 ~ softmax((base[1] + W2 . W1[x1]) / T). Returns
+    [(step, x1, trials, chi2, df, passed)]."""
+    results = []
+    chi2, df = chi_square(tokens[:, 0], next_token_probs(base[0], w1, w2, anchor, temperature))
+    results.append((1, anchor, tokens.shape[0], chi2, df, df > 0 and chi_square_passes(chi2, df)))
+    counts = torch.bincount(tokens[:, 0], minlength=STAT_VOCAB)
+    for x1 in counts.argsort(descending=True)[:STAT_GROUPS].tolist():
+        chosen = tokens[:, 0] == x1
+        trials = int(chosen.sum())
+        assert trials >= MIN_GROUP_TRIALS, (x1, trials)
+        chi2, df = chi_square(tokens[chosen, 1], next_token_probs(base[1], w1, w2, x1, temperature))
+        results.append((2, x1, trials, chi2, df, df > 0 and chi_square_passes(chi2, df)))
+    return results
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_drafts_follow_the_corrected_distribution(device, temperature):
+    # STAT_TRIALS independent requests (own seeds and positions) share one base row per slot (a
+    # stride-0 batch), the anchor and the head.
+    base, anchor, w1, w2, gen = stat_inputs(stable_seed("stat", temperature))
+    n = STAT_TRIALS
+    case = DraftCase(base.expand(n, 2, STAT_VOCAB), torch.full((n,), anchor), w1, w2,
+                     torch.full((n,), temperature),
+                     torch.randint(-(2**62), 2**62, (n,), generator=gen),
+                     torch.randint(0, 2**40, (n,), generator=gen)).to(device)
+    out = case.call()
+    check_output_contract(case, out)
+    results = draft_steps_follow_softmax(out.tokens.cpu(), base, anchor, w1, w2, temperature)
+    failed = [r for r in results if not r[5]]
+    assert not failed, f"chi-square rejects (step, x1, trials, chi2, df): {failed}"
+
+
+def torch_markov_sampler(base, anchor, w1, w2, temperature, trials, gen, bug=None):
+    """A plain-torch two-slot Markov drafter (torch.multinomial, no Philox) used to show that the
+    checks above detect a wrong rule. ``bug``: None (correct), "anchor_bias_at_slot_1" (slot 1
+    biased by the anchor instead of x1) or "bias_on_wrong_slot" (slot 0 unbiased, the anchor's bias
+    added to slot 1)."""
+    def draw(z):  # z [trials, V] float64
+        return torch.multinomial(torch.softmax(z / temperature, -1), 1, generator=gen)[:, 0]
+
+    bias = w1.double() @ w2.double().T  # bias[x] = W2 . W1[x]
+    base = base.double()
+    z0 = base[0].expand(trials, -1) + (0.0 if bug == "bias_on_wrong_slot" else bias[anchor])
+    x1 = draw(z0)
+    prev = torch.full_like(x1, anchor) if bug == "anchor_bias_at_slot_1" else x1
+    z1 = base[1] + bias[prev]
+    if bug == "bias_on_wrong_slot":
+        z1 = z1 + bias[anchor]
+    return torch.stack([x1, draw(z1)], 1)
+
+
+@pytest.mark.parametrize("bug,failing_step", [
+    (None, None), ("anchor_bias_at_slot_1", 2), ("bias_on_wrong_slot", 1),
+])
+def test_checks_reject_a_broken_drafter(bug, failing_step):
+    # Same inputs and checks as the op's test; only the drafting rule differs. The correct torch
+    # sampler passes (so a failure is the rule's, not the checker's).
+    base, anchor, w1, w2, gen = stat_inputs(stable_seed("stat", 1.0))
+    tokens = torch_markov_sampler(base, anchor, w1, w2, 1.0, STAT_TRIALS, gen, bug)
+    results = draft_steps_follow_softmax(tokens, base, anchor, w1, w2, 1.0)
+    if bug is None:
+        assert all(r[5] for r in results), results
+    else:
+        rejected = [r for r in results if r[0] == failing_step and not r[5]]
+        assert rejected, results
+        if failing_step == 2:
+            assert all(not r[5] for r in results if r[0] == 2), results
+
+
+# --------------------------------------------------------------------------------------------
+# Lossless hand-off to verify
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("temperature", ["sampled", "greedy", "mixed"])
+def test_verify_accepts_drafts_against_their_own_distribution(device, head, temperature):
+    # The target's first G rows equal draft_logits (row G anything) at the same temperature: p =
+    # q, so verify accepts every draft (u * q(x) < p(x) = q(x); greedy: x is the argmax) and emits
+    # a bonus token. This holds only if each token was sampled from exactly the stored logits.
+    batch, block, vocab = 64, 7, 5000
+    case = make_case(batch, block, vocab, 32, seed=stable_seed("handoff", head, temperature),
+                     head=head, temperature=temperature, base_dtype=torch.bfloat16,
+                     weights="bf16").to(device)
+    draft = check_against_reference(case)
+    bonus_row = torch.randn(batch, 1, vocab, generator=generator(119)).to(device)
+    target = torch.cat([draft.draft_logits, bonus_row], 1)
+    n = torch.full((batch,), block, dtype=torch.int32, device=device)
+    out = dspark_ops.verify(target, draft.tokens, n, case.temperature, case.seed, case.position,
+                            draft_logits=draft.draft_logits, draft_temperature=case.temperature)
+    assert (out.num_accepted == block).all(), out.num_accepted
+    assert out.valid.all()
+    assert torch.equal(out.tokens[:, :block], draft.tokens)
+    expected = reference.verify(target.cpu(), draft.tokens.cpu(), n.cpu(), case.temperature.cpu(),
+                                case.seed.cpu(), case.position.cpu(),
+                                draft_logits=draft.draft_logits.cpu(),
+                                draft_temperature=case.temperature.cpu())
+    assert torch.equal(out.tokens.cpu(), expected.tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# draft_confidence
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ConfidenceCase:
+    hidden: torch.Tensor
+    prev_tokens: torch.Tensor
+    w1: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    calib_temperature: Optional[torch.Tensor] = None
+
+    def call(self, ops=dspark_ops):
+        return ops.draft_confidence(self.hidden, self.prev_tokens, self.w1, self.weight, self.bias,
+                                    self.calib_temperature)
+
+    def fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes) -> "ConfidenceCase":
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device) -> "ConfidenceCase":
+        return ConfidenceCase(**{k: None if v is None else v.to(device)
+                                 for k, v in self.fields().items()})
+
+
+def make_confidence_case(batch, block, vocab, rank, hidden_size, *, seed,
+                         hidden_dtype=torch.float32, w1_dtype=torch.float32,
+                         weight_dtype=torch.float32, bias=True, calib=True, ids_dtype=torch.int64,
+                         bias_shape=()) -> ConfidenceCase:
+    gen = generator(seed)
+    width = hidden_size + rank
+    return ConfidenceCase(
+        hidden=torch.randn(batch, block, hidden_size, generator=gen).to(hidden_dtype),
+        prev_tokens=torch.randint(0, vocab, (batch, block), generator=gen).to(ids_dtype),
+        w1=torch.randn(vocab, rank, generator=gen).to(w1_dtype),
+        weight=(2 * torch.randn(width, generator=gen) / width**0.5).to(weight_dtype),
+        bias=torch.randn(bias_shape, generator=gen).to(weight_dtype) if bias else None,
+        calib_temperature=0.3 + 3 * torch.rand(block, generator=gen) if calib else None,
+    )
+
+
+def confidence_logits(case: ConfidenceCase) -> torch.Tensor:
+    """w . [h_j; W1[x_j]] + b in float64, rounded to float32 (SPEC §1 step 4)."""
+    case = case.to("cpu")
+    features = torch.cat([case.hidden.double(), embed(case.w1, case.prev_tokens)], -1)
+    logit = features @ case.weight.double()
+    if case.bias is not None:
+        logit = logit + case.bias.double().reshape(())
+    return logit.float()
+
+
+def check_confidence(case: ConfidenceCase) -> torch.Tensor:
+    got = case.call()
+    batch, block = case.prev_tokens.shape
+    assert got.dtype == torch.float32 and got.shape == (batch, block)
+    assert got.device == case.hidden.device
+    assert ((got >= 0) & (got <= 1)).all()
+    cpu = case.to("cpu")
+    torch.testing.assert_close(got.cpu(), cpu.call(reference), rtol=1e-5, atol=1e-6)
+    tau = 1.0 if case.calib_temperature is None else cpu.calib_temperature.float()
+    torch.testing.assert_close(got.cpu(), torch.sigmoid(confidence_logits(case) / tau),
+                               rtol=1e-5, atol=1e-6)
+    return got
+
+
+CONFIDENCE_DTYPES = [(h, w) for h in FLOAT_DTYPES for w in FLOAT_DTYPES]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtypes", CONFIDENCE_DTYPES,
+                         ids=lambda p: f"h{DTYPE_IDS[p[0]]}-w1{DTYPE_IDS[p[1]]}")
+@pytest.mark.parametrize("bias,calib", [(False, False), (True, False), (False, True),
+                                        (True, True)],
+                         ids=["plain", "bias", "calib", "bias-calib"])
+def test_draft_confidence_matches_reference(device, dtypes, bias, calib):
+    hidden_dtype, w1_dtype = dtypes
+    # The head's weight (and bias) in a third dtype.
+    weight_dtype = FLOAT_DTYPES[(FLOAT_DTYPES.index(hidden_dtype) + 2) % 3]
+    case = make_confidence_case(16, 7, 1000, 256, 64, seed=stable_seed("conf", dtypes, bias, calib),
+                                hidden_dtype=hidden_dtype, w1_dtype=w1_dtype,
+                                weight_dtype=weight_dtype, bias=bias, calib=calib,
+                                ids_dtype=torch.int32 if bias else torch.int64)
+    check_confidence(case.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (64, 32, 151936, 256, 128), (3, 16, 2, 8, 7)],
+                         ids=lambda s: "B{}-G{}-V{}-r{}-d{}".format(*s))
+def test_draft_confidence_shapes(device, shape):
+    case = make_confidence_case(*shape, seed=stable_seed("conf-shape", shape), bias_shape=(1,))
+    got = check_confidence(case.to(device))
+    narrow = case.replace(prev_tokens=case.prev_tokens.int()).to(device)
+    assert torch.equal(narrow.call(), got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["strided", "padded", "transposed"])
+def test_draft_confidence_non_contiguous(device, kind):
+    case = make_confidence_case(16, 7, 500, 32, 48, seed=120, hidden_dtype=torch.bfloat16,
+                                ids_dtype=torch.int32).to(device)
+    got = check_confidence(case)
+    changed = {k: relayout(v, kind) for k, v in case.fields().items()
+               if v is not None and v.dim() > 0}
+    assert torch.equal(case.replace(**changed).call(), got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_confidence_literal(device):
+    # c = sigmoid((w_h . h + w_r . W1[x] + b) / tau) with one-hot features: w picks one hidden
+    # entry and one embedding entry.
+    batch, block, vocab, rank, hidden_size = 4, 3, 10, 4, 5
+    hidden = torch.arange(batch * block * hidden_size, dtype=torch.float32).reshape(
+        batch, block, hidden_size) / 16
+    w1 = torch.arange(vocab * rank, dtype=torch.float32).reshape(vocab, rank) / 32
+    prev = torch.tensor([[0, 3, 9], [1, 1, 1], [9, 8, 7], [5, 0, 2]])
+    weight = torch.zeros(hidden_size + rank)
+    weight[2], weight[hidden_size + 1] = 0.5, -0.25
+    tau = torch.tensor([1.0, 2.0, 0.5])
+    got = dspark_ops.draft_confidence(hidden.to(device), prev.to(device), w1.to(device),
+                                      weight.to(device), torch.tensor([0.125], device=device),
+                                      tau.to(device))
+    logit = 0.5 * hidden[..., 2] - 0.25 * w1[prev, 1] + 0.125
+    torch.testing.assert_close(got.cpu(), torch.sigmoid(logit / tau), rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# Sequential temperature scaling and the calibration error
+# --------------------------------------------------------------------------------------------
+
+
+def test_expected_calibration_error_literal():
+    p = torch.tensor([0.125, 0.125, 0.875, 0.875, 1.0])
+    y = torch.tensor([0, 1, 1, 1, 1])
+    # 20 bins: 0.125 -> bin 2 (mean p 0.125, mean outcome 0.5), 0.875 -> bin 17 (0.875 vs 1),
+    # 1.0 -> the last bin (1 vs 1).
+    expected = (2 * abs(0.125 - 0.5) + 2 * abs(0.875 - 1.0) + 1 * 0.0) / 5
+    assert dspark_ops.expected_calibration_error(p, y) == pytest.approx(expected, abs=1e-7)
+    assert dspark_ops.expected_calibration_error(p, y, num_bins=1) == pytest.approx(
+        abs(float(p.double().mean()) - 0.8), abs=1e-7)
+    assert dspark_ops.expected_calibration_error(torch.zeros(0), torch.zeros(0)) == 0.0
+    perfect = torch.tensor([0.0, 0.0, 1.0])
+    assert dspark_ops.expected_calibration_error(perfect, perfect.bool()) == 0.0
+
+
+CALIB_BLOCK = 5
+CALIB_SAMPLES = 50000
+
+
+def calibration_data(samples: int, gen: torch.Generator, block: int = CALIB_BLOCK):
+    """Synthetic confidence logits 3 * logit(p) + noise for true conditional acceptance
+    probabilities p in (0.3, 0.97) (an overconfident head: the right temperature is about 3), and
+    the accepted lengths verification would give (sequential: accepted up to the first failure)."""
+    p = 0.3 + 0.67 * torch.rand(samples, block, generator=gen, dtype=torch.float64)
+    logits = 3 * torch.logit(p) + 0.3 * torch.randn(samples, block, generator=gen,
+                                                    dtype=torch.float64)
+    accepted = torch.rand(samples, block, generator=gen, dtype=torch.float64) < p
+    return logits.float(), accepted.int().cumprod(1).sum(1).int()
+
+
+def survival_ece(logits, num_accepted, tau, mask=None):
+    """Per-position ECE of the survival prod_{i<=k} sigmoid(z_i / tau_i) against 1[accepted > k]."""
+    survival = torch.sigmoid(logits.double() / tau.double()).cumprod(1)
+    errors = []
+    for k in range(logits.shape[1]):
+        keep = slice(None) if mask is None else mask[:, k]
+        errors.append(dspark_ops.expected_calibration_error(survival[keep, k],
+                                                            (num_accepted > k)[keep]))
+    return errors
+
+
+def assert_near_three(tau: torch.Tensor) -> None:
+    # Slot 0 sees every sample; later slots see only the survivors, and the calibration error of
+    # a small survival is flat in tau, so their fits scatter more.
+    assert abs(float(tau[0]) - 3) < 0.3 and ((tau > 2) & (tau < 4.5)).all(), tau
+
+
+def test_sequential_temperatures_fix_overconfidence():
+    gen = generator(121)
+    train_logits, train_accepted = calibration_data(CALIB_SAMPLES, gen)
+    test_logits, test_accepted = calibration_data(CALIB_SAMPLES, gen)
+    tau = dspark_ops.fit_sequential_temperatures(train_logits, train_accepted)
+    assert tau.dtype == torch.float32 and tau.shape == (CALIB_BLOCK,)
+    assert_near_three(tau)
+    before = survival_ece(test_logits, test_accepted, torch.ones(CALIB_BLOCK))
+    after = survival_ece(test_logits, test_accepted, tau)
+    assert all(e > 0.05 for e in before), before
+    assert all(e < 0.02 for e in after), after
+    # A custom grid: the temperatures come from it.
+    grid = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0])
+    coarse = dspark_ops.fit_sequential_temperatures(train_logits, train_accepted, grid=grid)
+    assert all(float(t) in grid.tolist() for t in coarse)
+    assert (coarse == 3.0).sum() >= CALIB_BLOCK - 1, coarse
+
+
+def test_sequential_temperatures_respect_num_verified():
+    # Slot k is fitted only on samples that verified more than k drafts: what the unverified slots'
+    # logits hold does not matter, and the fit on the masked data still finds ~3 (treating the
+    # unverified drafts as rejections would not).
+    gen = generator(122)
+    logits, full_accepted = calibration_data(CALIB_SAMPLES, gen)
+    verified = torch.randint(1, CALIB_BLOCK + 1, (CALIB_SAMPLES,), generator=gen).int()
+    verified[:CALIB_SAMPLES // 2] = CALIB_BLOCK  # enough samples reach every slot
+    accepted = torch.minimum(full_accepted, verified)
+    unverified = torch.arange(CALIB_BLOCK)[None] >= verified[:, None]
+    junk_a = torch.where(unverified, 40.0, logits)
+    junk_b = torch.where(unverified, torch.randn(logits.shape, generator=gen) * 10, logits)
+    tau_a = dspark_ops.fit_sequential_temperatures(junk_a, accepted, num_verified=verified)
+    tau_b = dspark_ops.fit_sequential_temperatures(junk_b, accepted, num_verified=verified.long())
+    assert torch.equal(tau_a, tau_b)
+    assert_near_three(tau_a)
+    ignored = dspark_ops.fit_sequential_temperatures(junk_a, accepted)
+    assert not torch.equal(ignored, tau_a)
+    # A slot no sample verified keeps temperature 1.
+    short = torch.minimum(verified, torch.tensor(CALIB_BLOCK - 1, dtype=torch.int32))
+    tau_short = dspark_ops.fit_sequential_temperatures(
+        logits, torch.minimum(accepted, short), num_verified=short)
+    assert float(tau_short[-1]) == 1.0
+    assert_near_three(tau_short[:-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calibrated_confidences_feed_draft_confidence(device):
+    # Fitted temperatures go to draft_confidence(calib_temperature=...) and give
+    # sigmoid(logit / tau) per slot; the calibrated survivals are calibrated on held-out data.
+    batch, vocab, rank, hidden_size = 40000, 300, 16, 32
+    gen = generator(123)
+    case = make_confidence_case(batch, CALIB_BLOCK, vocab, rank, hidden_size, seed=124,
+                                calib=False)
+    logit = confidence_logits(case)  # what the head computes, before any temperature
+    # Acceptance with true probability sigmoid(logit / 3) (the head is overconfident).
+    accepted = torch.rand(batch, CALIB_BLOCK, generator=gen, dtype=torch.float64) < torch.sigmoid(
+        logit.double() / 3)
+    num_accepted = accepted.int().cumprod(1).sum(1)
+    half = batch // 2
+    tau = dspark_ops.fit_sequential_temperatures(logit[:half], num_accepted[:half])
+    assert abs(float(tau[0]) - 3) < 0.5, tau
+    calibrated = check_confidence(case.replace(calib_temperature=tau).to(device)).cpu()
+    torch.testing.assert_close(calibrated, torch.sigmoid(logit / tau), rtol=1e-5, atol=1e-6)
+    raw = check_confidence(case.to(device)).cpu()
+    before = survival_ece(logit[half:], num_accepted[half:], torch.ones(CALIB_BLOCK))
+    survival = calibrated[half:].double().cumprod(1)
+    after = [dspark_ops.expected_calibration_error(survival[:, k], num_accepted[half:] > k)
+             for k in range(CALIB_BLOCK)]
+    assert max(after) < 0.02 and after[0] < before[0] / 4, (before, after)
+    # Per slot, temperature scaling keeps the ranking of requests: in the order of the logits,
+    # raw and calibrated confidences both ascend.
+    order = logit.argsort(0)
+    for c in (raw, calibrated):
+        assert (c.gather(0, order).diff(dim=0) >= 0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks: every check of csrc/args/draft_args.cpp with its message
+# --------------------------------------------------------------------------------------------
+
+B, G, V, R, D = 3, 4, 100, 8, 16
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def i64(*values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def f32(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def valid_draft_args(device) -> dict:
+    gen = generator(131)
+    args = dict(
+        base_logits=torch.randn(B, G, V, generator=gen),
+        anchor=i64(0, 7, V - 1),
+        w1=torch.randn(V, R, generator=gen),
+        w2=torch.randn(V, R, generator=gen),
+        temperature=f32(0.0, 0.8, 1.0),
+        seed=i64(1, -2, 3),
+        position=i64(10, 20, 2**33),
+        hidden=torch.randn(B, G, D, generator=gen),
+        joint_weight=torch.randn(3 * R, 2 * R + D, generator=gen) / 6,
+        joint_bias=torch.randn(3 * R, generator=gen),
+    )
+    return {k: v.to(device) for k, v in args.items()}
+
+
+def call_draft(op: str, args: dict):
+    case = DraftCase(**{k: v for k, v in args.items()
+                        if op == "rnn_draft" or k not in ("hidden", "joint_weight", "joint_bias")})
+    return case.call()
+
+
+def valid_confidence_args(device) -> dict:
+    gen = generator(132)
+    args = dict(
+        hidden=torch.randn(B, G, D, generator=gen),
+        prev_tokens=torch.randint(0, V, (B, G), generator=gen),
+        w1=torch.randn(V, R, generator=gen),
+        weight=torch.randn(D + R, generator=gen),
+        bias=f32(0.25),
+        calib_temperature=f32(1.0, 0.5, 2.0, 3.0),
+    )
+    return {k: v.to(device) for k, v in args.items()}
+
+
+def _huge_base(device):
+    # A stride-0 view: a 2^31 - 1 vocabulary without the memory (built on the device directly).
+    return dict(base_logits=torch.randn(1, 1, 1, device=device).expand(B, G, 2**31 - 1))
+
+
+def _huge_w1(device):
+    return dict(w1=torch.randn(1, 1, device=device).expand(2**31 - 1, R))
+
+
+# (id, overrides: device -> {argument: value}, exception, message after "<op>(): ").
+# The checks both heads share (check_common); run for markov_draft and rnn_draft.
+COMMON_ERRORS = [
+    ("base-2d", lambda d: dict(base_logits=torch.randn(B, V)), ValueError,
+     r"'base_logits' must be 3-D \[B, G, V\], got a 2-D tensor of shape \[3, 100\]"),
+    ("base-4d", lambda d: dict(base_logits=torch.randn(B, G, 1, V)), ValueError,
+     r"'base_logits' must be 3-D \[B, G, V\], got a 4-D tensor of shape \[3, 4, 1, 100\]"),
+    ("base-float64", lambda d: dict(base_logits=torch.randn(B, G, V, dtype=torch.float64)),
+     TypeError, r"'base_logits' must have dtype Float or BFloat16 or Half, got Double"),
+    ("base-int32", lambda d: dict(base_logits=torch.zeros(B, G, V, dtype=torch.int32)),
+     TypeError, r"'base_logits' must have dtype Float or BFloat16 or Half, got Int"),
+    ("vocab-0", lambda d: dict(base_logits=torch.randn(B, G, 0), w1=torch.randn(0, R),
+                               w2=torch.randn(0, R)), ValueError,
+     r"'base_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 0"),
+    ("vocab-2^31-1", _huge_base, ValueError,
+     r"'base_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 2147483647"),
+    ("anchor-float", lambda d: dict(anchor=f32(1, 2, 3)), TypeError,
+     r"'anchor' must have dtype Long or Int, got Float"),
+    ("anchor-int16", lambda d: dict(anchor=torch.tensor([1, 2, 3], dtype=torch.int16)),
+     TypeError, r"'anchor' must have dtype Long or Int, got Short"),
+    ("anchor-shape", lambda d: dict(anchor=i64(1, 2, 3, 4)), ValueError,
+     r"'anchor' must have shape \[B\] = \[3\], got \[4\]"),
+    ("anchor-2d", lambda d: dict(anchor=i64(1, 2, 3)[:, None]), ValueError,
+     r"'anchor' must have shape \[B\] = \[3\], got \[3, 1\]"),
+    ("w1-float64", lambda d: dict(w1=torch.randn(V, R, dtype=torch.float64)), TypeError,
+     r"'w1' must have dtype Float or BFloat16 or Half, got Double"),
+    ("w1-1d", lambda d: dict(w1=torch.randn(V)), ValueError,
+     r"'w1' must be 2-D \[V, r\], got a 1-D tensor of shape \[100\]"),
+    ("w1-3d", lambda d: dict(w1=torch.randn(V, R, 1)), ValueError,
+     r"'w1' must be 2-D \[V, r\], got a 3-D tensor of shape \[100, 8, 1\]"),
+    ("rank-0", lambda d: dict(w1=torch.randn(V, 0), w2=torch.randn(V, 0)), ValueError,
+     r"'w1' must have a rank r in \[1, 1024\], got \[100, 0\]"),
+    ("rank-1025", lambda d: dict(w1=torch.randn(V, 1025), w2=torch.randn(V, 1025)), ValueError,
+     r"'w1' must have a rank r in \[1, 1024\], got \[100, 1025\]"),
+    ("w1-vocab", lambda d: dict(w1=torch.randn(V - 1, R)), ValueError,
+     r"'w1' must have shape \[V, r\] = \[100, 8\], got \[99, 8\]"),
+    ("w2-dtype", lambda d: dict(w2=torch.randn(V, R).bfloat16()), TypeError,
+     r"'w2' must have dtype Float, got BFloat16"),
+    ("w2-dtype-like-w1", lambda d: dict(w1=torch.randn(V, R).half(), w2=torch.randn(V, R)),
+     TypeError, r"'w2' must have dtype Half, got Float"),
+    ("w2-rank", lambda d: dict(w2=torch.randn(V, R + 1)), ValueError,
+     r"'w2' must have shape \[V, r\] like 'w1' = \[100, 8\], got \[100, 9\]"),
+    ("w2-transposed", lambda d: dict(w2=torch.randn(R, V)), ValueError,
+     r"'w2' must have shape \[V, r\] like 'w1' = \[100, 8\], got \[8, 100\]"),
+    ("temperature-float64", lambda d: dict(temperature=torch.ones(B, dtype=torch.float64)),
+     TypeError, r"'temperature' must have dtype Float, got Double"),
+    ("temperature-bf16", lambda d: dict(temperature=torch.ones(B, dtype=torch.bfloat16)),
+     TypeError, r"'temperature' must have dtype Float, got BFloat16"),
+    ("temperature-shape", lambda d: dict(temperature=torch.ones(B - 1)), ValueError,
+     r"'temperature' must have shape \[B\] = \[3\], got \[2\]"),
+    ("temperature-0d", lambda d: dict(temperature=torch.tensor(1.0)), ValueError,
+     r"'temperature' must have shape \[B\] = \[3\], got \[\]"),
+    ("seed-int32", lambda d: dict(seed=i32(1, 2, 3)), TypeError,
+     r"'seed' must have dtype Long, got Int"),
+    ("seed-shape", lambda d: dict(seed=i64(1, 2, 3)[:, None]), ValueError,
+     r"'seed' must have shape \[B\] = \[3\], got \[3, 1\]"),
+    ("position-int32", lambda d: dict(position=i32(1, 2, 3)), TypeError,
+     r"'position' must have dtype Long, got Int"),
+    ("position-float", lambda d: dict(position=f32(1, 2, 3)), TypeError,
+     r"'position' must have dtype Long, got Float"),
+    ("position-shape", lambda d: dict(position=i64(1, 2, 3, 4, 5)), ValueError,
+     r"'position' must have shape \[B\] = \[3\], got \[5\]"),
+]
+
+# The RNN head's own arguments (check_rnn_draft_args).
+RNN_ERRORS = [
+    ("hidden-float64", lambda d: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
+     TypeError, r"'hidden' must have dtype Float or BFloat16 or Half, got Double"),
+    ("hidden-2d", lambda d: dict(hidden=torch.randn(B, D)), ValueError,
+     r"'hidden' must be 3-D \[B, G, d\], got a 2-D tensor of shape \[3, 16\]"),
+    ("hidden-G", lambda d: dict(hidden=torch.randn(B, G + 1, D)), ValueError,
+     r"'hidden' must have shape \[B, G, d\] = \[3, 4, 16\], got \[3, 5, 16\]"),
+    ("hidden-B", lambda d: dict(hidden=torch.randn(B - 1, G, D)), ValueError,
+     r"'hidden' must have shape \[B, G, d\] = \[3, 4, 16\], got \[2, 4, 16\]"),
+    ("joint_weight-dtype", lambda d: dict(joint_weight=torch.randn(3 * R, 2 * R + D).half()),
+     TypeError, r"'joint_weight' must have dtype Float, got Half"),
+    ("joint_weight-width", lambda d: dict(joint_weight=torch.randn(3 * R, 2 * R + D + 1)),
+     ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[24, 33\]"),
+    ("joint_weight-rows", lambda d: dict(joint_weight=torch.randn(4 * R, 2 * R + D)),
+     ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[32, 32\]"),
+    ("joint_weight-transposed", lambda d: dict(joint_weight=torch.randn(2 * R + D, 3 * R)),
+     ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[32, 24\]"),
+    ("joint_bias-dtype", lambda d: dict(joint_bias=torch.randn(3 * R).bfloat16()), TypeError,
+     r"'joint_bias' must have dtype Float, got BFloat16"),
+    ("joint_bias-shape", lambda d: dict(joint_bias=torch.randn(3 * R - 1)), ValueError,
+     r"'joint_bias' must have shape \[3r\] = \[24\], got \[23\]"),
+    ("joint_bias-2d", lambda d: dict(joint_bias=torch.randn(3 * R, 1)), ValueError,
+     r"'joint_bias' must have shape \[3r\] = \[24\], got \[24, 1\]"),
+]
+
+CONFIDENCE_ERRORS = [
+    ("hidden-2d", lambda d: dict(hidden=torch.randn(B, D)), ValueError,
+     r"'hidden' must be 3-D \[B, G, d\], got a 2-D tensor of shape \[3, 16\]"),
+    ("hidden-float64", lambda d: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
+     TypeError, r"'hidden' must have dtype Float or BFloat16 or Half, got Double"),
+    ("prev_tokens-float", lambda d: dict(prev_tokens=torch.zeros(B, G)), TypeError,
+     r"'prev_tokens' must have dtype Long or Int, got Float"),
+    ("prev_tokens-int16", lambda d: dict(prev_tokens=torch.zeros(B, G, dtype=torch.int16)),
+     TypeError, r"'prev_tokens' must have dtype Long or Int, got Short"),
+    ("prev_tokens-shape", lambda d: dict(prev_tokens=torch.zeros(B, G + 1, dtype=torch.int64)),
+     ValueError, r"'prev_tokens' must have shape \[B, G\] = \[3, 4\], got \[3, 5\]"),
+    ("prev_tokens-1d", lambda d: dict(prev_tokens=i64(1, 2, 3)), ValueError,
+     r"'prev_tokens' must have shape \[B, G\] = \[3, 4\], got \[3\]"),
+    ("w1-1d", lambda d: dict(w1=torch.randn(V)), ValueError,
+     r"'w1' must be 2-D \[V, r\], got a 1-D tensor of shape \[100\]"),
+    ("w1-vocab-0", lambda d: dict(w1=torch.randn(0, R)), ValueError,
+     r"'w1' must have a vocabulary size in \[1, 2\^31 - 1\), got 0"),
+    ("w1-vocab-2^31-1", _huge_w1, ValueError,
+     r"'w1' must have a vocabulary size in \[1, 2\^31 - 1\), got 2147483647"),
+    ("w1-float64", lambda d: dict(w1=torch.randn(V, R, dtype=torch.float64)), TypeError,
+     r"'w1' must have dtype Float or BFloat16 or Half, got Double"),
+    ("rank-0", lambda d: dict(w1=torch.randn(V, 0), weight=torch.randn(D)), ValueError,
+     r"'w1' must have a rank r in \[1, 1024\], got \[100, 0\]"),
+    ("rank-1025", lambda d: dict(w1=torch.randn(V, 1025), weight=torch.randn(D + 1025)),
+     ValueError, r"'w1' must have a rank r in \[1, 1024\], got \[100, 1025\]"),
+    ("weight-float64", lambda d: dict(weight=torch.randn(D + R, dtype=torch.float64)),
+     TypeError, r"'weight' must have dtype Float or BFloat16 or Half, got Double"),
+    ("weight-shape", lambda d: dict(weight=torch.randn(D + R + 1)), ValueError,
+     r"'weight' must have shape \[d \+ r\] = \[24\], got \[25\]"),
+    ("weight-2d", lambda d: dict(weight=torch.randn(1, D + R)), ValueError,
+     r"'weight' must have shape \[d \+ r\] = \[24\], got \[1, 24\]"),
+    ("bias-float64", lambda d: dict(bias=torch.tensor(0.5, dtype=torch.float64)), TypeError,
+     r"'bias' must have dtype Float or BFloat16 or Half, got Double"),
+    ("bias-two", lambda d: dict(bias=f32(0.5, 0.5)), ValueError,
+     r"'bias' must have exactly one element, got shape \[2\]"),
+    ("bias-empty", lambda d: dict(bias=torch.zeros(0)), ValueError,
+     r"'bias' must have exactly one element, got shape \[0\]"),
+    ("calib-float64", lambda d: dict(calib_temperature=torch.ones(G, dtype=torch.float64)),
+     TypeError, r"'calib_temperature' must have dtype Float, got Double"),
+    ("calib-bf16", lambda d: dict(calib_temperature=torch.ones(G, dtype=torch.bfloat16)),
+     TypeError, r"'calib_temperature' must have dtype Float, got BFloat16"),
+    ("calib-shape", lambda d: dict(calib_temperature=torch.ones(G + 1)), ValueError,
+     r"'calib_temperature' must have shape \[G\] = \[4\], got \[5\]"),
+    ("calib-per-request", lambda d: dict(calib_temperature=torch.ones(B, G)), ValueError,
+     r"'calib_temperature' must have shape \[G\] = \[4\], got \[3, 4\]"),
+]
+
+# Value checks: always on CPU; on CUDA only with DSPARK_OPS_DEBUG=1 (they cost a sync).
+DRAFT_VALUE_ERRORS = [
+    ("anchor-V", lambda d: dict(anchor=i64(0, 100, 5)), ValueError,
+     r"'anchor' values must lie in \[0, 99\], got 100 at index \[1\]"),
+    ("anchor-negative-int32", lambda d: dict(anchor=i32(0, 5, -1)), ValueError,
+     r"'anchor' values must lie in \[0, 99\], got -1 at index \[2\]"),
+    ("position-negative", lambda d: dict(position=i64(5, -1, 9)), ValueError,
+     r"'position' values must lie in \[0, 4611686018427387904\], got -1 at index \[1\]"),
+    ("position-overflows", lambda d: dict(position=i64(2**62 + 1, 0, 9)), ValueError,
+     r"'position' values must lie in \[0, 4611686018427387904\], got 4611686018427387905 "
+     r"at index \[0\]"),
+    ("temperature-negative", lambda d: dict(temperature=f32(0.0, -0.5, 1.0)), ValueError,
+     r"'temperature' must be finite and >= 0, got -0.5 at index \[1\]"),
+    ("temperature-nan", lambda d: dict(temperature=f32(NAN, 1.0, 1.0)), ValueError,
+     r"'temperature' must be finite and >= 0, got nan at index \[0\]"),
+    ("temperature-inf", lambda d: dict(temperature=f32(0.0, 1.0, INF)), ValueError,
+     r"'temperature' must be finite and >= 0, got inf at index \[2\]"),
+]
+
+CONFIDENCE_VALUE_ERRORS = [
+    ("prev_tokens-V", lambda d: dict(prev_tokens=i64([0, 1, 2, 3], [4, 5, 100, 7], [1, 1, 1, 1])),
+     ValueError, r"'prev_tokens' values must lie in \[0, 99\], got 100 at index \[1, 2\]"),
+    ("prev_tokens-negative-int32",
+     lambda d: dict(prev_tokens=i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -3])), ValueError,
+     r"'prev_tokens' values must lie in \[0, 99\], got -3 at index \[2, 3\]"),
+    ("calib-zero", lambda d: dict(calib_temperature=f32(1.0, 0.0, 1.0, 1.0)), ValueError,
+     r"'calib_temperature' must be finite and > 0, got 0 at index \[1\]"),
+    ("calib-negative", lambda d: dict(calib_temperature=f32(1.0, 1.0, -1.0, 1.0)), ValueError,
+     r"'calib_temperature' must be finite and > 0, got -1 at index \[2\]"),
+    ("calib-nan", lambda d: dict(calib_temperature=f32(NAN, 1.0, 1.0, 1.0)), ValueError,
+     r"'calib_temperature' must be finite and > 0, got nan at index \[0\]"),
+    ("calib-inf", lambda d: dict(calib_temperature=f32(1.0, 1.0, 1.0, INF)), ValueError,
+     r"'calib_temperature' must be finite and > 0, got inf at index \[3\]"),
+]
+
+
+def _with_overrides(valid: dict, device, overrides) -> dict:
+    changed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+               for k, v in overrides(device).items()}
+    return {**valid, **changed}
+
+
+def _ids(cases):
+    return [c[0] for c in cases]
+
+
+DRAFT_OPS = ["markov_draft", "rnn_draft"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", DRAFT_OPS)
+@pytest.mark.parametrize("name,overrides,error,message", COMMON_ERRORS, ids=_ids(COMMON_ERRORS))
+def test_draft_argument_errors(device, op, name, overrides, error, message):
+    with pytest.raises(error, match=rf"^{op}\(\): " + message):
+        call_draft(op, _with_overrides(valid_draft_args(device), device, overrides))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,overrides,error,message", RNN_ERRORS, ids=_ids(RNN_ERRORS))
+def test_rnn_argument_errors(device, name, overrides, error, message):
+    with pytest.raises(error, match=r"^rnn_draft\(\): " + message):
+        call_draft("rnn_draft", _with_overrides(valid_draft_args(device), device, overrides))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,overrides,error,message", CONFIDENCE_ERRORS,
+                         ids=_ids(CONFIDENCE_ERRORS))
+def test_confidence_argument_errors(device, name, overrides, error, message):
+    args = _with_overrides(valid_confidence_args(device), device, overrides)
+    with pytest.raises(error, match=r"^draft_confidence\(\): " + message):
+        ConfidenceCase(**args).call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", DRAFT_OPS)
+@pytest.mark.parametrize("name,overrides,error,message", DRAFT_VALUE_ERRORS,
+                         ids=_ids(DRAFT_VALUE_ERRORS))
+def test_draft_value_errors(device, op, name, overrides, error, message):
+    if device == "cuda" and not DEBUG:
+        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
+    with pytest.raises(error, match=rf"^{op}\(\): " + message):
+        call_draft(op, _with_overrides(valid_draft_args(device), device, overrides))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,overrides,error,message", CONFIDENCE_VALUE_ERRORS,
+                         ids=_ids(CONFIDENCE_VALUE_ERRORS))
+def test_confidence_value_errors(device, name, overrides, error, message):
+    if device == "cuda" and not DEBUG:
+        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
+    args = _with_overrides(valid_confidence_args(device), device, overrides)
+    with pytest.raises(error, match=r"^draft_confidence\(\): " + message):
+        ConfidenceCase(**args).call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_valid_arguments_accepted(device):
+    # The bases of the error tests are themselves valid, so each error above is due to its one
+    # change; the limits (ids 0 and V - 1, position 0 and 2^62, T = 0, r = 1 and 1024, int32
+    # ids, a one-element bias of any shape) are accepted.
+    args = valid_draft_args(device)
+    for op in DRAFT_OPS:
+        check_against_reference(DraftCase(**{k: v for k, v in args.items() if op == "rnn_draft"
+                                             or k not in ("hidden", "joint_weight",
+                                                          "joint_bias")}))
+    edge = {**args, "anchor": i32(0, V - 1, 0).to(device),
+            "position": i64(0, 2**62, 2**32 - 1).to(device),
+            "temperature": f32(0, 0, 1e-5).to(device)}
+    check_against_reference(DraftCase(**edge))
+    for rank in (1, 1024):
+        gen = generator(133)
+        w = {k: torch.randn(V, rank, generator=gen).bfloat16().to(device) for k in ("w1", "w2")}
+        jw = torch.randn(3 * rank, 2 * rank + D, generator=gen).bfloat16().to(device) / 50
+        jb = torch.randn(3 * rank, generator=gen).bfloat16().to(device)
+        check_against_reference(DraftCase(**{**args, **w, "joint_weight": jw, "joint_bias": jb}))
+        check_against_reference(DraftCase(**{**args, **w, "hidden": None, "joint_weight": None,
+                                             "joint_bias": None}))
+    conf = valid_confidence_args(device)
+    check_confidence(ConfidenceCase(**conf))
+    for bias in (f32(0.5), f32(0.5)[None, None], torch.tensor(0.5).bfloat16()):
+        check_confidence(ConfidenceCase(**{**conf, "bias": bias.to(device),
+                                           "prev_tokens": conf["prev_tokens"].int()}))
+    check_confidence(ConfidenceCase(**{**conf, "prev_tokens": torch.full(
+        (B, G), V - 1, device=device), "calib_temperature": f32(1e-3, 1e3, 1, 1).to(device)}))
+
+
+@cuda_only
+@pytest.mark.parametrize("op", DRAFT_OPS)
+@pytest.mark.parametrize("name", ["anchor", "w1", "w2", "temperature", "seed", "position",
+                                  "hidden", "joint_weight", "joint_bias"])
+def test_draft_device_mismatch(op, name):
+    if op == "markov_draft" and name in ("hidden", "joint_weight", "joint_bias"):
+        pytest.skip("not an argument of markov_draft")
+    args = valid_draft_args("cuda")
+    args[name] = args[name].cpu()
+    message = rf"^{op}\(\): '{name}' must be on cuda:\d+ like 'base_logits', got cpu"
+    with pytest.raises(ValueError, match=message):
+        call_draft(op, args)
+
+
+@cuda_only
+@pytest.mark.parametrize("op", DRAFT_OPS)
+def test_draft_device_mismatch_base_on_cpu(op):
+    args = valid_draft_args("cuda")
+    args["base_logits"] = args["base_logits"].cpu()
+    message = rf"^{op}\(\): 'anchor' must be on cpu like 'base_logits', got cuda:\d+"
+    with pytest.raises(ValueError, match=message):
+        call_draft(op, args)
+
+
+@cuda_only
+@pytest.mark.parametrize("name", ["prev_tokens", "w1", "weight", "bias", "calib_temperature"])
+def test_confidence_device_mismatch(name):
+    args = valid_confidence_args("cuda")
+    args[name] = args[name].cpu()
+    message = rf"^draft_confidence\(\): '{name}' must be on cuda:\d+ like 'hidden', got cpu"
+    with pytest.raises(ValueError, match=message):
+        ConfidenceCase(**args).call()
+
+
+@cuda_only
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_cuda_out_of_range_anchors_without_value_checks(head):
+    # Without DSPARK_OPS_DEBUG the CUDA op does not check ids: an out-of-range anchor embeds as a
+    # zero row (never read out of bounds), and the drafts stay inside [0, V).
+    if DEBUG:
+        pytest.skip("DSPARK_OPS_DEBUG=1 turns the value checks on")
+    case = make_case(64, 5, 5000, 32, seed=134, head=head)
+    junk = torch.tensor([-1, 5000, 2**40, -(2**40)])
+    case.anchor = junk[torch.arange(64) % 4]
+    out = check_against_reference(case.to("cuda"))
+    narrow = case.replace(anchor=torch.tensor([-1, 5000, 2**31 - 1, -(2**31)],
+                                              dtype=torch.int32)[torch.arange(64) % 4])
+    check_against_reference(narrow.to("cuda"))
+    if head == "markov":  # slot 0 is unbiased
+        torch.testing.assert_close(out.draft_logits[:, 0].cpu(), case.base_logits[:, 0],
+                                   rtol=0, atol=0)
+    confidence = make_confidence_case(8, 4, 300, 16, 8, seed=135)
+    confidence.prev_tokens[:, 1] = torch.tensor([-1, 300, 2**40, -(2**40)]).repeat(2)
+    check_confidence(confidence.to("cuda"))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU and CUDA agree
+# --------------------------------------------------------------------------------------------
+
+
+@cuda_only
+@pytest.mark.parametrize("shape", [(64, 7, 8193, 256), (8, 3, 151936, 256), (64, 16, 100, 8)],
+                         ids=lambda s: "B{}-G{}-V{}-r{}".format(*s))
+@pytest.mark.parametrize("weights", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_cpu_and_cuda_agree(shape, weights, head):
+    # The same seeds give the same drafts on CPU and CUDA except where the Gumbel-max keys of two
+    # candidates are within float rounding of each other; slot 0 (same inputs on both devices) is
+    # compared for sampled requests, the whole block for greedy ones up to their first near-tie.
+    case = make_case(*shape, seed=stable_seed("agree", shape, weights, head), weights=weights,
+                     head=head, base_dtype=torch.bfloat16, temperature="mixed")
+    cpu, cuda = case.call(), case.to("cuda").call()
+    sampled = ~is_greedy(case.temperature)
+    agree = cpu.tokens[:, 0] == cuda.tokens[:, 0].cpu()
+    assert agree[sampled].float().mean() >= 0.95, agree
+    torch.testing.assert_close(cuda.draft_logits[:, 0].cpu(), cpu.draft_logits[:, 0],
+                               rtol=1e-3, atol=1e-3 * max(1.0, float(cpu.draft_logits.abs().max())))
+    same_block = (cpu.tokens == cuda.tokens.cpu()).all(1)
+    assert same_block.float().mean() >= 0.8
+    torch.testing.assert_close(cuda.draft_logits.cpu()[same_block], cpu.draft_logits[same_block],
+                               rtol=1e-3, atol=1e-3 * max(1.0, float(cpu.draft_logits.abs().max())))
+    conf = make_confidence_case(shape[0], shape[1], shape[2], shape[3], 64,
+                                seed=stable_seed("agree-conf", shape))
+    torch.testing.assert_close(conf.to("cuda").call().cpu(), conf.call(), rtol=1e-4, atol=1e-5)
