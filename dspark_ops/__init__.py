@@ -28,10 +28,14 @@ from .ops.schedule import (  # noqa: E402
     schedule_verify,
 )
 from .ops.verify import VerifyOutput, verify  # noqa: E402
+from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder, generate_target_only  # noqa: E402,I001
 
 __all__ = [
     "OPS",
     "DraftOutput",
+    "GenerateOutput",
+    "RoundStats",
+    "SpeculativeDecoder",
     "VerifyBatch",
     "VerifyOutput",
     "allocate_verify",
@@ -40,6 +44,7 @@ __all__ = [
     "draft_confidence",
     "expected_calibration_error",
     "fit_sequential_temperatures",
+    "generate_target_only",
     "markov_draft",
     "pack_verify_inputs",
     "philox_uniform",

@@ -1,0 +1,308 @@
+"""An end-to-end DSpark decoder built only from this library's ops and plain PyTorch modules.
+
+One round of :meth:`SpeculativeDecoder.generate` (SPEC §1), batched over requests of different
+lengths, with no host synchronisation until the loop has to decide whether to stop:
+
+1. draft: the block ``[x0, MASK, ...]`` through the draft backbone (``block_draft_attention``
+   over each layer's context cache), ``lm_head`` -> base logits, ``markov_draft`` (or
+   ``rnn_draft``) -> drafts and the logits they were sampled from, ``draft_confidence``;
+2. schedule: ``schedule_verify`` (Algorithm 1), or ``plan_verify_budget`` on the confidences of
+   two rounds before + ``allocate_verify`` on fresh ones, or every draft;
+3. verify: ``pack_verify_inputs`` -> one target forward over the ragged batch -> ``verify``;
+4. commit: the target's K/V cache keeps the anchor and the accepted drafts (the rejected rows are
+   overwritten later), their target features go to the draft's context caches with
+   ``append_context_kv``, and the emitted token becomes the next anchor.
+
+Sampling is lossless: with the same ``temperature`` the tokens are distributed exactly as
+:func:`generate_target_only` (plain target sampling) produces them, and greedy output is identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from .models import DSparkDraft, TinyTarget
+from .ops.schedule import allocate_verify, pack_verify_inputs, plan_verify_budget, schedule_verify
+from .ops.verify import verify
+
+__all__ = ["GenerateOutput", "RoundStats", "SpeculativeDecoder", "default_step_rate",
+           "generate_target_only"]
+
+SCHEDULERS = ("confidence", "budget", "fixed")
+
+
+@dataclasses.dataclass
+class RoundStats:
+    """One round, over the requests that were still generating."""
+
+    accepted: List[int]  # accepted drafts per request
+    num_verify: List[int]  # drafts verified per request
+    verify_tokens: int  # target tokens of the verify batch: sum of (1 + num_verify)
+    draft_seconds: float  # draft forward, heads and scheduling
+    verify_seconds: float  # target forward, verification and commit
+    confidence: List[List[float]]  # the G conditional confidences per request (calibrated)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: List[List[int]]  # generated tokens per request (prompt excluded, EOS included)
+    rounds: List[RoundStats]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per request-round (accepted drafts + 1), the paper's tau."""
+        counts = [a + 1 for r in self.rounds for a in r.accepted]
+        return sum(counts) / max(len(counts), 1)
+
+
+def default_step_rate(max_tokens: int, batch: int, cost_per_token: float = 0.1) -> torch.Tensor:
+    """A synthetic step-rate table for ``batch`` requests, ``n < max_tokens`` verify tokens:
+    ``1 / (1 + cost_per_token * n / batch)``, i.e. each verified token per request costs
+    ``cost_per_token`` of a step. Measure the real one with :func:`dspark_ops.profile_step_rate`."""
+    n = torch.arange(max_tokens, dtype=torch.float64)
+    return (1.0 / (1.0 + cost_per_token * n / max(batch, 1))).float()
+
+
+def _per_request(value, batch: int, dtype, device) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    return t.expand(batch).contiguous() if t.dim() == 0 else t.to(dtype=dtype, device=device)
+
+
+def _seeds(seed, batch, device, generator) -> torch.Tensor:
+    if seed is None:
+        return torch.randint(0, 2**62, (batch,), generator=generator, dtype=torch.int64).to(device)
+    return _per_request(seed, batch, torch.int64, device)
+
+
+def _prefill(target: TinyTarget, prompts: Sequence[Sequence[int]], length: int, device):
+    """Target prefill of padded prompts: logits of each prompt's last token, the prompts'
+    features, the caches and the prompt lengths (int32)."""
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
+    if int(lengths.min()) < 1:
+        raise ValueError("every prompt needs at least one token")
+    width = int(lengths.max())
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+    k_cache, v_cache = target.new_cache(len(prompts), length)
+    logits, features = target(ids, lengths, k_cache, v_cache, torch.zeros_like(lengths))
+    last = logits[torch.arange(len(prompts), device=device), lengths.long() - 1]
+    return last, features, k_cache, v_cache, lengths
+
+
+def _sample_from_target(logits: torch.Tensor, temperature, seed, position) -> torch.Tensor:
+    """The token after ``position`` from target logits ``[B, V]``: ``verify`` with no drafts,
+    i.e. a plain draw from ``softmax(logits / T)`` on the resampling stream of that position."""
+    batch = logits.shape[0]
+    no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=logits.device)
+    out = verify(logits.float()[:, None], no_drafts, torch.zeros(batch, dtype=torch.int32,
+                 device=logits.device), temperature, seed, position)
+    return out.tokens[:, 0]
+
+
+def _finish(generated: List[int], new: List[int], eos: Optional[int], limit: int) -> bool:
+    """Appends ``new`` up to EOS or the length limit; True when the request is done."""
+    for token in new:
+        generated.append(token)
+        if token == eos or len(generated) >= limit:
+            return True
+    return False
+
+
+@torch.no_grad()
+def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                         temperature: Union[float, torch.Tensor] = 0.0, seed=None, *,
+                         eos_token_id: Optional[int] = None,
+                         generator: Optional[torch.Generator] = None) -> List[List[int]]:
+    """Plain autoregressive decoding of the target, one token per forward: the baseline the
+    speculative decoder must reproduce (greedy: identical tokens; sampled: the same
+    distribution, drawn from the same per-position random streams as ``verify``'s emissions)."""
+    device = target.embed_tokens.weight.device
+    batch = len(prompts)
+    length = max(len(p) for p in prompts) + max_new_tokens + 1
+    temperature = _per_request(temperature, batch, torch.float32, device)
+    seed = _seeds(seed, batch, device, generator)
+    last, _, k_cache, v_cache, lengths = _prefill(target, prompts, length, device)
+    position = lengths.long() - 1
+    generated: List[List[int]] = [[] for _ in range(batch)]
+    done = [max_new_tokens <= 0] * batch
+    while not all(done):
+        token = _sample_from_target(last, temperature, seed, position)
+        for b, t in enumerate(token.tolist()):
+            if not done[b]:
+                done[b] = _finish(generated[b], [t], eos_token_id, max_new_tokens)
+        position = position + 1
+        logits, _ = target(token[:, None], torch.ones_like(lengths), k_cache, v_cache,
+                           position.int())
+        last = logits[:, 0]
+    return generated
+
+
+class SpeculativeDecoder:
+    """DSpark speculative decoding of a target model with a DSpark draft (see the module doc).
+
+    Parameters
+    ----------
+    target : TinyTarget
+        Any module with the same interface works: ``new_cache``, a padded ``forward`` and
+        ``forward_ragged`` returning logits and the draft's context features.
+    draft : DSparkDraft
+        Its context features must be the target's ``feature_layers``.
+    block_size : int, optional
+        ``G``, drafts per round; default ``draft.config.block_size``.
+    scheduler : str
+        ``"confidence"``: :func:`schedule_verify` (Algorithm 1) on fresh confidences;
+        ``"budget"``: :func:`plan_verify_budget` on the confidences of two rounds before, then
+        :func:`allocate_verify` on fresh ones (the production variant); ``"fixed"``: verify all
+        G drafts.
+    step_rate : torch.Tensor, optional
+        float32 ``[M]``, target steps per second for an ``n``-token verify batch (``M`` above the
+        largest batch, ``B * (G + 1)``); default :func:`default_step_rate`.
+    calib_temperature : torch.Tensor, optional
+        float32 ``[G]``: the confidence head's calibration (see
+        :func:`dspark_ops.fit_sequential_temperatures`).
+    eos_token_id : int, optional
+        A request ends after emitting it (mid-block tokens after it are dropped).
+    """
+
+    def __init__(self, target: TinyTarget, draft: DSparkDraft, *, block_size: Optional[int] = None,
+                 scheduler: str = "confidence", step_rate: Optional[torch.Tensor] = None,
+                 calib_temperature: Optional[torch.Tensor] = None,
+                 eos_token_id: Optional[int] = None):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+        if draft.markov_head is None:
+            raise ValueError("the draft needs a Markov head (markov_rank > 0)")
+        if scheduler != "fixed" and draft.confidence_head is None:
+            raise ValueError(f"scheduler {scheduler!r} needs the draft's confidence head")
+        self.target, self.draft = target, draft
+        self.block_size = block_size or draft.config.block_size
+        self.scheduler = scheduler
+        self.step_rate = step_rate
+        self.calib_temperature = calib_temperature
+        self.eos_token_id = eos_token_id
+
+    def _num_verify(self, confidence, stale, active, step_rate):
+        batch, block = confidence.shape
+        confidence = torch.where(active[:, None], confidence, 0.0)  # finished: verify nothing
+        if self.scheduler == "fixed":
+            return torch.where(active, block, 0).int()
+        if self.scheduler == "confidence":
+            return schedule_verify(confidence, step_rate)
+        if stale is None:  # no confidences two rounds old yet: the full budget
+            budget = torch.full((1,), batch * (block + 1), dtype=torch.int32,
+                                device=confidence.device)
+        else:
+            budget = plan_verify_budget(torch.where(active[:, None], stale, 0.0), step_rate)
+        return allocate_verify(confidence, budget)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: Union[float, torch.Tensor] = 0.0, seed=None, *,
+                 generator: Optional[torch.Generator] = None) -> GenerateOutput:
+        """Generates up to ``max_new_tokens`` tokens after each prompt.
+
+        Parameters
+        ----------
+        prompts : sequence of sequences of int
+            Token ids per request (lengths may differ).
+        max_new_tokens : int
+        temperature : float or torch.Tensor
+            Per request (``[B]``) or shared; ``<= 1e-5`` is greedy. Drafts are sampled at the
+            same temperature.
+        seed : int, torch.Tensor or None
+            int64 per request (or shared); ``None`` draws them from ``generator``. Each request's
+            output depends only on its prompt, temperature and seed, not on its batch neighbours.
+
+        Returns
+        -------
+        GenerateOutput
+            Tokens per request and the statistics of every round.
+        """
+        target, draft, block = self.target, self.draft, self.block_size
+        device = draft.fc.weight.device
+        dtype = draft.fc.weight.dtype
+        batch = len(prompts)
+        length = max(len(p) for p in prompts) + max_new_tokens + block + 2
+        temperature = _per_request(temperature, batch, torch.float32, device)
+        seed = _seeds(seed, batch, device, generator)
+        step_rate = self.step_rate
+        if step_rate is None:
+            step_rate = default_step_rate(batch * (block + 1) + 1, batch)
+        step_rate = step_rate.to(device)
+        calib = None if self.calib_temperature is None else self.calib_temperature.to(device)
+
+        # Prefill: the target reads the prompts, the draft's context gets their features, and
+        # the first token (the first anchor, at position p0 = prompt length) is drawn.
+        last, features, t_k, t_v, target_len = _prefill(target, prompts, length, device)
+        d_k, d_v = draft.new_caches(batch, length)
+        draft_len = torch.zeros(batch, dtype=torch.int32, device=device)
+        draft.append_context(features.to(dtype), None, target_len, d_k, d_v, draft_len)
+        position = target_len.long()  # p0 of each anchor
+        anchor = _sample_from_target(last, temperature, seed, position - 1)
+
+        generated: List[List[int]] = [[] for _ in range(batch)]
+        done = [max_new_tokens <= 0] * batch
+        for b, t in enumerate(anchor.tolist()):
+            if not done[b]:
+                done[b] = _finish(generated[b], [t], self.eos_token_id, max_new_tokens)
+        rounds: List[RoundStats] = []
+        history: List[torch.Tensor] = []  # confidences of earlier rounds (the "budget" scheduler)
+        rows = torch.arange(block + 1, device=device)
+        while not all(done):
+            active = torch.tensor([not d for d in done], device=device)
+            started = time.perf_counter()
+            # 1. Draft: one parallel pass over the block, then the sequential head.
+            hidden = draft(draft.block_hidden(anchor, block), None, d_k, d_v, draft_len)
+            base_logits = draft.lm_head(hidden)
+            drafts, draft_logits = draft.markov_head.sample(base_logits, anchor, hidden,
+                                                            temperature, seed, position)
+            if draft.confidence_head is not None:
+                prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
+                confidence = draft.confidence(hidden, prev, calib)
+            else:
+                confidence = torch.ones(batch, block, device=device)
+            # 2. Schedule.
+            stale = history[-2] if len(history) >= 2 else None
+            num_verify = self._num_verify(confidence, stale, active, step_rate)
+            history = (history + [confidence])[-2:]
+            drafted = time.perf_counter()
+
+            # 3. Verify: one target forward over the ragged batch of [x0, x_1..x_l].
+            packed = pack_verify_inputs(anchor, drafts, num_verify, position)
+            logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens, t_k,
+                                                     t_v, target_len)
+            starts = packed.cu_seqlens[:-1]
+            out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
+                         draft_logits=draft_logits, target_start=starts,
+                         draft_temperature=temperature)
+
+            # 4. Commit the anchor and the accepted drafts; the emitted token is the next anchor.
+            kept = torch.where(active, out.num_accepted + 1, 0).int()
+            new_rows = (starts.long()[:, None] + rows).clamp_max(features.shape[0] - 1)
+            draft.append_context(features[new_rows].to(dtype), None, kept, d_k, d_v, draft_len)
+            target_len = target_len + kept
+            position = position + kept
+            emitted = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
+            anchor = torch.where(active, emitted, anchor)
+
+            # The one host sync of the round: what was emitted, and who is done.
+            tokens, accepted = out.tokens.tolist(), out.num_accepted.tolist()
+            verified, confidences = num_verify.tolist(), confidence.tolist()
+            finished = time.perf_counter()
+            stats = RoundStats([], [], 0, drafted - started, finished - drafted, [])
+            for b in range(batch):
+                if done[b]:
+                    continue
+                stats.accepted.append(accepted[b])
+                stats.num_verify.append(verified[b])
+                stats.verify_tokens += 1 + verified[b]
+                stats.confidence.append(confidences[b])
+                done[b] = _finish(generated[b], tokens[b][: accepted[b] + 1], self.eos_token_id,
+                                  max_new_tokens)
+            rounds.append(stats)
+        return GenerateOutput(generated, rounds)
