@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -28,8 +28,10 @@ __all__ = ["tiny_pair", "main"]
 
 def tiny_pair(vocab: int = 64, block_size: int = 7, *, context: float = 0.0, noise: float = 0.0,
               num_layers: int = 2, seed: int = 0, target_dtype: torch.dtype = torch.float32,
-              device="cpu", markov_head_type: str = "vanilla") -> Tuple[TinyTarget, DSparkDraft]:
-    """A target (in ``target_dtype``) and a matching float32 draft (see the module doc);
+              draft_dtype: Optional[torch.dtype] = None, device="cpu",
+              markov_head_type: str = "vanilla") -> Tuple[TinyTarget, DSparkDraft]:
+    """A target (in ``target_dtype``) and a matching draft (see the module doc) in
+    ``draft_dtype`` (default float32 on CPU, bfloat16 on CUDA, where the attention op wants 16-bit);
     ``vocab <= 1024`` (``r = V``). The RNN head variant drafts from the same table: its output
     activation is ``tanh(3 W1[x])`` (state and ``h`` do not reach it) and ``W2`` is rescaled."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +82,9 @@ def tiny_pair(vocab: int = 64, block_size: int = 7, *, context: float = 0.0, noi
         proj.weight.zero_()
         proj.weight[0, 64:] = 4.0 * top
         proj.bias.fill_(1.0)
-    return target, draft.to(device)
+    if draft_dtype is None:
+        draft_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return target, draft.to(device=device, dtype=draft_dtype)
 
 
 def main(argv=None) -> None:

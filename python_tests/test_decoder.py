@@ -18,6 +18,7 @@ from dspark_ops.decoder import SpeculativeDecoder, default_step_rate, generate_t
 from dspark_ops.demo import main as demo_main
 from dspark_ops.demo import tiny_pair
 from dspark_ops.models import DSparkConfig, DSparkDraft, load_state_dict_file
+from conftest import cuda_only
 from stats import chi_square, chi_square_passes
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
@@ -59,6 +60,18 @@ def test_greedy_rnn_head_equals_plain_decoding():
     out = SpeculativeDecoder(target, draft).generate(PROMPTS, 16)
     assert out.tokens == expected
     assert out.mean_accepted_length > 1.2  # the RNN head's table drafts well
+
+
+@cuda_only
+def test_greedy_equals_plain_decoding_on_cuda():
+    """The same round on the GPU (bfloat16 draft: tensor-core Markov head and 16-bit attention)."""
+    target, draft = tiny_pair(vocab=64, block_size=5, context=0.2, noise=0.3,
+                              target_dtype=torch.float64, device="cuda")
+    expected = generate_target_only(target, PROMPTS, 20)
+    out = SpeculativeDecoder(target, draft).generate(PROMPTS, 20)
+    assert out.tokens == expected
+    sampled = SpeculativeDecoder(target, draft).generate(PROMPTS, 20, 1.0, torch.arange(4))
+    assert all(len(t) == 20 for t in sampled.tokens)
 
 
 def test_exact_draft_is_always_accepted():
