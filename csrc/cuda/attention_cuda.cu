@@ -61,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.scale = a.scale;
 
   // Split the visible context (at most L, or the window) so that ~4 blocks per SM are busy even
-  // when B * Hkv is small; each split is a whole number of 32-row tiles.
+  // when B * Hkv is small; each split is a whole number of 64-row tiles.
   const int64_t visible = p.window >= 0 ? p.window : a.length;
   const int64_t rows = a.block * (a.heads / a.kv_heads);
   const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
@@ -73,7 +73,14 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   // An empty visible context (window 0 or L 0) still gets one (empty) split.
   p.split_length = static_cast<int>(
       std::max<int64_t>(tile, ((visible + splits - 1) / splits + tile - 1) / tile * tile));
-  p.splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
+  p.key_splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
+  p.splits = p.key_splits * kernels::kAttnWarps;
+  const int64_t element = a.k_cache.element_size();
+  p.kv_aligned = reinterpret_cast<uintptr_t>(a.k_cache.const_data_ptr()) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(a.v_cache.const_data_ptr()) % 16 == 0;
+  for (const auto& cache : {a.k_cache, a.v_cache}) {
+    for (int dim = 0; dim < 3; ++dim) p.kv_aligned = p.kv_aligned && cache.stride(dim) * element % 16 == 0;
+  }
   auto partial_out = at::empty({a.batch * a.kv_heads * rows * p.splits * a.dim},
                                q.options().dtype(at::kFloat));
   auto partial_stats = at::empty({a.batch * a.kv_heads * rows * p.splits * 2},

@@ -3,17 +3,19 @@
 // block_draft_attention is decode-shaped: G slots x Hq/Hkv query heads per KV head against a long
 // context, so it is bound by reading K/V, and split-KV (flash-decoding) keeps the GPU full when
 // B * Hkv is small:
-//  1. block_attention_split_kernel, grid (splits, Hkv * row groups, B), 128 threads: the block's
-//     up to 16 query rows sharing one KV head (of the G * Hq/Hkv that do) are held in shared memory
-//     as float32, and every K/V tile of 32 context rows is read once (from the request's cache row,
-//     in place) and used by all of them; float32 online softmax; each split writes its unnormalised
-//     output with its running max and sum.
+//  1. block_attention_split_kernel, grid (key splits, Hkv * row groups, B), 4 warps: the block's
+//     up to 16 query rows sharing one KV head (of the G * Hq/Hkv that do) are one MMA row tile in
+//     shared memory, and every K/V tile of 64 context rows is read once (16-byte loads from the
+//     request's cache row, in place) and used by all of them. Each warp takes 16 keys of the tile:
+//     S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, 16-bit in, float32 accumulators;
+//     S's accumulators are P's A fragment, as in FlashAttention-2), a float32 online softmax in
+//     registers, and its own unnormalised partial (output, running max, sum) per split.
 //  2. block_attention_merge_kernel, one warp per output row: scores of the row against the G
 //     block keys (the block's K/V are read here and nowhere else, never written), then the splits
 //     and the block keys are merged by their maxima into the output and the log-sum-exp.
-// Scores and sums use CUDA-core FMAs in float32 (explicit fmaf: the build turns off contraction
-// for the exactness of the sampling kernels); tensor-core MMA is the next step (the products are
-// G * Hq/Hkv rows deep, enough to make them pay).
+// P enters the second MMA rounded to the input type (float32 sums, as FlashAttention-2). The
+// merge's scores use CUDA-core FMAs (G rows per output row). Not yet done: cp.async double buffering of the K/V tiles, and
+// ldmatrix for the fragment reads.
 //
 // append_context_kv: one block per request copies its kept rows element by element and then
 // advances cache_seqlens; rows that would land at or past L are never written.
@@ -24,12 +26,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace dspark_ops::kernels {
 
 constexpr int kAttnThreads = 128;
-constexpr int kAttnRows = 16;  // query rows per block of the split kernel
-constexpr int kAttnKeys = 32;  // context rows per K/V tile
+constexpr int kAttnWarps = kAttnThreads / 32;
+constexpr int kAttnRows = 16;                // query rows per block of the split kernel: one MMA tile
+constexpr int kAttnKeys = 16 * kAttnWarps;   // context rows per K/V tile: 16 per warp
 
 struct AttentionParams {
   const void* q;  // [B, G, Hq, D]
@@ -46,12 +50,15 @@ struct AttentionParams {
   const int32_t* cache_slot;     // [B] or null
   void* out;                     // [B, G, Hq, D], contiguous
   float* lse;                    // [B, G, Hq] or null
+  bool kv_aligned;                // cache rows start 16-byte aligned: vector tile loads
   float* partial_out;            // [B, Hkv, rows, splits, D]
   float* partial_stats;          // [B, Hkv, rows, splits, 2]: running max, sum
   int batch, block, heads, kv_heads, length, num_slots;
   int window;  // -1: none
   float scale;
-  int splits, split_length;  // context rows per split, a multiple of kAttnKeys
+  // Context rows per key split (a multiple of kAttnKeys), key splits (grid), and partials per
+  // output row: each warp of a split writes its own (splits = key_splits * kAttnWarps).
+  int split_length, key_splits, splits;
 };
 
 __device__ __forceinline__ float attn_load(const float* p) { return *p; }
@@ -77,110 +84,200 @@ __device__ __forceinline__ int64_t partial_index(const AttentionParams& p, int b
   return ((int64_t{b} * p.kv_heads + h) * rows + row) * p.splits + split;
 }
 
+// Tensor-core fragments (mma.sync m16n8k16, 16-bit inputs, float32 accumulators). Lane
+// (g = lane / 4, t = lane % 4) holds A elements (rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9),
+// B elements (rows 2t, 2t + 1, 2t + 8, 2t + 9; column g) and C elements (rows g, g + 8; columns
+// 2t, 2t + 1).
+template <typename T>
+__device__ __forceinline__ void attn_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t attn_word(const T* p) {  // two consecutive 16-bit values
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t attn_pack(T lo, T hi) {
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
+         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ T attn_round(float v) {
+  T out;
+  attn_store(&out, v);
+  return out;
+}
+
+// Copies one K or V tile (kAttnKeys rows of D) to shared memory, zero past `hi`.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(const T* base, int64_t row_stride, int k0, int hi,
+                                             bool aligned, T* tile, int stride) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  for (int idx = threadIdx.x; idx < kAttnKeys * kChunks; idx += kAttnThreads) {
+    const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (pos < hi) {
+      const T* src = base + pos * row_stride + 8 * c;
+      if (aligned) {
+        v = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+        T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = src[i];
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + key * stride + 8 * c) = v;
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(const AttentionParams p) {
-  extern __shared__ float smem[];
-  // Padded rows keep the lanes of a warp on distinct banks: q rows (read 16 bytes at a time by 4
-  // rows per warp) by 4 floats, K/V rows (read one float at a time by 8 keys) by 1.
-  constexpr int kQStride = D + 4;
-  float* q_tile = smem;                              // [kAttnRows][D + 4]
-  float* kv_tile = q_tile + kAttnRows * kQStride;    // [kAttnKeys][D + 1]
-  float* probs = kv_tile + kAttnKeys * (D + 1);   // [kAttnRows][kAttnKeys]
-  constexpr int kCols = D / 8;                    // accumulators per thread
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  // 16 extra bytes per row put the 8 rows a fragment read touches on distinct banks.
+  constexpr int kStride = D + 8;
+  T* q_tile = reinterpret_cast<T*>(attn_smem);  // [kAttnRows][kStride]
+  T* k_tile = q_tile + kAttnRows * kStride;     // [kAttnKeys][kStride]
+  T* v_tile = k_tile + kAttnKeys * kStride;     // [kAttnKeys][kStride]
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int ratio = p.heads / p.kv_heads, rows = p.block * ratio;
   const int groups = (rows + kAttnRows - 1) / kAttnRows;
   const int h = blockIdx.y / groups, row0 = (blockIdx.y % groups) * kAttnRows;
-  const int tid = threadIdx.x, my_row = tid / 8, lane8 = tid % 8;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int begin, end;
   const int slot = context_range(p, b, begin, end);
   const int lo = begin + split * p.split_length, hi = min(end, lo + p.split_length);
 
-  // Query rows g * ratio + i (head h * ratio + i of slot g), pre-scaled; missing rows are 0.
-  for (int idx = tid; idx < kAttnRows * D; idx += kAttnThreads) {
+  // Query rows g * ratio + i (head h * ratio + i of slot g); missing rows are 0.
+  for (int idx = threadIdx.x; idx < kAttnRows * D; idx += kAttnThreads) {
     const int r = idx / D, d = idx % D, row = row0 + r;
-    float v = 0.f;
+    T v = attn_round<T>(0.f);
     if (row < rows) {
-      const int g = row / ratio, head = h * ratio + row % ratio;
-      v = attn_load(static_cast<const T*>(p.q) + b * p.q_stride_b + g * p.q_stride_g +
-                    head * p.q_stride_h + d) * p.scale;
+      const int slot_g = row / ratio, head = h * ratio + row % ratio;
+      v = static_cast<const T*>(p.q)[b * p.q_stride_b + slot_g * p.q_stride_g +
+                                     head * p.q_stride_h + d];
     }
-    q_tile[r * kQStride + d] = v;
+    q_tile[r * kStride + d] = v;
   }
 
-  float acc[kCols];
+  // Warp w owns keys 16w .. 16w + 15 of every tile: its own online softmax over them (rows g and
+  // g + 8 of the C fragments), written as partial warp of this split for the merge kernel.
+  float o[D / 8][4];
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) acc[c] = 0.f;
-  float row_max = -INFINITY, row_sum = 0.f;
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   const T* k_base = static_cast<const T*>(p.k_cache) + slot * p.kc_stride_n + h * p.kc_stride_h;
   const T* v_base = static_cast<const T*>(p.v_cache) + slot * p.vc_stride_n + h * p.vc_stride_h;
 
   for (int k0 = lo; k0 < hi; k0 += kAttnKeys) {
-    __syncthreads();  // the previous tile's values are no longer read
-    for (int idx = tid; idx < kAttnKeys * D; idx += kAttnThreads) {
-      const int k = idx / D, d = idx % D, pos = k0 + k;
-      kv_tile[k * (D + 1) + d] = pos < hi ? attn_load(k_base + pos * p.kc_stride_l + d) : 0.f;
-    }
+    __syncthreads();  // the previous tile is no longer read (and the q tile is written)
+    load_kv_tile<T, D>(k_base, p.kc_stride_l, k0, hi, p.kv_aligned, k_tile, kStride);
+    load_kv_tile<T, D>(v_base, p.vc_stride_l, k0, hi, p.kv_aligned, v_tile, kStride);
     __syncthreads();
-    // Thread (row, lane8) scores keys lane8, lane8 + 8, lane8 + 16, lane8 + 24.
-    float s[4];
-    float tile_max = -INFINITY;
+    const int key0 = k0 + 16 * warp;
+    if (key0 >= hi) continue;  // warp-uniform: no key of this warp in the tile
+
+    // S = Q K^T over this warp's 16 keys: two 16x8 tiles.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int k = lane8 + 8 * i;
-      float dot = 0.f;
-#pragma unroll 8
-      for (int d = 0; d < D; ++d) {
-        dot = fmaf(q_tile[my_row * kQStride + d], kv_tile[k * (D + 1) + d], dot);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const T* qa = q_tile + g * kStride + kk * 16 + 2 * t;
+      const uint32_t a0 = attn_word(qa), a1 = attn_word(qa + 8 * kStride);
+      const uint32_t a2 = attn_word(qa + 8), a3 = attn_word(qa + 8 * kStride + 8);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const T* kb = k_tile + (16 * warp + 8 * nt + g) * kStride + kk * 16 + 2 * t;
+        attn_mma<T>(s[nt], a0, a1, a2, a3, attn_word(kb), attn_word(kb + 8));
       }
-      s[i] = k0 + k < hi ? dot : -INFINITY;
-      tile_max = fmaxf(tile_max, s[i]);
     }
+    // Scale, mask, and the online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3).
+    float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int offset = 1; offset < 8; offset <<= 1) {
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
-    }
-    const float new_max = fmaxf(row_max, tile_max);  // finite: the tile has a valid key
-    const float rescale = expf(row_max - new_max);  // 0 on the first tile
-    float tile_sum = 0.f;
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float e = expf(s[i] - new_max);
-      probs[my_row * kAttnKeys + lane8 + 8 * i] = e;
-      tile_sum += e;
-    }
-#pragma unroll
-    for (int offset = 1; offset < 8; offset <<= 1) {
-      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, offset);
-    }
-    row_sum = row_sum * rescale + tile_sum;
-    row_max = new_max;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[c] *= rescale;
-    __syncthreads();  // scores done with the keys
-    for (int idx = tid; idx < kAttnKeys * D; idx += kAttnThreads) {
-      const int k = idx / D, d = idx % D, pos = k0 + k;
-      kv_tile[k * (D + 1) + d] = pos < hi ? attn_load(v_base + pos * p.vc_stride_l + d) : 0.f;
-    }
-    __syncthreads();
-    for (int k = 0; k < kAttnKeys; ++k) {
-      const float prob = probs[my_row * kAttnKeys + k];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        acc[c] = fmaf(prob, kv_tile[k * (D + 1) + lane8 + 8 * c], acc[c]);
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * nt + 2 * t + (e & 1);
+        s[nt][e] = key < hi ? s[nt][e] * p.scale : -INFINITY;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
       }
+    }
+    float rescale[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float new_max = fmaxf(row_max[r], tile_max[r]);  // finite: a key of the warp is valid
+      base[r] = new_max;
+      rescale[r] = expf(row_max[r] - new_max);  // 0 on the first tile
+      row_max[r] = new_max;
+    }
+    // P enters the second MMA rounded to the input type; the sums stay float32 (exact
+    // log-sum-exp; the output's weights are off by the rounding, ~2^-9 relative for bfloat16).
+    T prob[2][4];
+    float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float weight = expf(s[nt][e] - base[e >> 1]);
+        prob[nt][e] = attn_round<T>(weight);
+        tile_sum[e >> 1] += weight;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+      tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+      row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
+    }
+    // O += P V: the S accumulators are already P's A fragment (k = the 16 keys).
+    const uint32_t a0 = attn_pack(prob[0][0], prob[0][1]), a1 = attn_pack(prob[0][2], prob[0][3]);
+    const uint32_t a2 = attn_pack(prob[1][0], prob[1][1]), a3 = attn_pack(prob[1][2], prob[1][3]);
+    const T* vb = v_tile + (16 * warp + 2 * t) * kStride + g;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= rescale[0], o[n][1] *= rescale[0], o[n][2] *= rescale[1], o[n][3] *= rescale[1];
+      const T* col = vb + 8 * n;
+      const uint32_t b0 = attn_pack(col[0], col[kStride]);
+      const uint32_t b1 = attn_pack(col[8 * kStride], col[9 * kStride]);
+      attn_mma<T>(o[n], a0, a1, a2, a3, b0, b1);
     }
   }
 
-  const int row = row0 + my_row;
-  if (row < rows) {
-    const int64_t at = partial_index(p, b, h, row, split);
+  const int partial = split * kAttnWarps + warp;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) p.partial_out[at * D + lane8 + 8 * c] = acc[c];
-    if (lane8 == 0) {
-      p.partial_stats[at * 2] = row_max;
-      p.partial_stats[at * 2 + 1] = row_sum;
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row >= rows) continue;
+    const int64_t at = partial_index(p, b, h, row, partial);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<float2*>(p.partial_out + at * D + 8 * n + 2 * t) =
+          make_float2(o[n][2 * r], o[n][2 * r + 1]);
+    }
+    if (t == 0) {
+      p.partial_stats[at * 2] = row_max[r];
+      p.partial_stats[at * 2 + 1] = row_sum[r];
     }
   }
 }
@@ -243,7 +340,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
 
 template <typename T, int D>
 size_t split_shared_bytes() {
-  return sizeof(float) * (kAttnRows * (D + 4) + kAttnKeys * (D + 1) + kAttnRows * kAttnKeys);
+  return sizeof(T) * (kAttnRows + 2 * kAttnKeys) * (D + 8);
 }
 
 template <typename T, int D>
@@ -258,7 +355,7 @@ cudaError_t launch_block_attention(const AttentionParams& p, cudaStream_t stream
   const int rows = p.block * (p.heads / p.kv_heads);
   const int groups = (rows + kAttnRows - 1) / kAttnRows;
   block_attention_split_kernel<T, D>
-      <<<dim3(p.splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream>>>(p);
+      <<<dim3(p.key_splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream>>>(p);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   const int64_t out_rows = int64_t{p.batch} * p.block * p.heads;
