@@ -5,9 +5,13 @@ odd and tiny vocabularies, misaligned rows, ragged layouts, rows with no finite 
 out-of-range draft ids (not value-checked on CUDA), int32 ids, greedy drafts, G = 0; the
 scheduling ops over ties, caps, capacity limits and both sort paths (shared and global memory);
 block_draft_attention and append_context_kv over GQA ratios, head dims, windows, slots and rows
-that land past L.
+that land past L; markov_draft, rnn_draft and draft_confidence over every weight dtype, ranks
+1..1024, vocabularies that are not multiples of 16, batches of 1 and of more than 64 (several
+batch groups), G = 0, 1, 5, greedy, sampled and mixed temperatures, misaligned and non-finite
+base-logit rows and (on CUDA) out-of-range ids.
 Run as `python -m bench.cuda_smoke [--device cpu]`. Exits non-zero on any disagreement with dspark_ops.reference beyond 1% of requests (float-rounding
-near-ties are the only allowed differences).
+near-ties are the only allowed differences; for the drafting ops, 1% of all drafted requests,
+and draft logits and confidences must match wherever the drafted prefix does).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
+from bench.bench_draft import max_logit_difference, same_prefix
 
 
 def make_case(batch, block, vocab, dtype, *, draft, ragged, nan_rows, bad_ids, seed):
@@ -57,6 +62,128 @@ def make_case(batch, block, vocab, dtype, *, draft, ragged, nan_rows, bad_ids, s
         torch.randint(0, 2**20, (batch,), generator=g),
     )
     return args, kwargs
+
+
+# Drafting: (B, G, V, r, weight dtype, base-logit dtype, temperatures, W rows padded). V = 1, odd
+# and larger vocabularies; r from 1 to the maximum 1024; B = 70 spans two 64-request batch groups
+# (more at r = 1024, where the groups shrink to fit shared memory); padded W1/W2 rows (row
+# stride r + 1) are misaligned for vector loads.
+DRAFT_CASES = [
+    (1, 1, 100, 8, torch.float32, torch.float32, "greedy", False),
+    (1, 5, 4099, 256, torch.bfloat16, torch.bfloat16, "sampled", False),
+    (70, 5, 4099, 8, torch.float16, torch.float16, "mixed", True),
+    (70, 1, 1000, 256, torch.bfloat16, torch.float32, "sampled", False),
+    (70, 5, 20011, 256, torch.bfloat16, torch.bfloat16, "mixed", False),
+    (70, 5, 20011, 256, torch.bfloat16, torch.bfloat16, "sampled", True),
+    (3, 5, 1, 8, torch.float32, torch.bfloat16, "sampled", False),
+    (4, 0, 100, 8, torch.float32, torch.float32, "sampled", False),
+    (70, 3, 257, 1024, torch.float16, torch.float32, "mixed", False),
+    (70, 2, 257, 1024, torch.float32, torch.bfloat16, "sampled", True),
+    (5, 2, 333, 1, torch.bfloat16, torch.float16, "greedy", True),
+    (9, 5, 4099, 37, torch.float16, torch.float32, "sampled", False),
+    (9, 5, 4099, 100, torch.float32, torch.float32, "sampled", True),
+]
+# rnn_draft: (B, G, V, r, d, dtype); draft_confidence: (B, G, V, r, d, dtype, bias and tau).
+RNN_CASES = [
+    (70, 3, 4099, 8, 24, torch.bfloat16),
+    (2, 5, 100, 256, 40, torch.float32),
+    (1, 1, 1000, 13, 8, torch.float16),
+    (70, 2, 1000, 512, 64, torch.bfloat16),
+]
+CONFIDENCE_CASES = [
+    (70, 5, 4099, 8, 24, torch.bfloat16, True),
+    (1, 1, 100, 256, 40, torch.float32, False),
+    (3, 7, 1000, 1024, 1000, torch.float16, True),
+]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
+    """``|got - want| <= rtol * (1 + max|want|)`` elementwise, NaNs and infinities equal."""
+    finite = want[torch.isfinite(want)]
+    scale = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
+    return got.shape == want.shape and max_logit_difference(got, want) <= rtol * scale
+
+
+def draft_inputs(batch, block, vocab, rank, dtype, base_dtype, temperatures, padded_weights=False,
+                 *, bad_ids, g):
+    """CPU inputs of one markov_draft case: misaligned base-logit rows, a NaN row and a row with
+    a -inf half, int32 anchors on odd batches, out-of-range anchors when ``bad_ids``."""
+    scale = rank ** -0.25
+    w1, w2 = (torch.empty(vocab, rank + padded_weights, dtype=dtype)[:, :rank] for _ in range(2))
+    w1.copy_(torch.randn(vocab, rank, generator=g) * scale)
+    w2.copy_(torch.randn(vocab, rank, generator=g) * scale)
+    base = torch.randn(batch, block, vocab, generator=g) * 3
+    if block and batch > 2:
+        base[1, 0] = float("nan")
+        base[2, block - 1, : vocab // 2] = float("-inf")
+    padded = torch.empty(batch, block, vocab + 1, dtype=base_dtype)[..., :vocab]
+    padded.copy_(base.to(base_dtype))
+    anchor = torch.randint(0, vocab, (batch,), generator=g)
+    if bad_ids:
+        anchor[::3] = vocab + 5
+        anchor[1::4] = -7
+    if batch % 2:
+        anchor = anchor.int()
+    t = torch.rand(batch, generator=g) + 0.3
+    if temperatures == "greedy":
+        t.zero_()
+    elif temperatures == "mixed":
+        t[::2] = 0.0
+    seed = torch.randint(0, 2**62, (batch,), generator=g)
+    position = torch.randint(0, 2**20, (batch,), generator=g)
+    return padded, anchor, w1, w2, t, seed, position
+
+
+def compare_draft(got, want, vocab, rtol=1e-4):
+    """Rows whose tokens differ; asserts ids in range and draft logits close wherever the
+    drafted prefix agrees (slot j's logits depend on x_j)."""
+    tokens, logits = (t.cpu() for t in got)
+    assert tokens.shape == want.tokens.shape and logits.shape == want.draft_logits.shape
+    assert ((tokens >= 0) & (tokens < vocab)).all(), "draft token id out of range"
+    same = same_prefix(tokens, want.tokens)
+    assert _close(logits[same], want.draft_logits[same], rtol), "draft logits differ"
+    return int((tokens != want.tokens).any(1).sum())
+
+
+def draft_smoke(device, on_device, g):
+    """Every drafting case on ``device`` against the reference: (differing rows, rows, cases)."""
+    bad, rows, cases = 0, 0, 0
+    bad_ids = device == "cuda"
+    for batch, block, vocab, rank, dtype, base_dtype, temps, padded in DRAFT_CASES:
+        args = draft_inputs(batch, block, vocab, rank, dtype, base_dtype, temps, padded,
+                            bad_ids=bad_ids, g=g)
+        want = reference.markov_draft(*args)
+        got = dspark_ops.markov_draft(*map(on_device, args))
+        bad += compare_draft(got, want, vocab)
+        rows, cases = rows + batch, cases + 1
+    for batch, block, vocab, rank, hidden, dtype in RNN_CASES:
+        base, anchor, w1, w2, t, seed, position = draft_inputs(
+            batch, block, vocab, rank, dtype, dtype, "mixed", bad_ids=bad_ids, g=g)
+        h = torch.randn(batch, block, hidden, generator=g).to(dtype)
+        joint = (torch.randn(3 * rank, 2 * rank + hidden, generator=g)
+                 * (2 * rank + hidden) ** -0.5).to(dtype)
+        joint_bias = (torch.randn(3 * rank, generator=g) * 0.1).to(dtype)
+        args = (base, anchor, h, w1, w2, joint, joint_bias, t, seed, position)
+        want = reference.rnn_draft(*args)
+        got = dspark_ops.rnn_draft(*map(on_device, args))
+        bad += compare_draft(got, want, vocab)
+        rows, cases = rows + batch, cases + 1
+    for batch, block, vocab, rank, hidden, dtype, extras in CONFIDENCE_CASES:
+        h = torch.randn(batch, block, hidden + 1, generator=g).to(dtype)[..., :hidden]
+        prev = torch.randint(0, vocab, (block, batch), generator=g).T  # strided ids
+        if bad_ids:
+            prev[::4, 0] = vocab + 3
+        w1 = torch.randn(vocab, rank, generator=g).to(dtype)
+        weight = (torch.randn(hidden + rank, generator=g) * (hidden + rank) ** -0.5).to(dtype)
+        bias = torch.full((1,), 0.3).to(dtype) if extras else None
+        tau = torch.linspace(0.5, 2.0, block) if extras else None
+        args = (h, prev.int() if batch % 2 else prev, w1, weight, bias, tau)
+        want = reference.draft_confidence(*args)
+        got = dspark_ops.draft_confidence(*map(on_device, args)).cpu()
+        assert got.shape == want.shape, "draft_confidence: wrong shape"
+        assert _close(got, want, 1e-5), "draft_confidence differs"
+        cases += 1
+    return bad, rows, cases
 
 
 def main() -> int:
@@ -153,8 +280,11 @@ def main() -> int:
         want = reference.philox_uniform(seeds, positions, purpose, 37)
         got = dspark_ops.philox_uniform(on_device(seeds), on_device(positions), purpose, 37).cpu()
         assert torch.equal(got, want), f"philox_uniform differs from the reference on {device}"
-    print(f"cuda_smoke ({device}): scheduling exact; {cases} verify cases, worst disagreement {worst:.3%} of requests")
-    return 0 if worst <= 0.01 else 1
+    draft_bad, draft_rows, draft_cases = draft_smoke(device, on_device, g)
+    print(f"cuda_smoke ({device}): scheduling exact; {cases} verify cases, worst disagreement "
+          f"{worst:.3%} of requests; {draft_cases} drafting cases, {draft_bad}/{draft_rows} "
+          f"drafted requests differ")
+    return 0 if worst <= 0.01 and draft_bad <= 0.01 * draft_rows else 1
 
 
 if __name__ == "__main__":

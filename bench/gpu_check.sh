@@ -2,14 +2,16 @@
 # GPU check of dspark_ops, in one call on a machine with an NVIDIA GPU (under 8 minutes on an H200):
 #   1. build the extension for this GPU's arch (pip, no build isolation, no dependencies fetched)
 #   2. run the CUDA tests
-#   3. compute-sanitizer memcheck and racecheck over bench/cuda_smoke.py
-#   4. CPU-vs-CUDA token agreement on shared seeds
-#   5. the benchmarks (python -m bench)
+#   3. compute-sanitizer memcheck and racecheck over bench/cuda_smoke.py (every kernel, the
+#      drafting ops included)
+#   4. CPU-vs-CUDA agreement on shared seeds: verify tokens, draft tokens and draft logits
+#   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included)
 # and print a summary table last. Logs, ptxas report and JSON results go to OUTDIR.
 #
 # Usage: bash bench/gpu_check.sh OUTDIR [--dry-run]
-#   --dry-run runs everything that needs no GPU (build for sm_90, CPU versions of the checks), to
-#   catch script errors before spending GPU time.
+#   --dry-run runs everything that needs no GPU (build for sm_90, CPU versions of the checks: the
+#   smoke run and the agreement script comparing the CPU with itself), to catch script errors
+#   before spending GPU time.
 set -uo pipefail
 
 OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR [--dry-run]}
@@ -69,11 +71,14 @@ if ((build_ok == 0)); then
       printf 'sanitizer\tnot installed\t0\n' >>"$OUT/steps.tsv"
     fi
   fi
-  run_step agreement 40 $PY -m bench.cpu_cuda_agreement --out "$OUT/agreement.json"
   if ((DRY_RUN)); then
+    run_step agreement 90 $PY -m bench.cpu_cuda_agreement --cpu-only --out "$OUT/agreement.json"
     run_step bench 150 $PY -m bench --quick
   else
-    run_step bench 100 $PY -m bench
+    # The drafting section adds a few seconds; the draft family about 30 s (torch.compile of
+    # the eager step, once).
+    run_step agreement 50 $PY -m bench.cpu_cuda_agreement --out "$OUT/agreement.json"
+    run_step bench 130 $PY -m bench
   fi
   cp bench/results/*.json bench/results/*.csv "$OUT/" 2>/dev/null
 fi
@@ -93,12 +98,22 @@ for name, status, sec in steps:
     print(f"{name:<14}{status:<22}{sec:>8}")
 def fmt(value, digits=1):
     return "-" if value is None else f"{value:.{digits}f}"
-for path in sorted(out.glob("verify_*.json")):
+draft = summary.get("agreement", {}).get("draft")
+if draft:
+    print(f"\nagreement: verify {summary['agreement']['agree']}/{summary['agreement']['requests']}"
+          f" requests; drafting slot-0 tokens / rel err:")
+    for config in draft["configs"]:
+        agree, rel = config["slot_token_agreement"][:1], config["slot_logit_rel_error"][:1]
+        print(f"  {config['name']:<40}{fmt(100 * agree[0] if agree else None)}%  "
+              f"{rel[0] if rel else 0.0:.1e}  {'ok' if config['passed'] else 'FAIL'}")
+for path in sorted(out.glob("verify_*.json")) + sorted(out.glob("draft_*.json")):
     rows = json.loads(path.read_text())["rows"]
     print(f"\n{path.name} (us; x = other/ours; full table in bench.log)")
-    for row in rows:
+    labels = [r["shape"] if r["op"] == "verify" else f"{r['op']} {r['shape']}" for r in rows]
+    width = max([22] + [len(label) + 2 for label in labels])
+    for row, label in zip(rows, labels):
         anchors = " ".join(f"{k}={fmt(v, 2)}x" for k, v in row.get("anchor_speedup", {}).items())
-        print(f"  {row['shape']:<22}{row['variant']:<18}ours {fmt(row['ours_us']):>9}  "
+        print(f"  {label:<{width}}{row['variant']:<18}ours {fmt(row['ours_us']):>9}  "
               f"ref {fmt(row['speedup'], 2)}x  {fmt(row['gbps'], 0)} GB/s "
               f"({fmt(row['pct_copy'], 0)}% copy)  {anchors}")
 EOF
