@@ -387,6 +387,8 @@ def strided_cache(cache: torch.Tensor, kind: str) -> torch.Tensor:
         out = torch.full((slots, kv_heads, length, dim), NAN, **nan).transpose(1, 2)
     elif kind == "padded-rows":  # rows of a buffer with a wider last dimension
         out = torch.full((slots, length, kv_heads, dim + 16), NAN, **nan)[..., 8 : 8 + dim]
+    elif kind == "unaligned-rows":  # rows 2 bytes off 16-byte alignment (the kernels' slow path)
+        out = torch.full((slots, length, kv_heads, dim + 1), NAN, **nan)[..., 1:]
     else:
         raise ValueError(kind)
     out.copy_(cache)
@@ -395,7 +397,7 @@ def strided_cache(cache: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 CACHE_LAYOUTS = ["rows-of-a-larger-cache", "prefix-of-a-longer-cache", "heads-of-a-wider-cache",
-                 "head-major", "padded-rows"]
+                 "head-major", "padded-rows", "unaligned-rows"]
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_HALF)

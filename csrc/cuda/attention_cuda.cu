@@ -15,6 +15,22 @@
 #include "../ops.h"
 
 namespace dspark_ops {
+namespace {
+
+// Resident blocks per SM of the split kernel instantiated for this dtype and head dim.
+int split_blocks_per_sm(at::ScalarType dtype, int64_t dim) {
+  const auto pick = [&](auto tag) {
+    using T = cuda_type_t<decltype(tag)>;
+    switch (dim) {
+      case 64: return kernels::attention_blocks_per_sm<T, 64>();
+      case 128: return kernels::attention_blocks_per_sm<T, 128>();
+      default: return kernels::attention_blocks_per_sm<T, 256>();
+    }
+  };
+  return dtype == at::kHalf ? pick(c10::Half{}) : pick(c10::BFloat16{});
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
     const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
@@ -26,9 +42,16 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "block_draft_attention(): on CUDA 'q' must have dtype Half or BFloat16, got ",
                    q.scalar_type());
-  TORCH_CHECK_VALUE(a.length <= INT32_MAX && a.batch <= 65535, "block_draft_attention(): on CUDA "
-                    "at most 65535 requests and 2^31 cache positions, got B = ", a.batch,
-                    ", L = ", a.length);
+  TORCH_CHECK_VALUE(compute_capability_major(q.get_device()) >= 8,
+                    "block_draft_attention(): the CUDA kernel needs tensor cores of compute "
+                    "capability 8.0 or newer (mma.sync m16n8k16)");
+  const int64_t row_groups =
+      (a.block * (a.heads / a.kv_heads) + kernels::kAttnRows - 1) / kernels::kAttnRows;
+  TORCH_CHECK_VALUE(a.length <= INT32_MAX - 4096 && a.batch <= 65535 &&
+                        a.kv_heads * row_groups <= 65535,
+                    "block_draft_attention(): on CUDA at most 65535 requests, 65535 KV heads x "
+                    "row groups of 16 query rows, and 2^31 - 4096 cache positions; got B = ",
+                    a.batch, ", Hkv x row groups = ", a.kv_heads * row_groups, ", L = ", a.length);
   const c10::cuda::CUDAGuard guard(q.device());
   auto [out, lse] = allocate_attention_outputs(a, return_lse);
 
@@ -60,21 +83,21 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.window = a.window >= 0 ? static_cast<int>(std::min<int64_t>(a.window, a.length)) : -1;
   p.scale = a.scale;
 
-  // Split the visible context (at most L, or the window) so that ~4 blocks per SM are busy even
-  // when B * Hkv is small; each split is a whole number of 64-row tiles.
+  // Split the visible context (at most L, or the window) so that one full wave of blocks is busy
+  // even when B * Hkv is small; each split is a whole number of 64-row tiles.
   const int64_t visible = p.window >= 0 ? p.window : a.length;
   const int64_t rows = a.block * (a.heads / a.kv_heads);
   const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
   const int64_t base_blocks = a.batch * a.kv_heads * groups;
-  const int64_t wanted = int64_t{4} * multiprocessor_count(q.get_device());
+  const int64_t wanted =
+      int64_t{split_blocks_per_sm(q.scalar_type(), a.dim)} * multiprocessor_count(q.get_device());
   const int64_t max_splits = std::max<int64_t>(1, (visible + 255) / 256);
   const int64_t splits = std::clamp<int64_t>((wanted + base_blocks - 1) / base_blocks, 1, max_splits);
   const int64_t tile = kernels::kAttnKeys;
   // An empty visible context (window 0 or L 0) still gets one (empty) split.
   p.split_length = static_cast<int>(
       std::max<int64_t>(tile, ((visible + splits - 1) / splits + tile - 1) / tile * tile));
-  p.key_splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
-  p.splits = p.key_splits * kernels::kAttnWarps;
+  p.splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
   const int64_t element = a.k_cache.element_size();
   p.kv_aligned = reinterpret_cast<uintptr_t>(a.k_cache.const_data_ptr()) % 16 == 0 &&
                  reinterpret_cast<uintptr_t>(a.v_cache.const_data_ptr()) % 16 == 0;

@@ -9,7 +9,8 @@
 //     request's cache row, in place) and used by all of them. Each warp takes 16 keys of the tile:
 //     S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, 16-bit in, float32 accumulators;
 //     S's accumulators are P's A fragment, as in FlashAttention-2), a float32 online softmax in
-//     registers, and its own unnormalised partial (output, running max, sum) per split.
+//     registers; the four warps' results are merged in shared memory into the split's
+//     unnormalised partial (output, running max, sum).
 //  2. block_attention_merge_kernel, one warp per output row: scores of the row against the G
 //     block keys (the block's K/V are read here and nowhere else, never written), then the splits
 //     and the block keys are merged by their maxima into the output and the log-sum-exp.
@@ -56,9 +57,7 @@ struct AttentionParams {
   int batch, block, heads, kv_heads, length, num_slots;
   int window;  // -1: none
   float scale;
-  // Context rows per key split (a multiple of kAttnKeys), key splits (grid), and partials per
-  // output row: each warp of a split writes its own (splits = key_splits * kAttnWarps).
-  int split_length, key_splits, splits;
+  int splits, split_length;  // context rows per split, a multiple of kAttnKeys
 };
 
 __device__ __forceinline__ float attn_load(const float* p) { return *p; }
@@ -115,10 +114,12 @@ __device__ __forceinline__ uint32_t attn_word(const T* p) {  // two consecutive 
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
-template <typename T>
+__device__ __forceinline__ uint16_t attn_bits(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ uint16_t attn_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+
+template <typename T>  // the lower-index element in the low half, as the MMA reads a pair
 __device__ __forceinline__ uint32_t attn_pack(T lo, T hi) {
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
-         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
+  return static_cast<uint32_t>(attn_bits(lo)) | (static_cast<uint32_t>(attn_bits(hi)) << 16);
 }
 
 template <typename T>
@@ -128,25 +129,42 @@ __device__ __forceinline__ T attn_round(float v) {
   return out;
 }
 
-// Copies one K or V tile (kAttnKeys rows of D) to shared memory, zero past `hi`.
+// Copies one K or V tile (kAttnKeys rows of D) to shared memory, zero past `hi`. Each thread
+// issues a batch of independent 16-byte loads before storing any, so a warp keeps several KB in
+// flight instead of one load's worth.
 template <typename T, int D>
 __device__ __forceinline__ void load_kv_tile(const T* base, int64_t row_stride, int k0, int hi,
                                              bool aligned, T* tile, int stride) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int idx = threadIdx.x; idx < kAttnKeys * kChunks; idx += kAttnThreads) {
-    const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (pos < hi) {
-      const T* src = base + pos * row_stride + 8 * c;
-      if (aligned) {
-        v = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
-        T* e = reinterpret_cast<T*>(&v);
+  constexpr int kChunks = D / 8;                                 // 16-byte chunks per row
+  constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;     // per thread: D / 16
+  // 8 loads in flight per thread (4 at D = 256, where the output accumulators already take 128
+  // registers).
+  constexpr int kBatch = D == 256 ? 4 : (kLoads < 8 ? kLoads : 8);
+  static_assert(kLoads % kBatch == 0, "whole batches");
 #pragma unroll
-        for (int i = 0; i < 8; ++i) e[i] = src[i];
+  for (int batch = 0; batch < kLoads; batch += kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int idx = threadIdx.x + (batch + i) * kAttnThreads;
+      const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
+      v[i] = make_uint4(0, 0, 0, 0);
+      if (pos < hi) {
+        const T* src = base + int64_t{pos} * row_stride + 8 * c;
+        if (aligned) {
+          v[i] = __ldg(reinterpret_cast<const uint4*>(src));
+        } else {
+          T* e = reinterpret_cast<T*>(&v[i]);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) e[k] = src[k];
+        }
       }
     }
-    *reinterpret_cast<uint4*>(tile + key * stride + 8 * c) = v;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int idx = threadIdx.x + (batch + i) * kAttnThreads;
+      *reinterpret_cast<uint4*>(tile + (idx / kChunks) * stride + 8 * (idx % kChunks)) = v[i];
+    }
   }
 }
 
@@ -232,7 +250,8 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
       row_max[r] = new_max;
     }
     // P enters the second MMA rounded to the input type; the sums stay float32 (exact
-    // log-sum-exp; the output's weights are off by the rounding, ~2^-9 relative for bfloat16).
+    // log-sum-exp; the output's weights are off by the rounding, up to 2^-8 relative for
+    // bfloat16 and 2^-11 for float16).
     T prob[2][4];
     float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -264,20 +283,46 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
     }
   }
 
-  const int partial = split * kAttnWarps + warp;
+  // Merge the four warps' partials in shared memory (the tiles are no longer needed) and write one
+  // partial per split, so the merge kernel folds one partial per split, not four.
+  __syncthreads();
+  float* warp_out = reinterpret_cast<float*>(attn_smem);        // [kAttnWarps][kAttnRows][D]
+  float* warp_max = warp_out + kAttnWarps * kAttnRows * D;      // [kAttnWarps][kAttnRows]
+  float* warp_sum = warp_max + kAttnWarps * kAttnRows;          // [kAttnWarps][kAttnRows]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (row >= rows) continue;
-    const int64_t at = partial_index(p, b, h, row, partial);
+    const int row = g + 8 * r;
+    float* dst = warp_out + (warp * kAttnRows + row) * D + 2 * t;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<float2*>(p.partial_out + at * D + 8 * n + 2 * t) =
-          make_float2(o[n][2 * r], o[n][2 * r + 1]);
+      *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
     }
     if (t == 0) {
-      p.partial_stats[at * 2] = row_max[r];
-      p.partial_stats[at * 2 + 1] = row_sum[r];
+      warp_max[warp * kAttnRows + row] = row_max[r];
+      warp_sum[warp * kAttnRows + row] = row_sum[r];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kAttnRows * D; idx += kAttnThreads) {
+    const int r = idx / D, d = idx % D, row = row0 + r;
+    if (row >= rows) continue;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, warp_max[w * kAttnRows + r]);
+    float out = 0.f, sum = 0.f;
+    if (m != -INFINITY) {  // else no key of this split: (-inf, 0, 0), which the merge skips
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float scale = expf(warp_max[w * kAttnRows + r] - m);  // 0 for an idle warp
+        out = fmaf(warp_out[(w * kAttnRows + r) * D + d], scale, out);
+        sum = fmaf(warp_sum[w * kAttnRows + r], scale, sum);
+      }
+    }
+    const int64_t at = partial_index(p, b, h, row, split);
+    p.partial_out[at * D + d] = out;
+    if (d == 0) {
+      p.partial_stats[at * 2] = m;
+      p.partial_stats[at * 2 + 1] = sum;
     }
   }
 }
@@ -343,6 +388,25 @@ size_t split_shared_bytes() {
   return sizeof(T) * (kAttnRows + 2 * kAttnKeys) * (D + 8);
 }
 
+// Resident blocks per SM of the split kernel (a host query, once per instantiation): the split
+// plan aims at one full wave.
+template <typename T, int D>
+int attention_blocks_per_sm() {
+  static const int blocks = [] {
+    const int shared = static_cast<int>(split_shared_bytes<T, D>());
+    int n = 0;
+    if (cudaFuncSetAttribute(block_attention_split_kernel<T, D>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, shared) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, block_attention_split_kernel<T, D>,
+                                                      kAttnThreads, shared) != cudaSuccess) {
+      (void)cudaGetLastError();  // the query's own error
+      n = 2;
+    }
+    return n > 0 ? n : 1;
+  }();
+  return blocks;
+}
+
 template <typename T, int D>
 cudaError_t launch_block_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.block == 0 || p.heads == 0) return cudaSuccess;
@@ -355,7 +419,7 @@ cudaError_t launch_block_attention(const AttentionParams& p, cudaStream_t stream
   const int rows = p.block * (p.heads / p.kv_heads);
   const int groups = (rows + kAttnRows - 1) / kAttnRows;
   block_attention_split_kernel<T, D>
-      <<<dim3(p.key_splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream>>>(p);
+      <<<dim3(p.splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream>>>(p);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   const int64_t out_rows = int64_t{p.batch} * p.block * p.heads;
