@@ -27,7 +27,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
+
+#include "mma.cuh"
 
 namespace dspark_ops::kernels {
 
@@ -81,32 +82,6 @@ __device__ __forceinline__ int64_t partial_index(const AttentionParams& p, int b
                                                  int split) {
   const int rows = p.block * (p.heads / p.kv_heads);
   return ((int64_t{b} * p.kv_heads + h) * rows + row) * p.splits + split;
-}
-
-// Tensor-core fragments (mma.sync m16n8k16, 16-bit inputs, float32 accumulators). Lane
-// (g = lane / 4, t = lane % 4) holds A elements (rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9),
-// B elements (rows 2t, 2t + 1, 2t + 8, 2t + 9; column g) and C elements (rows g, g + 8; columns
-// 2t, 2t + 1).
-template <typename T>
-__device__ __forceinline__ void attn_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-#else
-  __trap();
-#endif
 }
 
 template <typename T>
@@ -225,7 +200,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const T* kb = k_tile + (16 * warp + 8 * nt + g) * kStride + kk * 16 + 2 * t;
-        attn_mma<T>(s[nt], a0, a1, a2, a3, attn_word(kb), attn_word(kb + 8));
+        mma_m16n8k16<T>(s[nt], a0, a1, a2, a3, attn_word(kb), attn_word(kb + 8));
       }
     }
     // Scale, mask, and the online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3).
@@ -279,7 +254,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
       const T* col = vb + 8 * n;
       const uint32_t b0 = attn_pack(col[0], col[kStride]);
       const uint32_t b1 = attn_pack(col[8 * kStride], col[9 * kStride]);
-      attn_mma<T>(o[n], a0, a1, a2, a3, b0, b1);
+      mma_m16n8k16<T>(o[n], a0, a1, a2, a3, b0, b1);
     }
   }
 

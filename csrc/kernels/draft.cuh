@@ -40,6 +40,7 @@
 #include <mutex>
 
 #include "draft_math.h"
+#include "mma.cuh"
 #include "verify_math.h"
 
 namespace dspark_ops::kernels {
@@ -144,32 +145,6 @@ struct Frag16 {
   uint4 row_lo, row_hi;  // rows g and g + 8: 8 values each as 4 x 32-bit pairs
 };
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1, __nv_bfloat16) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1, __half) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();
-#endif
-}
-
 // Eight k values of one W2 row starting at k (zero past the rank or past the vocabulary).
 template <typename W>
 __device__ __forceinline__ uint4 load_w2_8(const DraftParams& p, int64_t v, int k) {
@@ -211,10 +186,10 @@ __device__ __forceinline__ void tile_products(const DraftParams& p, int64_t row0
           if (nt >= column_tiles) break;
           const W* in = inputs + (pass * plane + nt * 8 + g) * stride + k;
           const uint4 b = *reinterpret_cast<const uint4*>(in);
-          mma_16816(acc[nt], a[i].row_lo.x, a[i].row_hi.x, a[i].row_lo.y, a[i].row_hi.y, b.x, b.y,
-                    W{});
-          mma_16816(acc[nt], a[i].row_lo.z, a[i].row_hi.z, a[i].row_lo.w, a[i].row_hi.w, b.z, b.w,
-                    W{});
+          mma_m16n8k16<W>(acc[nt], a[i].row_lo.x, a[i].row_hi.x, a[i].row_lo.y, a[i].row_hi.y,
+                          b.x, b.y);
+          mma_m16n8k16<W>(acc[nt], a[i].row_lo.z, a[i].row_hi.z, a[i].row_lo.w, a[i].row_hi.w,
+                          b.z, b.w);
         }
       }
     }
