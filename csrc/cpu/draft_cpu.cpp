@@ -60,10 +60,26 @@ void dot_rows(const double* a, const double* rows, int64_t padded, double* out) 
   }
 }
 
+// sum_k a[k] * b[k] for one long pair of rows (the RNN joint layer, the confidence head): four
+// accumulator chains over interleaved vectors, then added in a fixed order.
 double dot(const double* a, const double* b, int64_t padded) {
-  double out;
-  dot_rows<1>(a, b, padded, &out);
-  return out;
+  constexpr int64_t kChains = 4;
+  VecD acc[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
+  int64_t k = 0;
+  for (; k + kChains * VecD::size() <= padded; k += kChains * VecD::size()) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      const int64_t at = k + c * VecD::size();
+      acc[c] = at::vec::fmadd(VecD::loadu(a + at), VecD::loadu(b + at), acc[c]);
+    }
+  }
+  for (; k < padded; k += VecD::size()) {
+    acc[0] = at::vec::fmadd(VecD::loadu(a + k), VecD::loadu(b + k), acc[0]);
+  }
+  double lanes[VecD::size()];
+  ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
+  double s = 0.0;
+  for (int i = 0; i < VecD::size(); ++i) s += lanes[i];
+  return s;
 }
 
 // Per-request sampling constants of one slot.
