@@ -335,9 +335,9 @@ class TinyTarget(nn.Module):
                        v_caches, cache_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Forward over a ragged batch (``pack_verify_inputs``'s ``input_ids`` and
         ``cu_seqlens``, at most ``len(input_ids) // B`` tokens per request), without a host
-        sync: rows are scattered to a padded batch and gathered back. Returns ragged ``logits
-        [R, V]`` and ``features [R, n_layers * hidden]`` (padding rows past ``cu_seqlens[B]``
-        hold request 0's first row)."""
+        sync: the rows are gathered into a padded batch and back. Returns ragged ``logits
+        [R, V]`` and ``features [R, n_layers * hidden]`` (the padding rows past
+        ``cu_seqlens[B]`` repeat real rows; ignore them)."""
         batch = cu_seqlens.shape[0] - 1
         width = input_ids.shape[0] // batch
         starts = cu_seqlens[:-1].long()
