@@ -62,9 +62,8 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from dspark_ops._library import op_backends
 from bench.common import (
-    Row, Timing, family_arg_parser, family_main, finish_row, format_us, log,
+    Row, Timing, family_arg_parser, family_main, finish_row, format_us, has_kernel, log,
     measure_copy_bandwidth, report_once, synchronize, try_time,
 )
 
@@ -289,21 +288,10 @@ def _flash_factory() -> Optional[Callable[[AttentionCase], Dict[str, Optional[Ca
 
 
 def _timings(device: torch.device, quick: bool) -> Timing:
-    if device.type == "cuda":
-        if quick:
-            return Timing(dict(rep_ms=30, warmup_ms=10), dict(rep_ms=20, warmup_ms=5, min_reps=5))
-        return Timing(dict(rep_ms=100, warmup_ms=25), dict(rep_ms=50, warmup_ms=10, min_reps=5))
-    if quick:
-        return Timing(dict(min_run_time=0.15), dict(min_run_time=0.1))
-    return Timing(dict(min_run_time=0.3), dict(min_run_time=0.2))
+    return Timing.for_device(device, quick, cpu_seconds=(0.3, 0.2), cpu_quick_seconds=(0.15, 0.1))
 
 
 @functools.lru_cache(maxsize=None)
-def has_kernel(op: str, device_type: str) -> bool:
-    """Whether this build registers a kernel of ``torch.ops.dspark_ops.<op>`` for the device."""
-    return device_type.upper() in op_backends(op)
-
-
 def _ours_or_none(op: str, fn: Callable, device: torch.device) -> Optional[Callable]:
     """``fn``, or None (said once) when the build has no kernel of ``op`` for the device."""
     if not has_kernel(op, device.type):

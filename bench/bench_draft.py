@@ -65,10 +65,9 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from bench.bench_attention import has_kernel
-from bench.bench_schedule import count_launches
 from bench.common import (
-    Row, Timing, family_arg_parser, family_main, finish_row, format_us, log,
+    Row, Timing, count_launches, family_arg_parser, family_main, finish_row, format_us,
+    has_kernel, log,
     measure_copy_bandwidth, report_once, synchronize, try_time,
 )
 
@@ -363,14 +362,8 @@ def confidence_bytes(case: ConfidenceCase) -> int:
 
 
 def _timings(device: torch.device, quick: bool) -> Timing:
-    if device.type == "cuda":
-        if quick:
-            return Timing(dict(rep_ms=30, warmup_ms=10), dict(rep_ms=20, warmup_ms=5, min_reps=5))
-        return Timing(dict(rep_ms=100, warmup_ms=25), dict(rep_ms=50, warmup_ms=10, min_reps=5))
     # A CPU call at the default shape takes about 0.1 s: a few calls each.
-    if quick:
-        return Timing(dict(min_run_time=0.2), dict(min_run_time=0.05))
-    return Timing(dict(min_run_time=1.0), dict(min_run_time=0.5))
+    return Timing.for_device(device, quick, cpu_seconds=(1.0, 0.5), cpu_quick_seconds=(0.2, 0.05))
 
 
 def _ours(op: str, fn: Callable, device: torch.device):

@@ -66,7 +66,8 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, family_arg_parser, family_main, format_us, log, report_once, synchronize, time_op,
+    Row, Timing, count_launches, family_arg_parser, family_main, format_us, log, report_once,
+    synchronize, try_time,
 )
 
 BATCHES = (64, 256, 1024)
@@ -295,18 +296,6 @@ def time_cuda_graph(fn: Callable[[], object], device: torch.device, calls: int =
     return seconds / calls
 
 
-def count_launches(fn: Callable[[], object], device: torch.device) -> Optional[int]:
-    """Device-side activities (kernels, copies, memsets) of one call of ``fn``, by the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        synchronize(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def _try(label: str, fn: Callable[[], object]):
     """``fn()``, or None (and a log line) when it fails."""
     try:
@@ -320,26 +309,24 @@ def _try(label: str, fn: Callable[[], object]):
 # Measurement
 
 
-@dataclasses.dataclass
-class Timing:
-    """How hard to time each competitor: ours and eager-torch, and the Python reference."""
-
-    ours: dict
-    eager: dict
-    ref: dict
-
-
 def _timings(device: torch.device, quick: bool) -> Timing:
+    """Ours and eager-torch (``others``); the Python reference has its own, see below."""
     if device.type == "cuda":
-        ref = dict(rep_ms=1, warmup_ms=1, min_reps=3, max_reps=3)
         if quick:
-            return Timing(dict(rep_ms=30, warmup_ms=10), dict(rep_ms=20, warmup_ms=5), ref)
-        return Timing(dict(rep_ms=100, warmup_ms=25), dict(rep_ms=50, warmup_ms=10), ref)
-    # The reference runs a few calls whatever min_run_time says (one to size a block, then
-    # blocks until the time is spent); a tiny value keeps it at that.
+            return Timing(dict(rep_ms=30, warmup_ms=10), dict(rep_ms=20, warmup_ms=5))
+        return Timing(dict(rep_ms=100, warmup_ms=25), dict(rep_ms=50, warmup_ms=10))
     if quick:
-        return Timing(dict(min_run_time=0.1), dict(min_run_time=0.1), dict(min_run_time=0.01))
-    return Timing(dict(min_run_time=0.25), dict(min_run_time=0.2), dict(min_run_time=0.01))
+        return Timing(dict(min_run_time=0.1), dict(min_run_time=0.1))
+    return Timing(dict(min_run_time=0.25), dict(min_run_time=0.2))
+
+
+def _reference_timing(device: torch.device) -> dict:
+    """A few calls of the slow Python reference. On CPU it runs a few calls whatever
+    min_run_time says (one to size a block, then blocks until the time is spent); a tiny value
+    keeps it at that."""
+    if device.type == "cuda":
+        return dict(rep_ms=1, warmup_ms=1, min_reps=3, max_reps=3)
+    return dict(min_run_time=0.01)
 
 
 @dataclasses.dataclass
@@ -439,10 +426,9 @@ def bench_case(case: ScheduleCase, device: torch.device, timing: Timing) -> List
         row.extra["mean l"] = lengths.float().mean().item()
         row.extra["match"] = f"{int(same_ref.sum())}/{batch}"
 
-        row.ours_us = _try("ours", lambda: time_op(comp.ours, device, **timing.ours) * 1e6)
-        row.reference_us = _try("ref", lambda: time_op(comp.ref, device, **timing.ref) * 1e6)
-        row.anchors["eager-torch"] = _try(
-            "eager-torch", lambda: time_op(comp.eager, device, **timing.eager) * 1e6)
+        row.ours_us = try_time("ours", comp.ours, device, **timing.ours)
+        row.reference_us = try_time("ref", comp.ref, device, **_reference_timing(device))
+        row.anchors["eager-torch"] = try_time("eager-torch", comp.eager, device, **timing.others)
 
         if device.type == "cuda":
             row.extra["graph us"] = _try(

@@ -445,13 +445,7 @@ def bytes_moved(case: VerifyCase, num_accepted: torch.Tensor) -> Tuple[int, int]
 
 
 def _timings(device: torch.device, quick: bool) -> Timing:
-    if device.type == "cuda":
-        if quick:
-            return Timing(dict(rep_ms=30, warmup_ms=10), dict(rep_ms=20, warmup_ms=5, min_reps=5))
-        return Timing(dict(rep_ms=100, warmup_ms=25), dict(rep_ms=50, warmup_ms=10, min_reps=5))
-    if quick:
-        return Timing(dict(min_run_time=0.2), dict(min_run_time=0.05))
-    return Timing(dict(min_run_time=1.5), dict(min_run_time=1.0))
+    return Timing.for_device(device, quick, cpu_seconds=(1.5, 1.0), cpu_quick_seconds=(0.2, 0.05))
 
 
 def bench_case(case: VerifyCase, device: torch.device, timing: Timing,

@@ -276,6 +276,36 @@ class Timing:
     ours: dict
     others: dict
 
+    @classmethod
+    def for_device(cls, device: torch.device, quick: bool, *, cpu_seconds, cpu_quick_seconds):
+        """The GPU repetitions every family uses; on CPU ``min_run_time`` seconds for (ours,
+        others), a family's own choice since its calls take from microseconds to seconds."""
+        if device.type == "cuda":
+            if quick:
+                return cls(dict(rep_ms=30, warmup_ms=10), dict(rep_ms=20, warmup_ms=5, min_reps=5))
+            return cls(dict(rep_ms=100, warmup_ms=25), dict(rep_ms=50, warmup_ms=10, min_reps=5))
+        ours, others = cpu_quick_seconds if quick else cpu_seconds
+        return cls(dict(min_run_time=ours), dict(min_run_time=others))
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether this build registers a kernel of ``torch.ops.dspark_ops.<op>`` for the device."""
+    from dspark_ops._library import op_backends
+
+    return device_type.upper() in op_backends(op)
+
+
+def count_launches(fn: Callable[[], object], device: torch.device) -> Optional[int]:
+    """Device-side activities (kernels, copies, memsets) of one call of ``fn``, by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
 
 def try_time(label: str, fn: Optional[Callable], device: torch.device, **kw) -> Optional[float]:
     """Median microseconds, or None (and a log line) when ``fn`` is absent or fails."""
