@@ -116,6 +116,24 @@ def _copy_into(static: dict, fresh: dict):
         static[name].copy_(tensor)
 
 
+def _capture(call, warm_up=None):
+    """Runs ``warm_up`` (default ``call``) twice on a side stream, then captures one ``call`` in
+    a CUDA graph; returns the graph and the captured call's outputs (refreshed by each replay).
+    Skips under DSPARK_OPS_DEBUG=1, whose value checks sync, which capture forbids."""
+    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
+        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            (warm_up or call)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    return graph, captured
+
+
 @cuda_only
 @pytest.mark.parametrize("with_draft_logits", [True, False])
 def test_cuda_graph_capture_and_replay(with_draft_logits):
@@ -131,15 +149,7 @@ def test_cuda_graph_capture_and_replay(with_draft_logits):
                                  inputs["temperature"], inputs["seed"], inputs["position"],
                                  draft_logits=inputs["draft_logits"])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(static)
+    graph, captured = _capture(lambda: run(static))
 
     for seed in (11, 12, 13):
         fresh = _round_inputs("cuda", seed=seed)
@@ -276,8 +286,6 @@ def _markov_graph_inputs(seed, batch=8, block=6, vocab=1000, rank=32):
 def test_cuda_graph_markov_draft_capture_and_replay():
     # Captured once; replays with new base logits, anchors, weights, temperatures, seeds and
     # positions written into the static inputs equal eager calls: no host sync inside the op.
-    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
-        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
     static = _markov_graph_inputs(0)
 
     def run(inputs):
@@ -285,15 +293,7 @@ def test_cuda_graph_markov_draft_capture_and_replay():
                                        inputs["w2"], inputs["temperature"], inputs["seed"],
                                        inputs["position"])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(static)
+    graph, captured = _capture(lambda: run(static))
 
     drafts = set()
     for seed in (1, 2, 3):
@@ -374,18 +374,8 @@ def test_compiled_schedule_round_dynamic_batch(device):
 def test_cuda_graph_schedule_round_capture_and_replay():
     # Captured once; replays with fresh confidences (and drafts, positions, ...) written into the
     # static inputs equal eager calls: no host sync, no data-dependent shapes.
-    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
-        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
     static = _schedule_round_inputs("cuda", seed=30)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            schedule_round(**static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = schedule_round(**static)
+    graph, captured = _capture(lambda: schedule_round(**static))
 
     lengths = set()
     for seed in (31, 32, 33):
@@ -471,18 +461,10 @@ def test_compiled_context_round_matches_eager(device, backend):
 def test_cuda_graph_context_round_capture_and_replay():
     # Captured once; each replay appends and attends over fresh values copied into the static
     # inputs, and equals an eager round on those values: no host sync inside either op.
-    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
-        pytest.skip("DSPARK_OPS_DEBUG=1 value checks sync, which graph capture forbids")
     static = _context_round_inputs("cuda", seed=40)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            context_round(**_clone_inputs(static))
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = context_round(**static)
+    # Warm-up calls on copies: the round appends to the caches it is given.
+    graph, captured = _capture(lambda: context_round(**static),
+                               warm_up=lambda: context_round(**_clone_inputs(static)))
 
     for seed in (41, 42, 43):
         fresh = _context_round_inputs("cuda", seed=seed)
