@@ -1,25 +1,42 @@
 # The two commands of README.md, each doing all set-up on a fresh machine:
 #   make bench   build, then run the microbenchmark suite on the default shapes (GPU if present)
-#   make test    build, then run the test suite
+#   make test    build (the extension and the SIMT emulator), then run the test suite
+# and, for kernel work without a GPU:
+#   make test-sim  the emulated CUDA tests again under the race checker and AddressSanitizer+UBSan
 PYTHON ?= python3
 export MAX_JOBS ?= 2
+# The bounds flavour runs Python with the sanitizer runtimes preloaded (libstdc++ too, so the
+# runtime can intercept C++ exceptions thrown by libraries loaded later).
+ASAN_PRELOAD = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-name=libstdc++.so)
+ASAN_OPTIONS_SIM = detect_leaks=0:halt_on_error=0:alloc_dealloc_mismatch=0
 
-.PHONY: bench test build deps info clean
+.PHONY: bench test test-sim build sim deps info clean
 
 bench: build
 	$(PYTHON) -m bench
 
-test: build
-	$(PYTHON) -m pytest python_tests
+test: build sim
+	DSPARK_OPS_SIM_REQUIRED=1 $(PYTHON) -m pytest python_tests
+
+test-sim: build
+	$(PYTHON) csrc/sim/build.py plain race asan
+	DSPARK_OPS_SIM_REQUIRED=1 $(PYTHON) -m pytest python_tests -m sim
+	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=race $(PYTHON) -m pytest python_tests -m sim
+	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan LD_PRELOAD="$(ASAN_PRELOAD)" \
+	  ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) $(PYTHON) -m pytest python_tests -m sim -p no:cacheprovider
 
 # Incremental in-place build (ninja keeps objects under build/); setup.py picks the flavour.
 build: deps
 	$(PYTHON) setup.py -q build_ext --inplace
 	$(PYTHON) -m dspark_ops.info
 
+# The SIMT emulator library the emulated CUDA tests load (build/sim/plain).
+sim: deps
+	$(PYTHON) csrc/sim/build.py plain
+
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch>=2.4"
-	$(PYTHON) -m pip install -q pytest numpy
+	$(PYTHON) -m pip install -q pytest numpy ninja
 
 info:
 	$(PYTHON) -m dspark_ops.info

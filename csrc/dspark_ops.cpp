@@ -1,62 +1,10 @@
-// The dspark_ops operator library: every schema, defined once. Backends register their kernels
-// with TORCH_LIBRARY_IMPL in cpu/<family>_cpu.cpp and cuda/<family>_cuda.cu; fake (meta) kernels
-// for torch.compile live in dspark_ops/ops/<family>.py.
+// The dspark_ops operator library: every schema (schemas.h), defined once. Backends register their
+// kernels with TORCH_LIBRARY_IMPL in cpu/<family>_cpu.cpp and cuda/<family>_cuda.cu; fake (meta)
+// kernels for torch.compile live in dspark_ops/ops/<family>.py.
 #include <torch/library.h>
 
+#include "schemas.h"
+
 TORCH_LIBRARY(dspark_ops, m) {
-  // Lossless speculative verification of a block of draft tokens against target logits
-  // (SPEC §3.1): accepts the longest valid prefix and emits one more token, stateless Philox.
-  m.def(
-      "verify(Tensor target_logits, Tensor draft_tokens, Tensor num_draft, Tensor temperature, "
-      "Tensor seed, Tensor position, Tensor? draft_logits=None, Tensor? target_start=None, "
-      "Tensor? draft_temperature=None) -> (Tensor tokens, Tensor num_accepted, Tensor valid)",
-      {at::Tag::pt2_compliant_tag});
-  // The sequential drafting stage (SPEC §3.2): the whole block of G slots in one call, each slot's
-  // logits corrected by W2 . W1[previous token] (Markov head) or W2 . tanh(o) (RNN head) and
-  // sampled from the draft stream; returns the tokens and the corrected pre-temperature logits.
-  m.def(
-      "markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, Tensor w2, Tensor temperature, "
-      "Tensor seed, Tensor position) -> (Tensor tokens, Tensor draft_logits)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, Tensor w1, Tensor w2, "
-      "Tensor joint_weight, Tensor joint_bias, Tensor temperature, Tensor seed, Tensor position) "
-      "-> (Tensor tokens, Tensor draft_logits)",
-      {at::Tag::pt2_compliant_tag});
-  // Conditional draft confidences sigmoid((w . [h_j; W1[x_j]] + b) / tau_j), float32 [B, G].
-  m.def(
-      "draft_confidence(Tensor hidden, Tensor prev_tokens, Tensor w1, Tensor weight, "
-      "Tensor? bias=None, Tensor? calib_temperature=None) -> Tensor",
-      {at::Tag::pt2_compliant_tag});
-  // Algorithm 1 (SPEC §3.4): per-request verify lengths admitted in survival order while
-  // expected tokens x step rate strictly improves, stopping at the first admission that does not.
-  m.def("schedule_verify(Tensor confidence, Tensor step_rate, Tensor? max_verify=None) -> Tensor",
-        {at::Tag::pt2_compliant_tag});
-  // Global search of the verify token budget K in [B, M) on (stale) confidences; int32 [1].
-  m.def("plan_verify_budget(Tensor confidence, Tensor step_rate) -> Tensor",
-        {at::Tag::pt2_compliant_tag});
-  // Per-request verify lengths admitting the top budget - B survivals.
-  m.def("allocate_verify(Tensor confidence, Tensor budget, Tensor? max_verify=None) -> Tensor",
-        {at::Tag::pt2_compliant_tag});
-  // Flattens [x0, x_1..x_l] of every request into one ragged target batch.
-  m.def(
-      "pack_verify_inputs(Tensor anchor, Tensor draft_tokens, Tensor num_verify, Tensor position) "
-      "-> (Tensor input_ids, Tensor positions, Tensor cu_seqlens)",
-      {at::Tag::pt2_compliant_tag});
-  // Block drafting attention (SPEC §3.5): the G block slots attend non-causally to all G block keys
-  // and to their request's context cache rows [max(0, p0 - window), p0); lse is [B, G, Hq] float32
-  // when return_lse, else empty.
-  m.def(
-      "block_draft_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, "
-      "Tensor v_cache, Tensor cache_seqlens, Tensor? cache_slot=None, float? softmax_scale=None, "
-      "int? window=None, bool return_lse=False) -> (Tensor out, Tensor lse)",
-      {at::Tag::pt2_compliant_tag});
-  // Appends context K/V rows at cache_seqlens and advances it (never past L), in place.
-  m.def(
-      "append_context_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
-      "Tensor num_new, Tensor(c!) cache_seqlens, Tensor? cache_slot=None) -> ()",
-      {at::Tag::pt2_compliant_tag});
-  // The uniforms every sampling op draws: element k of stream (seed[i], position[i], purpose).
-  m.def("philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor",
-        {at::Tag::pt2_compliant_tag});
+  for (const char* schema : dspark_ops::kSchemas) m.def(schema, {at::Tag::pt2_compliant_tag});
 }

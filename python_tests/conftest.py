@@ -20,6 +20,18 @@ CUDA_SKIP_REASON = "CUDA is not available (torch.cuda.is_available() is False)"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one")
+    config.addinivalue_line(
+        "markers", "sim: runs the CUDA kernels in the SIMT emulator (python_tests/emulator.py)"
+    )
+
+
+@pytest.fixture
+def sim(request):
+    """torch.ops.dspark_ops_sim, reset for this test (emulated H200, no fault, a seed per test)."""
+    from emulator import ops, reset
+
+    reset(request.node.nodeid)
+    return ops()
 
 
 def cuda_param(*values, id=None):

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "mma.cuh"
+#include "launch.cuh"
 
 namespace dspark_ops::kernels {
 
@@ -145,7 +146,7 @@ __device__ __forceinline__ void load_kv_tile(const T* base, int64_t row_stride, 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(const AttentionParams p) {
-  extern __shared__ __align__(16) unsigned char attn_smem[];
+  DSPARK_EXTERN_SHARED(unsigned char, attn_smem);
   // 16 extra bytes per row put the 8 rows a fragment read touches on distinct banks.
   constexpr int kStride = D + 8;
   T* q_tile = reinterpret_cast<T*>(attn_smem);  // [kAttnRows][kStride]
@@ -393,14 +394,14 @@ cudaError_t launch_block_attention(const AttentionParams& p, cudaStream_t stream
   if (opted_in != cudaSuccess) return opted_in;
   const int rows = p.block * (p.heads / p.kv_heads);
   const int groups = (rows + kAttnRows - 1) / kAttnRows;
-  block_attention_split_kernel<T, D>
-      <<<dim3(p.splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream>>>(p);
+  DSPARK_LAUNCH(dim3(p.splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream,
+                block_attention_split_kernel<T, D>)(p);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   const int64_t out_rows = int64_t{p.batch} * p.block * p.heads;
   const int warps = kAttnThreads / 32;
-  block_attention_merge_kernel<T, D>
-      <<<static_cast<unsigned>((out_rows + warps - 1) / warps), kAttnThreads, 0, stream>>>(p);
+  DSPARK_LAUNCH(static_cast<unsigned>((out_rows + warps - 1) / warps), kAttnThreads, 0, stream,
+                block_attention_merge_kernel<T, D>)(p);
   return cudaGetLastError();
 }
 
@@ -450,7 +451,7 @@ __global__ void __launch_bounds__(kAttnThreads) append_context_kv_kernel(const A
 template <typename Unit>
 cudaError_t launch_append_context_kv(const AppendParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  append_context_kv_kernel<Unit><<<p.batch, kAttnThreads, 0, stream>>>(p);
+  DSPARK_LAUNCH(p.batch, kAttnThreads, 0, stream, append_context_kv_kernel<Unit>)(p);
   return cudaGetLastError();
 }
 

@@ -42,6 +42,7 @@
 #include "draft_math.h"
 #include "mma.cuh"
 #include "verify_math.h"
+#include "launch.cuh"
 
 namespace dspark_ops::kernels {
 
@@ -405,7 +406,7 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
 template <typename W, bool kRnn>
 __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const DraftParams p) {
   constexpr int kPasses = input_passes<W, kRnn>();
-  extern __shared__ __align__(16) unsigned char shared_raw[];
+  DSPARK_EXTERN_SHARED(unsigned char, shared_raw);
   W* inputs = reinterpret_cast<W*>(shared_raw);
   __shared__ GroupSampling s;
   __shared__ bool last;
@@ -552,11 +553,12 @@ cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
       const dim3 head_grid((3 * p.rank + kDraftWarps * kHeadRowsPerWarp - 1) /
                                (kDraftWarps * kHeadRowsPerWarp),
                            (p.batch + kHeadRequests - 1) / kHeadRequests);
-      rnn_head_kernel<W><<<head_grid, kDraftThreads, 0, stream>>>(p);
+      DSPARK_LAUNCH(head_grid, kDraftThreads, 0, stream, rnn_head_kernel<W>)(p);
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
-    draft_slot_kernel<W, kRnn><<<dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream>>>(p);
+    DSPARK_LAUNCH(dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream,
+                  draft_slot_kernel<W, kRnn>)(p);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
   }
@@ -620,7 +622,8 @@ cudaError_t launch_draft_confidence(const ConfidenceParams& p, cudaStream_t stre
   const int64_t rows = int64_t{p.batch} * p.block;
   if (rows == 0) return cudaSuccess;
   const int64_t blocks = (rows + kDraftWarps - 1) / kDraftWarps;
-  draft_confidence_kernel<W><<<static_cast<unsigned>(blocks), kDraftThreads, 0, stream>>>(p);
+  DSPARK_LAUNCH(static_cast<unsigned>(blocks), kDraftThreads, 0, stream,
+                draft_confidence_kernel<W>)(p);
   return cudaGetLastError();
 }
 

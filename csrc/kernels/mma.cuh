@@ -35,6 +35,8 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], uint32_t a0, uint32_
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
+#elif defined(DSPARK_OPS_SIM)
+  ::dspark_sim::mma_m16n8k16(std::is_same_v<T, __half>, c, a0, a1, a2, a3, b0, b1);  // csrc/sim/
 #else
   __trap();
 #endif

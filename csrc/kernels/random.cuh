@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../common/philox.h"
+#include "launch.cuh"
 
 namespace dspark_ops::kernels {
 
@@ -26,7 +27,7 @@ inline cudaError_t launch_philox_uniform(const int64_t* seed, const int64_t* pos
   if (total == 0) return cudaSuccess;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535);
-  philox_uniform_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  DSPARK_LAUNCH(static_cast<unsigned>(blocks), threads, 0, stream, philox_uniform_kernel)(
       seed, position, purpose, count, total, out);
   return cudaGetLastError();
 }

@@ -40,6 +40,7 @@
 
 #include "reduce.cuh"
 #include "verify_math.h"
+#include "launch.cuh"
 
 namespace dspark_ops::kernels {
 
@@ -516,10 +517,10 @@ template <typename TT, typename DT>
 cudaError_t launch_verify(const VerifyParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   const dim3 grid(p.num_chunks, p.batch);
-  verify_row_stats_kernel<TT, DT><<<grid, kVerifyThreads, 0, stream>>>(p);
+  DSPARK_LAUNCH(grid, kVerifyThreads, 0, stream, verify_row_stats_kernel<TT, DT>)(p);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
-  verify_emit_kernel<TT, DT><<<grid, kVerifyThreads, 0, stream>>>(p);
+  DSPARK_LAUNCH(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);
   return cudaGetLastError();
 }
 

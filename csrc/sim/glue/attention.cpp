@@ -1,0 +1,4 @@
+// The CUDA glue and kernels of the attention family, compiled by g++ against the emulator.
+#include "../glue.h"
+
+#include "../../cuda/attention_cuda.cu"

@@ -1,0 +1,4 @@
+// The CUDA glue and kernels of the verify family, compiled by g++ against the emulator.
+#include "../glue.h"
+
+#include "../../cuda/verify_cuda.cu"

@@ -1,0 +1,249 @@
+"""The SIMT emulator itself (csrc/sim/): mma.sync against a plain matrix product on random
+fragments, warp shuffles, and every check it makes — each shown to fire on a small kernel with a
+planted defect (csrc/sim/selftest.cpp) and to stay quiet on its correct twin. Without these the
+emulated tests of the library's kernels would prove nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import emulator
+
+pytestmark = pytest.mark.sim
+
+RACE = emulator.FLAVOUR == "race"
+ASAN = emulator.FLAVOUR == "asan"
+
+
+# ---- mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}
+
+
+def _pack(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Two 16-bit values per 32-bit register, the lower index in the low half (PTX ISA)."""
+    bits = lambda t: t.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
+    word = bits(lo) | (bits(hi) << 16)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def _fragments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+    """Per-lane registers of A [16, 16] (row), B [16, 8] (col) and C [16, 8], written from the
+    PTX ISA's "Matrix Fragments for mma.m16n8k16" (groupID g = lane / 4, t = lane % 4)."""
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    a_regs = torch.stack([
+        _pack(a[g, 2 * t], a[g, 2 * t + 1]),
+        _pack(a[g + 8, 2 * t], a[g + 8, 2 * t + 1]),
+        _pack(a[g, 2 * t + 8], a[g, 2 * t + 9]),
+        _pack(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9]),
+    ], 1)
+    b_regs = torch.stack([
+        _pack(b[2 * t, g], b[2 * t + 1, g]),
+        _pack(b[2 * t + 8, g], b[2 * t + 9, g]),
+    ], 1)
+    c_regs = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
+    return a_regs.contiguous(), b_regs.contiguous(), c_regs.contiguous()
+
+
+def _unfragment(d_regs: torch.Tensor) -> torch.Tensor:
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    d = torch.empty(16, 8)
+    d[g, 2 * t], d[g, 2 * t + 1] = d_regs[:, 0], d_regs[:, 1]
+    d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d_regs[:, 2], d_regs[:, 3]
+    return d
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(4))
+def test_mma_matches_matrix_product(sim, dtype, case):
+    """D = A B + C on random fragments equals the float64 product of the same 16-bit values."""
+    gen = torch.Generator().manual_seed(case)
+    a = (torch.randn(16, 16, generator=gen) * (1 + case)).to(dtype)
+    b = torch.randn(16, 8, generator=gen).to(dtype)
+    c = torch.randn(16, 8, generator=gen)
+    d = _unfragment(sim.mma(*_fragments(a, b, c), dtype == torch.float16))
+    expected = (a.double() @ b.double() + c.double()).float()
+    torch.testing.assert_close(d, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_mma_catches_swapped_fragment_registers(sim):
+    """With A registers 1 and 2 swapped (rows g+8 and columns 8.. exchanged) the product is wrong:
+    the comparison above would fail."""
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+    b = torch.randn(16, 8, generator=gen).to(torch.bfloat16)
+    c = torch.zeros(16, 8)
+    with emulator.planted("mma_swap_a12"):
+        d = _unfragment(sim.mma(*_fragments(a, b, c), False))
+    assert not torch.allclose(d, (a.double() @ b.double()).float(), rtol=1e-3, atol=1e-3)
+
+
+def test_mma_special_values(sim):
+    """Infinities and NaN propagate as IEEE arithmetic does."""
+    a = torch.zeros(16, 16, dtype=torch.float16)
+    b = torch.ones(16, 8, dtype=torch.float16)
+    a[0, 0], a[1, 3], a[1, 4] = float("inf"), float("inf"), float("-inf")
+    a[2, 5] = float("nan")
+    d = _unfragment(sim.mma(*_fragments(a, b, torch.zeros(16, 8)), True))
+    assert torch.isposinf(d[0]).all() and torch.isnan(d[1]).all() and torch.isnan(d[2]).all()
+    assert (d[3:] == 0).all()
+
+
+# ---- block and warp reductions on the correct kernels
+
+
+def test_block_and_warp_sums(sim):
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    out = sim.selftest("sum", x, 50)
+    torch.testing.assert_close(out[0], x[:50].sum(), rtol=1e-5, atol=1e-5)
+    out = sim.selftest("warp_sum", x, 64)
+    torch.testing.assert_close(out[:2], x.view(2, 32).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_shuffle_fault_is_caught(sim):
+    """Shuffles reading the neighbouring lane break the butterfly sum."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    with emulator.planted("shuffle_off_by_one"):
+        out = sim.selftest("warp_sum", x, 64)
+    assert not torch.allclose(out[:2], x.view(2, 32).sum(1), rtol=1e-3, atol=1e-3)
+
+
+def test_same_seed_same_schedule(sim):
+    """A run is reproducible from the seed: the emulator's only randomness."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    sim.set_seed(11)
+    first = sim.selftest("sum", x, 64)
+    sim.set_seed(11)
+    assert torch.equal(first, sim.selftest("sum", x, 64))
+
+
+# ---- barriers and warp-collective misuse: reported in every flavour
+
+
+@pytest.mark.parametrize(
+    "kernel, message",
+    [
+        ("divergent_barrier", "reached after 32 of 64 threads exited"),
+        ("exit_before_barrier", "reached after 32 of 64 threads exited"),
+        ("different_barriers", "different __syncthreads"),
+        ("shuffle_missing_lanes", "exited while named in the mask"),
+        ("shuffle_outside_mask", "which is not in the mask 0xffff"),
+    ],
+)
+def test_synchronisation_misuse_is_reported(sim, kernel, message):
+    with pytest.raises(RuntimeError, match=message):
+        sim.selftest(kernel, torch.randn(64), 64)
+
+
+def test_dropped_barrier_changes_the_result_or_is_reported(sim):
+    """The tree sum with its loop barrier removed: the race flavour reports it; in the plain
+    flavour some seeded interleaving reads a partial sum before it is written."""
+    x = torch.rand(64, generator=torch.Generator().manual_seed(4)) + 1
+    site = _selftest_barrier_in("sum_kernel", after="half /= 2")
+    outcomes = []
+    with emulator.planted(site):
+        for seed in range(8):
+            sim.set_seed(seed)
+            try:
+                outcomes.append(sim.selftest("sum", x, 64)[0].item())
+            except RuntimeError as e:
+                assert RACE and "data race" in str(e)
+                outcomes.append(None)
+    expected = x.sum().item()
+    assert any(o is None or abs(o - expected) > 1e-3 for o in outcomes)
+
+
+def _selftest_barrier_in(kernel: str, after: str) -> str:
+    lines = open(f"{emulator.ROOT}/csrc/sim/selftest.cpp").read().splitlines()
+    start = next(i for i, line in enumerate(lines) if f" {kernel}(" in line)
+    start = next(i for i in range(start, len(lines)) if after in lines[i])
+    line = next(i for i in range(start, len(lines)) if "__syncthreads()" in lines[i])
+    return f"drop_barrier:selftest.cpp:{line + 1}"
+
+
+# ---- launch configuration against the emulated device
+
+
+def test_launch_bounds(sim):
+    sim.selftest("threads_over_bounds", torch.randn(64), 64)
+    with pytest.raises(RuntimeError, match=r"exceeds __launch_bounds__\(64\)"):
+        sim.selftest("threads_over_bounds", torch.randn(64), 128)
+
+
+def test_grid_limits(sim):
+    sim.selftest("grid_y", torch.randn(64), 65535)
+    with pytest.raises(RuntimeError, match="grid .* outside"):
+        sim.selftest("grid_y", torch.randn(64), 65536)
+
+
+def test_dynamic_shared_memory_without_opt_in(sim):
+    x = torch.randn(64)
+    out = sim.selftest("dynamic_copy", x, 48 * 1024 // 4)
+    assert torch.equal(out, x)
+    with pytest.raises(RuntimeError, match="above the 49152 bytes allowed without"):
+        sim.selftest("dynamic_copy", x, 48 * 1024 // 4 + 1)
+
+
+@pytest.mark.parametrize("device, limit", [("h200", 227 * 1024), ("a100", 163 * 1024), ("l4", 99 * 1024)])
+def test_dynamic_shared_memory_opt_in_limit(sim, device, limit):
+    """cudaFuncSetAttribute accepts up to the device's opt-in limit per block, no more."""
+    x = torch.randn(64)
+    with emulator.emulated_device(device):
+        assert torch.equal(sim.selftest("opt_in", x, limit), x)
+        with pytest.raises(RuntimeError, match=f"above the {limit} bytes a block may opt in to"):
+            sim.selftest("opt_in", x, limit + 16)
+
+
+def test_unknown_device_is_an_error(sim):
+    with pytest.raises(ValueError, match="unknown emulated device 'h100x'"):
+        sim.set_device("h100x")
+
+
+# ---- the race flavour's checker
+
+
+@pytest.mark.skipif(not RACE, reason="the race checker runs in the race flavour")
+@pytest.mark.parametrize(
+    "kernel, message",
+    [
+        ("sum_no_barrier", "data race .* shared"),
+        ("global_race", "data race .* global"),
+        ("uninitialised", "uninitialised shared memory"),
+    ],
+)
+def test_races_are_reported(sim, kernel, message):
+    with pytest.raises(RuntimeError, match=message):
+        sim.selftest(kernel, torch.randn(64), 64)
+
+
+@pytest.mark.skipif(not RACE, reason="the race checker runs in the race flavour")
+@pytest.mark.parametrize("kernel", ["sum", "warp_sum", "global_atomic"])
+def test_correct_kernels_have_no_race(sim, kernel):
+    x = torch.randn(64)
+    out = sim.selftest(kernel, x, 64)
+    if kernel == "global_atomic":
+        torch.testing.assert_close(out[0], x.sum(), rtol=1e-5, atol=1e-5)
+
+
+# ---- the bounds flavour (AddressSanitizer + UBSan)
+
+
+@pytest.mark.skipif(not ASAN, reason="bounds checks run in the asan flavour")
+@pytest.mark.parametrize(
+    "kernel, n",
+    [("sum_tail", 50), ("shared_overflow", 64), ("dynamic_copy", 32)],
+)
+def test_out_of_bounds_is_reported(sim, kernel, n):
+    """One past a global buffer (x has exactly n elements), one past a static __shared__ array,
+    and before the start of the dynamic shared buffer (32 floats for 64 threads)."""
+    x = torch.randn(max(n, 64) if kernel != "sum_tail" else n)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        sim.selftest(kernel, x, n)
+
+
+@pytest.mark.skipif(not ASAN, reason="bounds checks run in the asan flavour")
+def test_in_bounds_kernels_are_quiet(sim):
+    x = torch.randn(64)
+    sim.selftest("sum", x, 64)
+    assert torch.equal(sim.selftest("dynamic_copy", x, 64), x)
