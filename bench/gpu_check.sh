@@ -7,9 +7,11 @@
 #      drafting ops included)
 #   4. CPU-vs-CUDA agreement on shared seeds: verify tokens, draft tokens and draft logits
 #   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included)
+#   6. with --with-sim (about 2 more minutes; needs g++ and ninja): the SIMT emulator (csrc/sim/)
+#      against this GPU on the same inputs
 # and print a summary table last. Logs, ptxas report and JSON results go to OUTDIR.
 #
-# Usage: bash bench/gpu_check.sh OUTDIR [--dry-run]
+# Usage: bash bench/gpu_check.sh OUTDIR [--dry-run] [--with-sim]
 #   --dry-run runs everything that needs no GPU (build for sm_90, CPU versions of the checks: the
 #   smoke run and the agreement script comparing the CPU with itself), to catch script errors
 #   before spending GPU time.
@@ -17,7 +19,11 @@ set -uo pipefail
 
 OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR [--dry-run]}
 DRY_RUN=0
-[[ "${2:-}" == "--dry-run" ]] && DRY_RUN=1
+WITH_SIM=0
+for flag in "${@:2}"; do
+  [[ "$flag" == "--dry-run" ]] && DRY_RUN=1
+  [[ "$flag" == "--with-sim" ]] && WITH_SIM=1
+done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 rm -f "$OUT"/*.log "$OUT"/*.json "$OUT"/*.csv "$OUT"/*.txt "$OUT"/*.xml  # no stale results
@@ -83,6 +89,13 @@ if ((build_ok == 0)); then
     run_step bench 130 $PY -m bench
   fi
   cp bench/results/*.json bench/results/*.csv "$OUT/" 2>/dev/null
+  # The emulator's mma.sync, shuffles and launch plans against the hardware's (tensor-core paths
+  # within float32 summation order, verify tokens exactly).
+  if ((WITH_SIM)); then
+    run_step sim_build 150 $PY csrc/sim/build.py plain &&
+      run_step sim_vs_gpu 30 $PY -m pytest python_tests/test_sim_core.py -q -p no:cacheprovider \
+        -k emulation_agrees_with_the_gpu
+  fi
 fi
 
 $PY - "$OUT" <<'EOF'

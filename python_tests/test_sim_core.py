@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import emulator
+from conftest import cuda_only
 
 pytestmark = pytest.mark.sim
 
@@ -247,3 +248,42 @@ def test_in_bounds_kernels_are_quiet(sim):
     x = torch.randn(64)
     sim.selftest("sum", x, 64)
     assert torch.equal(sim.selftest("dynamic_copy", x, 64), x)
+
+
+# ---- the emulation against the hardware (runs only where a GPU is present: bench/gpu_check.sh)
+
+
+@cuda_only
+def test_emulation_agrees_with_the_gpu(sim):
+    """The same inputs through the emulated and the real CUDA kernels: verify tokens exactly, the
+    tensor-core paths (bf16 markov_draft logits, block attention) within float32 rounding of the
+    summation order — the check of the mma.sync emulation that only hardware can make."""
+    gen = torch.Generator().manual_seed(5)
+    B, G, V, r = 3, 4, 1000, 64
+    target = torch.randn(B, G + 1, V, generator=gen)
+    drafts = torch.randint(0, V, (B, G), generator=gen)
+    args = (drafts, torch.full((B,), G, dtype=torch.int32), torch.tensor([1.0, 0.0, 0.7]),
+            torch.arange(B), torch.tensor([3, 9, 27]))
+    emulated = sim.verify(target, *args, None, None, None)
+    real = torch.ops.dspark_ops.verify(target.cuda(), *[a.cuda() for a in args], None, None, None)
+    for e, g in zip(emulated, real):
+        assert torch.equal(e, g.cpu())
+
+    base = torch.randn(B, G, V, generator=gen)
+    w1 = (torch.randn(V, r, generator=gen) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(V, r, generator=gen) * 0.1).to(torch.bfloat16)
+    dargs = (torch.ones(B), torch.arange(B), torch.tensor([1, 2, 3]))
+    anchor = torch.randint(0, V, (B,), generator=gen)
+    e_tokens, e_logits = sim.markov_draft(base, anchor, w1, w2, *dargs)
+    g_tokens, g_logits = torch.ops.dspark_ops.markov_draft(
+        base.cuda(), anchor.cuda(), w1.cuda(), w2.cuda(), *[a.cuda() for a in dargs])
+    torch.testing.assert_close(e_logits, g_logits.cpu(), rtol=1e-5, atol=1e-5)
+
+    q = torch.randn(2, 5, 4, 64, generator=gen).to(torch.bfloat16)
+    kb, vb = (torch.randn(2, 5, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    kc, vc = (torch.randn(2, 300, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([300, 77], dtype=torch.int32)
+    e_out, _ = sim.block_draft_attention(q, kb, vb, kc, vc, lens, None, None, None, False)
+    g_out, _ = torch.ops.dspark_ops.block_draft_attention(
+        q.cuda(), kb.cuda(), vb.cuda(), kc.cuda(), vc.cuda(), lens.cuda(), None, None, None, False)
+    torch.testing.assert_close(e_out.float(), g_out.cpu().float(), rtol=2e-2, atol=2e-2)
