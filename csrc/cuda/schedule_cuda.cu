@@ -35,8 +35,13 @@ void run_schedule(int mode, const at::Tensor& confidence, const at::Tensor* step
   int64_t sort_size = 2;
   while (sort_size < int64_t{p.batch} * p.block) sort_size <<= 1;
   p.sort_size = static_cast<int>(sort_size);
+  // The opt-in limit differs between GPUs (99 KB on A10, L4, RTX; 163 KB on A100): a cheap host
+  // query, made on every call because the current device may change.
+  int shared_optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        c.device().index()));
   at::Tensor workspace;
-  if (sort_size > kernels::kSharedKeys) {
+  if (!kernels::schedule_sorts_in_shared(p.sort_size, shared_optin)) {
     workspace = at::empty({sort_size}, c.options().dtype(at::kLong));
     p.global_keys = reinterpret_cast<uint64_t*>(workspace.data_ptr<int64_t>());
   }
@@ -90,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cuda(
   const auto launch = [&](auto anchor_tag, auto token_tag) {
     using AnchorT = decltype(anchor_tag);
     using TokenT = decltype(token_tag);
-    kernels::pack_verify_inputs_kernel<AnchorT, TokenT><<<1, kernels::kScheduleThreads, 0, stream>>>(
+    DSPARK_LAUNCH(1, kernels::kScheduleThreads, 0, stream,
+                  kernels::pack_verify_inputs_kernel<AnchorT, TokenT>)(
         anchors.const_data_ptr<AnchorT>(), draft_tokens.const_data_ptr<TokenT>(),
         draft_tokens.stride(0), draft_tokens.stride(1), lengths.const_data_ptr<int32_t>(),
         starts.const_data_ptr<int64_t>(), static_cast<int>(batch), static_cast<int>(block),

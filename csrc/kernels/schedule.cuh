@@ -5,8 +5,9 @@
 // microseconds, and no host sync:
 //   1. survivals per request (a thread walks its request's G confidences) -> one 64-bit rank key
 //      per pair, stored at j * B + r;
-//   2. bitonic sort of the keys, in (dynamic) shared memory up to 16384 pairs (B = 1024, G = 16),
-//      else in a global workspace (L2-resident; at most 2^20 pairs are allowed). A full sort is
+//   2. bitonic sort of the keys, in (dynamic) shared memory up to 16384 pairs (B = 1024, G = 16)
+//      where the device's opt-in limit per block allows (8192 on 99 KB GPUs: A10, L4, RTX), else
+//      in a global workspace (L2-resident; at most 2^20 pairs are allowed). A full sort is
 //      simpler than a selection and affordable at these sizes: 4096 keys (B = 256, G = 16) take
 //      78 compare-exchange stages of two pairs per thread, ~30 instructions per warp each, about
 //      10 us on an H200 by instruction count (not yet measured);
@@ -24,6 +25,7 @@
 
 #include "reduce.cuh"
 #include "schedule_math.h"
+#include "launch.cuh"
 
 namespace dspark_ops::kernels {
 
@@ -40,7 +42,7 @@ struct ScheduleParams {
   const int32_t* budget;      // [1], allocate only
   int32_t* num_verify;        // [B], schedule and allocate
   int32_t* budget_out;        // [1], plan
-  uint64_t* global_keys;      // [sort_size] when sort_size > kSharedKeys, else null
+  uint64_t* global_keys;      // [sort_size] unless schedule_sorts_in_shared, else null
   int batch, block;
   int sort_size;  // a power of two >= B * G
 };
@@ -51,6 +53,20 @@ struct PlanCandidate {
   int count;
 };
 
+// The opt-in limit per block covers static and dynamic shared memory together: leave room for
+// schedule_kernel's __shared__ arrays (900 bytes; keep this sum in step with them).
+constexpr int kScheduleStaticSharedMargin = 2048;
+static_assert(32 * (sizeof(int64_t) + sizeof(int) + sizeof(PlanCandidate)) + sizeof(int) <=
+              kScheduleStaticSharedMargin);
+
+// Whether `sort_size` keys are sorted in shared memory on a device whose opt-in limit per block
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin) is `optin_bytes`; else the global workspace.
+inline bool schedule_sorts_in_shared(int sort_size, int optin_bytes) {
+  return sort_size <= kSharedKeys &&
+         int64_t{sort_size} * int64_t{sizeof(uint64_t)} + kScheduleStaticSharedMargin <=
+             int64_t{optin_bytes};
+}
+
 __device__ __forceinline__ PlanCandidate shfl_down(PlanCandidate c, int offset) {
   return PlanCandidate{__shfl_down_sync(kFullMask, c.theta, offset),
                        __shfl_down_sync(kFullMask, c.count, offset)};
@@ -60,11 +76,11 @@ __device__ __forceinline__ PlanCandidate better_plan(PlanCandidate a, PlanCandid
   return b.theta > a.theta || (b.theta == a.theta && b.count < a.count) ? b : a;
 }
 
-// SharedSort: the keys live in dynamic shared memory (sort_size <= kSharedKeys), else in
+// SharedSort: the keys live in dynamic shared memory (schedule_sorts_in_shared), else in
 // p.global_keys; separate instantiations so the shared path compiles to LDS/STS.
 template <int Mode, bool SharedSort>
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const ScheduleParams p) {
-  extern __shared__ uint64_t dynamic_keys[];
+  DSPARK_EXTERN_SHARED(uint64_t, dynamic_keys);
   __shared__ int64_t scan_scratch[32];
   __shared__ int int_scratch[32];
   __shared__ PlanCandidate plan_scratch[32];
@@ -164,13 +180,14 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
 template <int Mode, bool SharedSort>
 cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
   const size_t shared_bytes = SharedSort ? size_t(p.sort_size) * sizeof(uint64_t) : 0;
-  if (SharedSort) {  // beyond the default 48 KB; the opt-in is per device, so set every time
-    const cudaError_t opted_in = cudaFuncSetAttribute(
-        schedule_kernel<Mode, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        kSharedKeys * int{sizeof(uint64_t)});
+  if (SharedSort) {  // beyond the default 48 KB; the opt-in is per device, so set every time,
+                     // to what this sort needs (more than the device allows fails)
+    const cudaError_t opted_in =
+        cudaFuncSetAttribute(schedule_kernel<Mode, true>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
     if (opted_in != cudaSuccess) return opted_in;
   }
-  schedule_kernel<Mode, SharedSort><<<1, kScheduleThreads, shared_bytes, stream>>>(p);
+  DSPARK_LAUNCH(1, kScheduleThreads, shared_bytes, stream, schedule_kernel<Mode, SharedSort>)(p);
   return cudaGetLastError();
 }
 
