@@ -10,7 +10,7 @@ export MAX_JOBS ?= 2
 ASAN_PRELOAD = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-name=libstdc++.so)
 ASAN_OPTIONS_SIM = detect_leaks=0:halt_on_error=0:alloc_dealloc_mismatch=0
 
-.PHONY: bench test test-sim build sim deps info clean
+.PHONY: bench test test-sim sim-coverage build sim deps info clean
 
 bench: build
 	$(PYTHON) -m bench
@@ -24,6 +24,14 @@ test-sim: build
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=race $(PYTHON) -m pytest python_tests -m sim
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan LD_PRELOAD="$(ASAN_PRELOAD)" \
 	  ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) $(PYTHON) -m pytest python_tests -m sim -p no:cacheprovider
+
+# Which lines of the kernels and the CUDA glue the emulated tests execute (gcov, via gcovr).
+sim-coverage: build
+	$(PYTHON) -m pip install -q gcovr
+	$(PYTHON) csrc/sim/build.py coverage
+	find build/sim/coverage -name '*.gcda' -delete
+	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=coverage $(PYTHON) -m pytest python_tests -m sim -q
+	$(PYTHON) -m gcovr -r . --filter 'csrc/kernels/' --filter 'csrc/cuda/' build/sim/coverage
 
 # Incremental in-place build (ninja keeps objects under build/); setup.py picks the flavour.
 build: deps

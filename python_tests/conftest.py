@@ -27,11 +27,16 @@ def pytest_configure(config):
 
 @pytest.fixture
 def sim(request):
-    """torch.ops.dspark_ops_sim, reset for this test (emulated H200, no fault, a seed per test)."""
+    """torch.ops.dspark_ops_sim, reset for this test (emulated H200, no fault, a seed per test).
+    Torch runs single-threaded meanwhile: the emulator is, and the small reference computations
+    beside it only lose time to a thread pool on a busy 2-core machine."""
     from emulator import ops, reset
 
     reset(request.node.nodeid)
-    return ops()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield ops()
+    torch.set_num_threads(threads)
 
 
 def cuda_param(*values, id=None):

@@ -39,7 +39,7 @@ def test_argument_checks_run_on_the_cuda_path(sim):
 @pytest.mark.skipif(not full_tests(), reason="DSPARK_OPS_TEST_FULL=1: 16.7M threads")
 def test_grid_stride_loop(sim):
     """More elements than 65535 blocks of 256 threads: the kernel's grid-stride loop."""
-    rows, count = 2, 65535 * 128 + 5
+    count = 65535 * 128 + 5  # per row, two rows
     seed = torch.tensor([1, 2], dtype=torch.int64)
     position = torch.tensor([3, 4], dtype=torch.int64)
     out = sim.philox_uniform(seed, position, 0, count)

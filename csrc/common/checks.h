@@ -51,7 +51,8 @@ inline void check_device(const char* op, const char* name, const at::Tensor& t,
                     reference.device(), " like '", reference_name, "', got ", t.device());
 }
 
-// True where value checks run: always on CPU, on CUDA only with DSPARK_OPS_DEBUG=1.
+// True where value checks run: always on CPU, on CUDA only with DSPARK_OPS_DEBUG=1 (the SIMT
+// emulator's CPU tensors count as CUDA tensors).
 bool value_checks_enabled(const at::Tensor& t);
 
 // Raises unless every selected element of `values` lies in [low, high]; the message names the

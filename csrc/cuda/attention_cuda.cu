@@ -54,6 +54,8 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
                     a.batch, ", Hkv x row groups = ", a.kv_heads * row_groups, ", L = ", a.length);
   const c10::cuda::CUDAGuard guard(q.device());
   auto [out, lse] = allocate_attention_outputs(a, return_lse);
+  // Nothing to compute (and the split plan below would divide by zero blocks).
+  if (a.batch == 0 || a.block == 0 || a.heads == 0) return {out, lse};
 
   kernels::AttentionParams p{};
   p.q = a.q.const_data_ptr();

@@ -8,7 +8,9 @@ Flavours:
   plain  the emulator alone (barrier, shuffle, mma and launch checks);
   race   kernel code compiled with g++'s -fsanitize=thread instrumentation, whose callbacks
          csrc/sim/race.cpp implements as a barrier-aware race and uninitialised-shared-memory checker;
-  asan   kernel code under AddressSanitizer + UBSan (load with LD_PRELOAD of libasan, see Makefile).
+  asan   kernel code under AddressSanitizer + UBSan (load with LD_PRELOAD of libasan, see Makefile);
+  coverage  plain with gcov instrumentation of the kernel code (make sim-coverage reports the lines
+         of csrc/kernels and csrc/cuda the emulated tests reach).
 Incremental (ninja); MAX_JOBS sets the parallelism.
 """
 
@@ -26,7 +28,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIM = os.path.join(ROOT, "csrc", "sim")
-FLAVOURS = ("plain", "race", "asan")
+FLAVOURS = ("plain", "race", "asan", "coverage")
 
 
 def cuda_include() -> str:
@@ -81,14 +83,16 @@ def build(flavour: str) -> str:
             "-fno-strict-aliasing",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wno-unknown-pragmas", "-Wno-attributes",
             *[f"-I{p}" for p in includes]]
-    flavour_defines = {"plain": [], "race": ["-DDSPARK_SIM_RACE"], "asan": ["-DDSPARK_SIM_ASAN"]}
+    flavour_defines = {"plain": [], "race": ["-DDSPARK_SIM_RACE"], "asan": ["-DDSPARK_SIM_ASAN"],
+                       "coverage": []}
     kernel_flags = {
         "plain": [],
         "race": ["-fsanitize=thread"],
         "asan": ["-fsanitize=address,undefined", "-fsanitize-recover=all",
                  "-fno-sanitize=vptr", "-O1"],
+        "coverage": ["--coverage", "-O0"],
     }[flavour]
-    link_flags = ["-fsanitize=address,undefined"] if flavour == "asan" else []
+    link_flags = {"asan": ["-fsanitize=address,undefined"], "coverage": ["--coverage"]}.get(flavour, [])
 
     # Argument checks and output allocation (csrc/args, csrc/common): not kernel code, built once.
     host_sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "args", "*.cpp")) +
@@ -119,7 +123,7 @@ def build(flavour: str) -> str:
 
     common = os.path.join(ROOT, "build", "sim", "host")
     for s in host_sources:
-        compile_rule(s, os.path.join(common, os.path.basename(s) + ".o"), base)
+        compile_rule(s, os.path.join(common, os.path.basename(s) + ".o"), base + ["-DDSPARK_OPS_SIM=1"])
     for s in runtime_sources:
         compile_rule(s, os.path.join(out, os.path.basename(s) + ".o"), base + flavour_defines[flavour])
     for s in kernel_sources:

@@ -264,7 +264,11 @@ std::string thread_name(const Fiber& f) {
 }
 
 void add_report(const std::string& kind, const std::string& detail, bool fatal) {
-  if (!g_block) return;
+  if (!g_block) {
+    // A sanitizer report from host code (the glue): the next runtime call returns it.
+    set_error(cudaErrorUnknown, "dspark_sim: " + kind + " in host code: " + detail);
+    return;
+  }
   if (g_block->reports.size() < 16) {
     g_block->reports.push_back(kind + " in " + g_block->kernel + ": " + detail);
   }
