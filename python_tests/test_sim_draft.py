@@ -1,0 +1,624 @@
+"""The drafting family's CUDA entry points and kernels (csrc/cuda/draft_cuda.cu,
+csrc/kernels/draft.cuh) run in the SIMT emulator: markov_draft, rnn_draft and draft_confidence
+against the CPU kernel and dspark_ops.reference.
+
+The rule is the one test_draft.py applies to CUDA (float32 accumulation in another order than the
+CPU kernel's float64): draft_logits within ``cuda_tolerance`` of the z the reference computes for
+the emulated op's own drafts, every draft the Gumbel-max winner of its own stored row, and the
+drafts equal to the CPU kernel's and the reference's; a row may part from them only at a slot where
+the two candidates' keys are a float near-tie (then the later slots have other inputs), and up to
+that slot its draft_logits agree within the same tolerance.
+
+Covered: vocabulary tails (V = 1, 2, 17, 100, 8193: partial 128-row tiles and 16-row warp slices),
+ranks 1, 20, 40, 44 (not multiples of 16/32) and 64, G = 1, 2, 7 (32 for small V), B = 1, odd,
+several request groups (B = 65, 130; large ranks that halve the group), float32 weights (CUDA-core
+path) and bfloat16/float16 weights (mma.sync; the RNN head's two-pass split activation), every
+base/hidden dtype, aligned and unaligned W1/W2 rows, mixed greedy/sampled requests, NaN/+-inf base
+logits, int32 anchors and ids, out-of-range ids (zero rows), several tiles per block (V = 151936),
+the emulated A100 and L4, draft_confidence with and without bias and calibration. Planted faults
+(mma_swap_a12, a dropped barrier in draft_slot_kernel, shuffle_off_by_one) are shown to be caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark_ops
+import emulator
+from conftest import full_tests
+from dspark_ops import reference
+from test_draft import (
+    DEBUG,
+    DTYPE_IDS,
+    INF,
+    NAN,
+    DraftCase,
+    assert_sampled_from_stored_logits,
+    bf16_representable,
+    check_output_contract,
+    confidence_logits,
+    cuda_tolerance,
+    draft_keys,
+    generator,
+    is_greedy,
+    make_case,
+    make_confidence_case,
+    make_temperature,
+    peaky_logits,
+    stable_seed,
+    teacher_forced_logits,
+)
+
+pytestmark = pytest.mark.sim
+
+TILE_ROWS = 128  # kTileRows: 8 warps x 16 rows
+MAX_RESIDENT = 8 * 132  # the most draft_slot_kernel blocks any emulated device holds at once
+
+
+# --------------------------------------------------------------------------------------------
+# Running and checking
+# --------------------------------------------------------------------------------------------
+
+
+def run_sim(sim, case: DraftCase) -> dspark_ops.DraftOutput:
+    tokens, logits = case.call(sim)
+    return dspark_ops.DraftOutput(tokens, logits)
+
+
+def sim_tolerance(case: DraftCase, z: torch.Tensor) -> dict:
+    """test_draft.check_against_reference's CUDA tolerance."""
+    full_f32 = case.w1.dtype == torch.float32 and not bf16_representable(case.w1, case.w2)
+    return cuda_tolerance(case, z, 4.0 if full_f32 else 1.0)
+
+
+def near_tie(key_best: float, key_got: float) -> bool:
+    """test_draft's near-tie rule: the two keys within float rounding of each other."""
+    return key_best - key_got <= 1e-4 * (1 + abs(key_best))
+
+
+def assert_same_drafts(case: DraftCase, got, expected, tol: dict, against: str) -> None:
+    """``got`` drafts what ``expected`` does, except that a row may part at a near-tie of
+    ``expected``'s keys; draft_logits agree up to and including that slot."""
+    tokens, want = got.tokens, expected.tokens
+    batch, block = tokens.shape
+    differ = tokens != want
+    diverged = differ.any(1)
+    first = torch.where(diverged, differ.int().argmax(1), block)
+    same_inputs = torch.arange(block)[None, :] <= first[:, None]
+    torch.testing.assert_close(got.draft_logits[same_inputs], expected.draft_logits[same_inputs],
+                               equal_nan=True, **tol,
+                               msg=lambda m: f"draft_logits against {against}: {m}")
+    for b in diverged.nonzero()[:, 0].tolist():
+        j = int(first[b])
+        keys = draft_keys(expected.draft_logits[b:b + 1, j], case.temperature[b:b + 1],
+                          case.seed[b:b + 1], case.position[b:b + 1] + 1 + j)[0]
+        best, theirs = float(keys[want[b, j]]), float(keys[tokens[b, j]])
+        assert near_tie(best, theirs), (
+            f"request {b} slot {j}: emulated CUDA drafted {int(tokens[b, j])} (key {theirs}), "
+            f"{against} {int(want[b, j])} (key {best}); T={float(case.temperature[b])}; "
+            f"tokens {tokens[b].tolist()} vs {want[b].tolist()}")
+    assert int(diverged.sum()) <= max(1, batch // 20), (
+        f"{int(diverged.sum())} of {batch} requests part from {against} at near-ties")
+
+
+def check_draft(sim, case: DraftCase, *, cpu: bool = True):
+    """Runs the emulated CUDA op and checks it against its own teacher-forced logits, its own
+    stored rows, the CPU kernel (unless ``cpu`` is False) and the reference."""
+    got = run_sim(sim, case)
+    check_output_contract(case, got)
+    forced = teacher_forced_logits(case, got.tokens)
+    tol = sim_tolerance(case, forced)
+    torch.testing.assert_close(got.draft_logits, forced, equal_nan=True, **tol)
+    assert_sampled_from_stored_logits(case, got)
+    if cpu:
+        assert_same_drafts(case, got, case.call(), tol, "the CPU kernel")
+    assert_same_drafts(case, got, case.call(reference), tol, "the reference")
+    return got
+
+
+def caught(check) -> str:
+    """How ``check`` failed (a mismatch or an emulator report), or '' if it passed."""
+    try:
+        check()
+    except AssertionError as e:
+        return f"mismatch: {str(e)[:200]}"
+    except RuntimeError as e:
+        assert "dspark_sim" in str(e), e
+        return f"emulator: {str(e)[:200]}"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts of W1 / W2 rows (draft_cuda.cu rows_aligned: 16-byte aligned start and row stride)
+# --------------------------------------------------------------------------------------------
+
+
+def per16(w: torch.Tensor) -> int:
+    return 16 // w.element_size()
+
+
+def w2_aligned(w: torch.Tensor) -> bool:
+    return w.data_ptr() % 16 == 0 and w.stride(0) % per16(w) == 0
+
+
+def row_layout(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """``w`` [V, r] with unit stride along r, in a chosen row layout; gaps hold NaN:
+    ``contiguous``; ``aligned`` (stride r rounded up to 16 bytes: vector loads even when r is not
+    a multiple of 8 or 4); ``offset`` (the rows start one element past a 16-byte boundary);
+    ``padded`` (a row stride that is not a multiple of 16 bytes)."""
+    vocab, rank = w.shape
+    if kind == "contiguous":
+        return w
+    if kind == "offset":
+        storage = torch.full((vocab * rank + 1,), NAN, dtype=w.dtype)
+        out = storage[1:].view(vocab, rank)
+    else:
+        if kind == "aligned":
+            stride = -(-rank // per16(w)) * per16(w)
+        elif kind == "padded":
+            stride = rank + 1 if (rank + 1) % per16(w) else rank + 2
+        else:
+            raise ValueError(kind)
+        out = torch.full((vocab, stride), NAN, dtype=w.dtype)[:, :rank]
+    out.copy_(w)
+    assert w2_aligned(out) == (kind == "aligned" or (kind == "contiguous" and w2_aligned(w)))
+    return out
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """[B, G, ...] stored as [G, B, ...] (batch stride below the slot stride)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# markov_draft
+# --------------------------------------------------------------------------------------------
+
+F32, BF16, F16, I32, I64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
+
+# (B, G, V, r, weights, base dtype, anchor dtype, temperature, W1/W2 layout)
+MARKOV_CASES = [
+    # V = 1 and 2: one partial warp slice; r = 1.
+    (1, 7, 1, 20, "bf16", F32, I64, "sampled", "contiguous"),
+    (3, 7, 2, 1, "f32", BF16, I32, "mixed", "contiguous"),
+    (2, 2, 2, 1, "f16", F16, I64, "mixed", "padded"),
+    # V = 17: warp 0 full, warp 1 one row; odd B.
+    (5, 7, 17, 40, "f16", F16, I64, "mixed", "aligned"),
+    (7, 7, 17, 20, "f32", F32, I32, "greedy", "offset"),
+    # G = 32 with one full group of 64 requests.
+    (64, 32, 17, 64, "bf16", F32, I32, "mixed", "contiguous"),
+    # B = 65 / 130: two and three request groups of 64.
+    (65, 2, 100, 20, "f32", BF16, I64, "mixed", "aligned"),
+    (130, 1, 100, 40, "bf16", F16, I32, "sampled", "offset"),
+    (65, 2, 100, 44, "f16", F32, I64, "mixed", "aligned"),  # aligned rows, a scalar k tail
+    # V = 8193: 65 tiles (the last one row) over 65 blocks per group.
+    (7, 2, 8193, 20, "bf16", F32, I64, "mixed", "padded"),
+    (4, 2, 8193, 64, "f32", BF16, I32, "mixed", "contiguous"),
+    (3, 1, 8193, 40, "f16", F16, I64, "sampled", "contiguous"),
+    (1, 2, 8193, 1, "f32", F16, I32, "greedy", "offset"),
+    # Large ranks: the group halves to 32 (f32 r = 200: 58 KB of inputs at 64 requests).
+    (40, 2, 100, 200, "f32", F32, I64, "mixed", "contiguous"),
+    (33, 1, 300, 400, "bf16", BF16, I32, "mixed", "padded"),
+    (34, 1, 200, 352, "f16", F32, I64, "greedy", "aligned"),
+    # Full-mantissa float32 weights.
+    (9, 3, 500, 20, "f32full", F32, I64, "mixed", "padded"),
+]
+
+
+def _markov_id(c) -> str:
+    batch, block, vocab, rank, weights, base, ids, temperature, layout = c
+    return (f"B{batch}-G{block}-V{vocab}-r{rank}-w{weights}-{DTYPE_IDS[base]}-{DTYPE_IDS[ids]}"
+            f"-{temperature}-{layout}")
+
+
+def markov_case(params) -> DraftCase:
+    batch, block, vocab, rank, weights, base, ids, temperature, layout = params
+    case = make_case(batch, block, vocab, rank, seed=stable_seed("sim", params), weights=weights,
+                     base_dtype=base, anchor_dtype=ids, temperature=temperature)
+    return case.replace(w1=row_layout(case.w1, layout), w2=row_layout(case.w2, layout))
+
+
+@pytest.mark.parametrize("params", MARKOV_CASES, ids=[_markov_id(c) for c in MARKOV_CASES])
+def test_markov_draft_matches_cpu_and_reference(sim, params):
+    """markov_draft on the emulated H200: the drafts of the CPU kernel and the reference (up to
+    float near-ties), draft_logits within the CUDA tolerance, over vocabulary tails, ranks, group
+    counts, every weight/base/id dtype and aligned and unaligned W2 rows."""
+    case = markov_case(params)
+    out = check_draft(sim, case)
+    batch, block, vocab = case.base_logits.shape
+    if batch * block >= 60 and vocab > 2 and not is_greedy(case.temperature).all():
+        assert (out.tokens != out.draft_logits.argmax(-1)).any()  # really sampled
+
+
+def _markov_full():
+    if not full_tests():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
+    params, i = [], 0
+    for vocab in (1, 2, 17, 100, 8193):
+        for block in (1, 7, 32):
+            for rank in (1, 20, 40, 64):
+                for weights in ("f32", "bf16", "f16"):
+                    base = (F32, BF16, F16)[i % 3]
+                    ids = (I64, I32)[i % 2]
+                    layout = ("contiguous", "aligned", "offset", "padded")[i % 4]
+                    i += 1
+                    batch = 3 if vocab == 8193 else 65
+                    c = (batch, block, vocab, rank, weights, base, ids, "mixed", layout)
+                    params.append(pytest.param(c, id=_markov_id(c)))
+    return params
+
+
+@pytest.mark.parametrize("params", _markov_full())
+def test_markov_draft_full_sweep(sim, params):
+    """The long sweep (DSPARK_OPS_TEST_FULL=1): every V x G x r x weight dtype."""
+    check_draft(sim, markov_case(params))
+
+
+def test_unaligned_rows_give_the_same_results(sim):
+    """W2 rows read with 16-byte vector loads (aligned) and element by element (odd offset,
+    padded stride), and a transposed base: the emulated op's outputs are bit-identical, for
+    the CUDA-core and the tensor-core path."""
+    for weights, rank in (("f32", 20), ("bf16", 40), ("f16", 44)):
+        case = make_case(9, 3, 300, rank, seed=stable_seed("layouts", weights), weights=weights,
+                         base_dtype=BF16)
+        aligned = case.replace(w1=row_layout(case.w1, "aligned"),
+                               w2=row_layout(case.w2, "aligned"))
+        out = check_draft(sim, aligned)
+        for kind in ("offset", "padded"):
+            other = case.replace(w1=row_layout(case.w1, kind), w2=row_layout(case.w2, kind),
+                                 base_logits=transposed(case.base_logits))
+            assert not w2_aligned(other.w2)
+            got = run_sim(sim, other)
+            assert torch.equal(got.tokens, out.tokens), (weights, kind)
+            assert torch.equal(got.draft_logits, out.draft_logits), (weights, kind)
+
+
+def test_several_tiles_per_block(sim):
+    """V = 151936: 1187 tiles of 128 rows, more than the blocks the occupancy plan launches per
+    group on any emulated device (at most 8 x 132), so blocks walk two tiles and carry their
+    best keys (and the key-bound skip) from one tile to the next; greedy and sampled requests."""
+    vocab = 151936
+    assert -(-vocab // TILE_ROWS) > MAX_RESIDENT
+    gen = generator(201)
+    case = make_case(2, 1, vocab, 20, seed=202, weights="bf16",
+                     temperature=torch.tensor([0.0, 0.9]))
+    # Each request's winner in a tile that some block takes second (beyond tile MAX_RESIDENT).
+    winners = MAX_RESIDENT * TILE_ROWS + torch.randint(0, vocab - MAX_RESIDENT * TILE_ROWS, (2,),
+                                                       generator=gen)
+    case.base_logits[torch.arange(2), 0, winners] += 30.0
+    out = check_draft(sim, case)
+    assert torch.equal(out.tokens[:, 0], winners)
+    if full_tests():
+        check_draft(sim, make_case(3, 2, vocab, 64, seed=203, weights="f32", base_dtype=F16))
+
+
+def test_greedy_ties_across_warps_and_blocks(sim):
+    """Integer logits and zero W1: z = base exactly and ties everywhere; greedy requests take the
+    lowest tied id although tied candidates come from different warps and blocks."""
+    batch, block, vocab = 6, 2, 2000
+    gen = generator(204)
+    base = torch.randint(0, 3, (batch, block, vocab), generator=gen).float()
+    for weights in (F32, BF16):
+        case = DraftCase(base, torch.randint(0, vocab, (batch,), generator=gen),
+                         torch.zeros(vocab, 8, dtype=weights),
+                         torch.randn(vocab, 8, generator=gen).to(weights), torch.zeros(batch),
+                         torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+                         torch.randint(0, 2**40, (batch,), generator=gen))
+        out = check_draft(sim, case)
+        assert torch.equal(out.draft_logits, base)
+        assert torch.equal(out.tokens, (base == base.amax(-1, keepdim=True)).int().argmax(-1))
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_non_finite_base_logits(sim, head):
+    """NaN and +-inf base logits (also at each row's would-be winners, and whole slots without a
+    finite logit): never drafted, a dead slot drafts 0, draft_logits carry them through."""
+    batch, block, vocab = 12, 4, 300
+    case = make_case(batch, block, vocab, 20, seed=stable_seed("sim-nonfinite", head), head=head,
+                     weights="bf16" if head == "markov" else "f32", temperature="mixed")
+    gen = generator(205)
+    base = case.base_logits.clone()
+    poison = torch.rand(base.shape, generator=gen)
+    base[poison < 0.3] = NAN
+    base[(poison >= 0.3) & (poison < 0.33)] = INF
+    base[(poison >= 0.33) & (poison < 0.36)] = -INF
+    top = case.base_logits.topk(2, dim=-1).indices
+    base[torch.arange(batch)[:, None, None], torch.arange(block)[None, :, None], top] = \
+        torch.tensor([NAN, INF])
+    dead = torch.zeros(batch, block, dtype=torch.bool)
+    dead[[1, 4, 7], [0, 2, 3]] = True
+    kinds = torch.tensor([NAN, -INF, INF])[torch.arange(vocab) % 3]
+    for n, (b, j) in enumerate(dead.nonzero().tolist()):
+        base[b, j] = [torch.full((vocab,), NAN), torch.full((vocab,), -INF), kinds][n]
+    case = case.replace(base_logits=base)
+    out = check_draft(sim, case)
+    z = out.draft_logits
+    assert torch.equal(torch.isnan(z), torch.isnan(base))
+    assert torch.equal(z == INF, base == INF) and torch.equal(z == -INF, base == -INF)
+    assert torch.isfinite(z).gather(-1, out.tokens[..., None])[..., 0][~dead].all()
+    assert (out.tokens[dead] == 0).all()
+
+
+def test_keys_overflowing_float32(sim):
+    """Finite z whose key z / T overflows: -inf keys never win, +inf keys beat everything (ties
+    to the lowest id), a row of -inf keys drafts 0 (test_draft's literal case)."""
+    vocab = 40
+    base = torch.full((6, 1, vocab), -3e38)
+    base[0, 0, 0] = NAN
+    base[2, 0, 7] = -1e38
+    base[3, 0, [5, 9]] = 3e38
+    base[3, 0, 6] = 3.2e38
+    base[4, 0, :5] = NAN
+    base[5, 0, 0] = NAN
+    case = DraftCase(base, torch.zeros(6, dtype=I64), torch.zeros(vocab, 4), torch.zeros(vocab, 4),
+                     torch.tensor([0.5, 0.5, 0.5, 0.5, 0.25, 0.0]), torch.arange(6) * 7919,
+                     torch.arange(6) * 1000)
+    out = check_draft(sim, case)
+    assert out.tokens[:, 0].tolist() == [0, 0, 7, 5, 0, 1]
+
+
+@pytest.mark.parametrize("device", ["a100", "l4"])
+def test_other_emulated_devices(sim, device):
+    """The same checks on the emulated A100 and L4 (compute capability 8.x, so the 16-bit
+    tensor-core path is allowed; their launch limits), with halved groups of the largest
+    per-block inputs (just under the 44 KB budget) and the RNN head's two input planes. (The
+    glue caches the SM count and the occupancy per process, so the grid plan may be the first
+    emulated device's.)"""
+    cases = [
+        # f32 r = 172: 64 x 176 x 4 bytes > 44 KB, so groups of 32 (two here).
+        make_case(33, 2, 300, 172, seed=stable_seed("dev", device, 0), weights="f32",
+                  base_dtype=F16),
+        # bf16 r = 352: 64 x 416 x 2 bytes > 44 KB, so groups of 32.
+        make_case(33, 2, 300, 352, seed=stable_seed("dev", device, 1), weights="bf16",
+                  base_dtype=BF16, anchor_dtype=I32),
+        make_case(65, 2, 100, 40, seed=stable_seed("dev", device, 2), weights="f16",
+                  head="rnn"),
+        make_case(9, 3, 200, 20, seed=stable_seed("dev", device, 3), weights="f32",
+                  head="rnn", base_dtype=BF16),
+    ]
+    conf = make_confidence_case(9, 3, 200, 40, 40, seed=stable_seed("dev-conf", device),
+                                w1_dtype=BF16)
+    with emulator.emulated_device(device):
+        assert sim.device_name() == device
+        for case in cases:
+            check_draft(sim, case)
+        torch.testing.assert_close(conf.call(sim), conf.call(reference), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(DEBUG, reason="DSPARK_OPS_DEBUG=1 turns the value checks on")
+@pytest.mark.parametrize("op", ["markov", "rnn", "confidence"])
+def test_out_of_range_ids_embed_as_zero_rows(sim, op):
+    """Without DSPARK_OPS_DEBUG the CUDA glue does not check id values (nor does the emulator's):
+    an anchor (or a prev_token) outside [0, V), also as int32, embeds as a zero row and is never
+    an address; the drafts stay inside [0, V)."""
+    if op == "confidence":
+        for ids, junk in ((I32, [-1, 300, 2**31 - 1, -(2**31)]), (I64, [-1, 300, 2**40, -(2**40)])):
+            case = make_confidence_case(8, 4, 300, 40, 8, seed=206, ids_dtype=ids)
+            case.prev_tokens[:, 1] = torch.tensor(junk, dtype=ids).repeat(2)
+            got = case.call(sim)
+            torch.testing.assert_close(got, case.call(reference), rtol=1e-5, atol=1e-6)
+        return
+    case = make_case(8, 3, 500, 20, seed=stable_seed("oor", op), head=op, weights="bf16")
+    case.anchor = torch.tensor([-1, 500, 2**40, -(2**40), 3, 7, 2**33, 499])
+    check_draft(sim, case, cpu=False)
+    narrow = case.replace(anchor=torch.tensor([-1, 500, 2**31 - 1, -(2**31)] * 2, dtype=I32))
+    out = check_draft(sim, narrow, cpu=False)
+    if op == "markov":  # slot 0 unbiased
+        torch.testing.assert_close(out.draft_logits[:4, 0], case.base_logits[:4, 0], rtol=0,
+                                   atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# rnn_draft
+# --------------------------------------------------------------------------------------------
+
+# (B, G, V, r, d, weights, base dtype, hidden dtype, anchor dtype, layout)
+RNN_CASES = [
+    (1, 2, 2, 1, 7, "f32", F32, F32, I64, "contiguous"),
+    (8, 7, 100, 20, 16, "f32", F32, BF16, I64, "aligned"),
+    (5, 4, 1000, 40, 24, "bf16", BF16, F16, I32, "offset"),
+    (3, 3, 17, 64, 33, "f16", F16, F32, I64, "padded"),
+    (65, 2, 17, 8, 16, "bf16", F32, F32, I32, "contiguous"),
+    (2, 2, 8193, 20, 16, "f16", BF16, BF16, I64, "contiguous"),
+    # r = 130, 16-bit: two input planes of 64 x 224 x 2 bytes exceed 44 KB, so groups of 32.
+    (33, 2, 100, 130, 16, "bf16", F16, BF16, I64, "aligned"),
+    (33, 1, 50, 130, 8, "f16", BF16, F32, I32, "offset"),
+    # f32 r = 172: 64 x 176 x 4 bytes > 44 KB (one input plane), so groups of 32.
+    (34, 1, 50, 172, 8, "f32", F32, F16, I64, "padded"),
+    (9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
+]
+
+
+def _rnn_id(c) -> str:
+    batch, block, vocab, rank, d, weights, base, hidden, ids, layout = c
+    return (f"B{batch}-G{block}-V{vocab}-r{rank}-d{d}-w{weights}-{DTYPE_IDS[base]}"
+            f"-h{DTYPE_IDS[hidden]}-{DTYPE_IDS[ids]}-{layout}")
+
+
+def rnn_case(params) -> DraftCase:
+    batch, block, vocab, rank, d, weights, base, hidden, ids, layout = params
+    case = make_case(batch, block, vocab, rank, seed=stable_seed("sim-rnn", params),
+                     weights=weights, base_dtype=base, anchor_dtype=ids, head="rnn",
+                     hidden_size=d)
+    return case.replace(hidden=case.hidden.to(hidden), w1=row_layout(case.w1, layout),
+                        w2=row_layout(case.w2, layout))
+
+
+@pytest.mark.parametrize("params", RNN_CASES, ids=[_rnn_id(c) for c in RNN_CASES])
+def test_rnn_draft_matches_cpu_and_reference(sim, params):
+    """rnn_draft (rnn_head_kernel + draft_slot_kernel per slot, the state advanced by the slot
+    kernel): the CPU kernel's and the reference's drafts, z within the CUDA tolerance, for float32
+    weights and the 16-bit two-pass split activation, across slots, groups and layouts."""
+    check_draft(sim, rnn_case(params))
+
+
+def _rnn_full():
+    if not full_tests():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
+    params, i = [], 0
+    for vocab in (2, 17, 100, 8193):
+        for block in (1, 7, 32):
+            for rank in (1, 20, 64):
+                for weights in ("f32", "bf16", "f16"):
+                    base, hidden = (F32, BF16, F16)[i % 3], (F32, BF16, F16)[i // 3 % 3]
+                    layout = ("contiguous", "aligned", "offset", "padded")[i % 4]
+                    i += 1
+                    batch = 2 if vocab == 8193 else 9
+                    c = (batch, block, vocab, rank, 16, weights, base, hidden, (I64, I32)[i % 2],
+                         layout)
+                    params.append(pytest.param(c, id=_rnn_id(c)))
+    return params
+
+
+@pytest.mark.parametrize("params", _rnn_full())
+def test_rnn_draft_full_sweep(sim, params):
+    """The long sweep (DSPARK_OPS_TEST_FULL=1): every V x G x r x weight dtype of the RNN head."""
+    check_draft(sim, rnn_case(params))
+
+
+def test_rnn_state_update_is_after_the_bias(sim):
+    """o = s_j and constant gate/candidate: slot j's bias is W2 . tanh(s_j) from the state before
+    its update (slot 0 unbiased), and s advances sig(g) s + (1 - sig(g)) tanh(c) slot by slot."""
+    batch, block, vocab, rank, hidden_size = 4, 6, 200, 8, 16
+    gen = generator(208)
+    g, c = 0.4, 1.2
+    joint_weight = torch.zeros(3 * rank, 2 * rank + hidden_size)
+    joint_weight[2 * rank:, :rank] = torch.eye(rank)
+    joint_bias = torch.cat([torch.full((rank,), g), torch.linspace(-c, c, rank),
+                            torch.zeros(rank)])
+    w2 = torch.randn(vocab, rank, generator=gen)
+    for weights in (F32, BF16):
+        case = DraftCase(
+            peaky_logits((batch, block), vocab, gen),
+            torch.randint(0, vocab, (batch,), generator=gen),
+            torch.randn(vocab, rank, generator=gen).to(weights), w2.to(weights),
+            make_temperature("mixed", batch, gen),
+            torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+            torch.randint(0, 2**40, (batch,), generator=gen),
+            hidden=torch.randn(batch, block, hidden_size, generator=gen),
+            joint_weight=joint_weight.to(weights), joint_bias=joint_bias.to(weights))
+        out = check_draft(sim, case)
+        gate = torch.sigmoid(joint_bias[:rank].to(weights).double())
+        cand = torch.tanh(joint_bias[rank:2 * rank].to(weights).double())
+        state, expected = torch.zeros(rank, dtype=torch.float64), []
+        for j in range(block):
+            expected.append(case.base_logits[:, j].double() + w2.to(weights).double()
+                            @ torch.tanh(state))
+            state = gate * state + (1 - gate) * cand
+        expected = torch.stack(expected, 1).float()
+        torch.testing.assert_close(out.draft_logits, expected, **cuda_tolerance(case, expected))
+        torch.testing.assert_close(out.draft_logits[:, 0], case.base_logits[:, 0], rtol=0,
+                                   atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# draft_confidence
+# --------------------------------------------------------------------------------------------
+
+# (B, G, V, r, d, hidden dtype, w1 dtype, weight dtype, bias, calib, ids dtype)
+CONFIDENCE_CASES = [
+    (1, 1, 1, 1, 1, F32, F32, F32, False, False, I64),
+    (3, 16, 2, 8, 7, BF16, F16, F32, True, False, I32),
+    (16, 7, 1000, 40, 64, F16, BF16, BF16, True, True, I64),
+    (5, 3, 50, 100, 33, F32, F32, F16, False, True, I32),
+    (9, 2, 300, 20, 130, BF16, F32, F32, True, True, I32),
+]
+
+
+@pytest.mark.parametrize("params", CONFIDENCE_CASES,
+                         ids=lambda c: "B{}-G{}-V{}-r{}-d{}".format(*c[:5]) + (
+                             f"-h{DTYPE_IDS[c[5]]}-w1{DTYPE_IDS[c[6]]}-w{DTYPE_IDS[c[7]]}"
+                             f"{'-bias' if c[8] else ''}{'-calib' if c[9] else ''}"
+                             f"-{DTYPE_IDS[c[10]]}"))
+def test_draft_confidence_matches_cpu_and_reference(sim, params):
+    """draft_confidence (one warp per row, lane-strided dot product and a shuffle reduction)
+    within test_draft's tolerances of the reference, the float64 logit and the CPU kernel, with
+    and without bias and calibration, hidden/rank below and above 32 lanes, int32/int64 ids."""
+    batch, block, vocab, rank, d, hidden, w1, weight, bias, calib, ids = params
+    case = make_confidence_case(batch, block, vocab, rank, d, seed=stable_seed("sim-conf", params),
+                                hidden_dtype=hidden, w1_dtype=w1, weight_dtype=weight, bias=bias,
+                                calib=calib, ids_dtype=ids)
+    if rank > 8:
+        case.w1 = row_layout(case.w1, "padded")
+    got = case.call(sim)
+    assert got.dtype == torch.float32 and got.shape == (batch, block)
+    assert ((got >= 0) & (got <= 1)).all()
+    torch.testing.assert_close(got, case.call(reference), rtol=1e-5, atol=1e-6)
+    tau = 1.0 if case.calib_temperature is None else case.calib_temperature
+    torch.testing.assert_close(got, torch.sigmoid(confidence_logits(case) / tau), rtol=1e-5,
+                               atol=1e-6)
+    torch.testing.assert_close(got, case.call(), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Launches and planted faults
+# --------------------------------------------------------------------------------------------
+
+
+def test_launches(sim):
+    """G launches of draft_slot_kernel per markov_draft call, G rnn_head_kernel + G
+    draft_slot_kernel per rnn_draft call, one draft_confidence_kernel; one instantiation per
+    weight dtype and head."""
+    sim.clear_launch_log()
+    for weights in ("f32", "bf16", "f16"):
+        run_sim(sim, make_case(3, 3, 50, 8, seed=209, weights=weights))
+        run_sim(sim, make_case(3, 2, 50, 8, seed=210, weights=weights, head="rnn"))
+        dtype = {"f32": F32, "bf16": BF16, "f16": F16}[weights]
+        make_confidence_case(3, 2, 50, 8, 8, seed=211, w1_dtype=dtype).call(sim)
+    expected = {}
+    for w in ("float", "__nv_bfloat16", "__half"):
+        expected[f"draft_slot_kernel<{w}, false>"] = 3
+        expected[f"draft_slot_kernel<{w}, true>"] = 2
+        expected[f"rnn_head_kernel<{w}>"] = 2
+        expected[f"draft_confidence_kernel<{w}>"] = 1
+    got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
+    assert got == expected
+
+
+def _fault_cases():
+    return {
+        "markov-bf16": make_case(16, 3, 600, 40, seed=212, weights="bf16"),
+        "markov-f16": make_case(16, 3, 600, 40, seed=213, weights="f16"),
+        "markov-f32": make_case(16, 3, 600, 40, seed=214, weights="f32"),
+        "rnn-bf16": make_case(8, 2, 300, 40, seed=215, weights="bf16", head="rnn"),
+    }
+
+
+def test_mma_swap_a12_breaks_the_tensor_core_path(sim):
+    """mma.sync taking A registers 1 and 2 swapped (rows g+8 and columns 8.. exchanged) breaks
+    the bf16/fp16 paths (the Markov head and the RNN head's split activation), and only them: the
+    float32 CUDA-core path never issues mma.sync and still passes."""
+    cases = _fault_cases()
+    for name, case in cases.items():
+        check_draft(sim, case)  # the unbroken kernel passes
+    with emulator.planted("mma_swap_a12"):
+        for name in ("markov-bf16", "markov-f16", "rnn-bf16"):
+            assert caught(lambda: check_draft(sim, cases[name])), name
+        check_draft(sim, cases["markov-f32"])
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_dropped_barrier_is_caught(sim, weights):
+    """Without the __syncthreads that ends draft_slot_kernel's tile walk, a thread publishes its
+    request's block maximum before other warps have folded their rows in: wrong drafts (and, in
+    the race flavour, a reported race)."""
+    site = emulator.barrier_site("draft.cuh", "tile_epilogue(p, row0, first, members, nt")
+    case = make_case(64, 3, 1024, 20, seed=stable_seed("barrier", weights), weights=weights,
+                     temperature="mixed")
+    check_draft(sim, case)
+    with emulator.planted(f"drop_barrier:{site}"):
+        assert caught(lambda: check_draft(sim, case))
+
+
+def test_shuffle_off_by_one_is_caught(sim):
+    """Shuffles reading the next lane break the Philox word trade and the key reductions of
+    draft_slot_kernel, rnn_head_kernel's row sums and draft_confidence's warp sum."""
+    cases = _fault_cases()
+    conf = make_confidence_case(8, 3, 200, 40, 64, seed=216)
+    with emulator.planted("shuffle_off_by_one"):
+        for name in ("markov-f32", "markov-bf16", "rnn-bf16"):
+            assert caught(lambda: check_draft(sim, cases[name])), name
+        expected = conf.call(reference)
+        assert caught(lambda: torch.testing.assert_close(conf.call(sim), expected, rtol=1e-5,
+                                                         atol=1e-6))

@@ -1,0 +1,699 @@
+"""The verify family's CUDA entry point and kernels (csrc/cuda/verify_cuda.cu,
+csrc/kernels/verify.cuh, reduce.cuh) run in the SIMT emulator, against the CPU kernel and
+dspark_ops.reference.
+
+The rule is the one test_verify.py applies to CUDA: tokens, num_accepted and valid equal the CPU
+kernel's and the reference's exactly (the sums are merged in another order, but every case here is
+away from float near-ties, as the CUDA tests' are).
+
+Covered: vocabulary tails (V = 1, 2, 17, 100, 8193), G = 1, 7, 32, B = 1 and odd, several
+vocabulary chunks per request (V = 8193 at small B: 9 chunks, so the last-block merges of the row
+statistics and of the race and the arrival counters run), padded [B, G+1, V] and ragged
+``target_start`` layouts (shuffled, junk rows, shared rows, stride-0 draft broadcast), rows whose
+start is not 16-byte aligned (odd V in 16-bit types, f32 V = 17 / 8193, rows offset by one
+element, padded slices: the scalar loads) against aligned rows (the 16-byte vector loads), every
+(target, draft) dtype pair (all 18 kernel instantiations), int32 and int64 draft ids, one-hot
+drafts and draft logits, draft temperatures other than T and greedy ones, early rejection, full
+acceptance with the bonus row, greedy and sampled requests in one call, NaN and +-inf logits, rows
+without a finite logit (target and draft) or with one in a single chunk, num_draft = 0, the
+residual-mass fallback (race over p), and the emulated A100 and L4 with grid plans other than the
+H200's (checked through the workspace size the glue allocates; each in a fresh process, see
+test_other_emulated_devices). Planted faults (a dropped barrier in block_reduce,
+shuffle_off_by_one) are shown to be caught.
+
+Values the CUDA glue does not check (out-of-range draft ids, num_draft outside [0, G],
+target_start outside the rows) reach the kernels as on CUDA without DSPARK_OPS_DEBUG.
+
+Not reachable here: the emulated devices' grid plans in a process that already ran verify on
+another one (the SM count and the occupancy are cached; a strict xfail says where). The
+published-rejection polling (blocks abandoning a row another block
+rejected) cannot run either: the emulator runs blocks one at a time, so a request's rows are all
+decided by its last block, after the others have finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import emulator
+from conftest import full_tests, non_contiguous
+from dspark_ops import reference
+from test_verify import (
+    BAD_ROWS,
+    INF,
+    NAN,
+    Case,
+    _certain_accepts,
+    assert_same_outputs,
+    check_output_contract,
+    distinct_tokens,
+    finite_or_neg_inf,
+    generator,
+    greedy_expectation,
+    is_greedy,
+    make_case,
+    one_hot_logits,
+    padded_rows,
+    peaky_logits,
+    sample_drafts,
+    stable_seed,
+    to_ragged,
+)
+
+pytestmark = pytest.mark.sim
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+I32, I64 = torch.int32, torch.int64
+CUDA_TYPE = {F32: "float", BF16: "__nv_bfloat16", F16: "__half"}
+
+
+# --------------------------------------------------------------------------------------------
+# Running and comparing
+# --------------------------------------------------------------------------------------------
+
+
+def _positional(op):
+    def call(target, drafts, n, temperature, seed, position, *, draft_logits=None,
+             target_start=None, draft_temperature=None):
+        return reference.VerifyOutput(*op(target, drafts, n, temperature, seed, position,
+                                          draft_logits, target_start, draft_temperature))
+    return call
+
+
+def check(sim, case: Case, *, cpu: bool = True) -> reference.VerifyOutput:
+    """Runs the emulated CUDA op; checks the output contract and exact equality with the
+    reference and (unless ``cpu`` is False) the CPU kernel. Returns the emulated outputs."""
+    got = case.call(_positional(sim.verify))
+    check_output_contract(case, got)
+    assert_same_outputs(got, case.call(reference.verify), case)
+    if cpu:
+        assert_same_outputs(got, case.call(_positional(torch.ops.dspark_ops.verify)), case)
+    return got
+
+
+def caught(run) -> str:
+    """How ``run`` failed (a mismatch or an emulator report), or '' if it passed."""
+    try:
+        run()
+    except AssertionError as e:
+        return f"mismatch: {str(e)[:300]}"
+    except RuntimeError as e:
+        assert "dspark_sim" in str(e), e
+        return f"emulator: {str(e)[:300]}"
+    return ""
+
+
+def randoms(batch: int, gen: torch.Generator):
+    """Seeds and positions (the latter across the 2^32 boundary of the counter words)."""
+    return (torch.randint(-(2**62), 2**62, (batch,), generator=gen),
+            torch.randint(0, 2**33, (batch,), generator=gen))
+
+
+# --------------------------------------------------------------------------------------------
+# The grid plan (verify_cuda.cu): C = clamp(resident / B, 1, ceil(V / 1024)) chunks
+# --------------------------------------------------------------------------------------------
+
+# csrc/sim/runtime.cpp kDevices: SMs, threads per SM, blocks per SM.
+DEVICE_SPECS = {"h200": (132, 2048, 32), "a100": (108, 2048, 32), "l4": (58, 1536, 24)}
+
+
+def expected_chunks(device: str, batch: int, vocab: int) -> int:
+    sms, threads, blocks = DEVICE_SPECS[device]
+    resident = min(threads // 256, blocks) * sms  # 256 threads, no dynamic shared memory
+    chunks = min(max(resident // batch, 1), -(-vocab // 1024))
+    chunk = -(-(-(-vocab // chunks)) // 16) * 16
+    return -(-vocab // chunk)
+
+
+def workspace_bytes(batch: int, block: int, chunks: int) -> int:
+    """RowPartial (24 bytes) [B, G+1, C], RowResult (28) [B, G+1], RacePartial (12) [B, C]."""
+    r16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    rows = batch * (block + 1)
+    return r16(24 * rows * chunks) + r16(28 * rows) + r16(12 * batch * chunks)
+
+
+def observed_workspace(run) -> int:
+    """Bytes of the uint8 workspace the op allocates while ``run`` runs (the grid plan's C)."""
+    import torch.autograd.profiler as profiler
+
+    with profiler.profile(use_kineto=False, record_shapes=True) as prof:
+        run()
+    sizes = [e.concrete_inputs[0] for e in prof.function_events
+             if e.name == "aten::empty" and len(e.concrete_inputs) > 1
+             and e.concrete_inputs[1] == 0]  # dtype code 0: torch.uint8
+    assert sizes, "no workspace allocation seen"
+    return int(sizes[-1][0])
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes, modes and draft kinds
+# --------------------------------------------------------------------------------------------
+
+# (id, B, G, V, temperature, draft, target dtype, draft dtype, draft temperature, ids dtype)
+SHAPES = [
+    ("B1-G1-V1", 1, 1, 1, "sampled", "onehot", F32, None, None, I64),
+    ("B3-G7-V2", 3, 7, 2, "mixed", "logits", F32, None, None, I64),
+    ("B5-G32-V17-i32", 5, 32, 17, "mixed", "logits", F32, None, None, I32),
+    ("B3-G7-V100-bf16", 3, 7, 100, "sampled", "onehot", BF16, None, None, I64),
+    ("B9-G7-V100-f16", 9, 7, 100, "mixed", "logits", F16, None, "sampled", I32),
+    ("B1-G7-V8193", 1, 7, 8193, "sampled", "logits", F32, None, None, I64),
+    ("B1-G32-V8193-greedy", 1, 32, 8193, "greedy", "onehot", BF16, None, None, I64),
+    ("B3-G7-V8193-f16-bf16", 3, 7, 8193, "mixed", "logits", F16, BF16, "sampled", I64),
+    ("B7-G1-V8193-bf16-f32", 7, 1, 8193, "mixed", "logits", BF16, F32, None, I32),
+]
+
+
+@pytest.mark.parametrize("params", SHAPES, ids=[s[0] for s in SHAPES])
+def test_matches_cpu_and_reference(sim, params):
+    """Realistic cases (drafts sampled from noisy copies of the target): emulated CUDA equals the
+    CPU kernel and the reference over the vocabulary tails, G, B, dtypes and draft kinds."""
+    name, batch, block, vocab, temperature, draft, dtype, draft_dtype, td, ids = params
+    case = make_case(batch, block, vocab, seed=stable_seed("sim", name), temperature=temperature,
+                     draft=draft, dtype=dtype, draft_dtype=draft_dtype, draft_temperature=td,
+                     token_dtype=ids)
+    check(sim, case)
+
+
+def test_outcomes_cover_rejection_and_bonus(sim):
+    """Over one multi-chunk batch (9 chunks): an early rejection (row 0), a later one, full
+    accepts (a bonus token), and greedy requests that follow the argmax rule literally."""
+    batch, block, vocab = 7, 5, 8193
+    case = make_case(batch, block, vocab, seed=301, temperature="mixed", noise=0.05,
+                     num_draft=torch.tensor([5, 5, 3, 5, 4, 5, 2]))
+    # Forced rejections: request 0 at row 0, request 1 at row 2 (p(draft) = 0 there).
+    target = case.target_logits.clone()
+    for b, j in ((0, 0), (1, 2)):
+        target[b, j, case.draft_tokens[b, j]] = -INF
+    case.target_logits = target
+    out = check(sim, case)
+    accepted, n = out.num_accepted.long(), case.num_draft.long()
+    assert (accepted == 0).any() and ((accepted > 0) & (accepted < n)).any()
+    assert (accepted == n).any()
+    greedy = is_greedy(case.temperature)
+    assert greedy.any() and (~greedy).any()
+    want_accepted, want_token = greedy_expectation(padded_rows(case), case.draft_tokens, n)
+    emitted = out.tokens.gather(1, accepted[:, None])[:, 0]
+    assert torch.equal(accepted[greedy], want_accepted[greedy])
+    assert torch.equal(emitted[greedy], want_token[greedy])
+
+
+def test_logit_dtype_pairs(sim):
+    """Every (target, draft) dtype pair, with draft logits and one-hot drafts, at V = 3001
+    (3 chunks; odd V leaves most 16-bit rows and 3 of 4 float32 rows unaligned): each of the 9
+    instantiations of both kernels runs and agrees."""
+    sim.clear_launch_log()
+    for i, target_dtype in enumerate((F32, BF16, F16)):
+        for k, draft_dtype in enumerate((F32, BF16, F16)):
+            case = make_case(3, 2, 3001, seed=stable_seed("pairs", i, k), temperature="mixed",
+                             dtype=target_dtype, draft_dtype=draft_dtype,
+                             draft_temperature="sampled" if k == 1 else None)
+            check(sim, case)
+        check(sim, make_case(3, 2, 3001, seed=stable_seed("pairs", i), temperature="sampled",
+                             dtype=target_dtype, draft="onehot"))
+    launched = emulator.launches()
+    for target_dtype in (F32, BF16, F16):
+        for draft_dtype in (F32, BF16, F16):
+            pair = f"<{CUDA_TYPE[target_dtype]}, {CUDA_TYPE[draft_dtype]}>"
+            assert launched.get("verify_row_stats_kernel" + pair, 0) >= 1, (pair, launched)
+            assert launched.get("verify_emit_kernel" + pair, 0) >= 1, (pair, launched)
+
+
+@pytest.mark.parametrize("draft", ["logits", "onehot"])
+def test_int32_and_int64_draft_ids(sim, draft):
+    """int32 draft ids give exactly the int64 results (both agree with the references)."""
+    case = make_case(5, 7, 1000, seed=stable_seed("ids", draft), temperature="mixed", draft=draft)
+    wide = check(sim, case)
+    narrow = check(sim, case.replace(draft_tokens=case.draft_tokens.int()))
+    assert_same_outputs(narrow, wide, case)
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts and alignment
+# --------------------------------------------------------------------------------------------
+
+
+def test_layouts(sim):
+    """Padded [B, G+1, V] and ragged target_start (shuffled requests, junk and NaN rows between
+    them) give the same results; shared rows (all requests at target_start 0) with a stride-0
+    broadcast of the draft logits follow the references."""
+    batch, block, vocab = 5, 5, 3000  # 3 chunks
+    case = make_case(batch, block, vocab, seed=311, temperature="mixed")
+    out = check(sim, case)
+    ragged = to_ragged(case, generator(312))
+    assert ragged.target_logits.shape[0] != batch * (block + 1)
+    assert_same_outputs(check(sim, ragged), out, ragged)
+
+    gen = generator(313)
+    target = peaky_logits((block + 1,), vocab, gen)
+    draft_row = target[:block] + 0.5 * torch.randn(block, vocab, generator=gen)
+    temperature = torch.tensor([0.9, 0.0, 1.3, 0.7, 0.9])
+    drafts = sample_drafts(draft_row.expand(batch, block, vocab), temperature, gen)
+    shared = Case(target, drafts, torch.tensor([5, 3, 5, 0, 4], dtype=I32), temperature,
+                  *randoms(batch, gen), draft_logits=draft_row.expand(batch, block, vocab),
+                  target_start=torch.zeros(batch, dtype=I32))
+    assert shared.draft_logits.stride(0) == 0
+    got = check(sim, shared)
+    assert (got.num_accepted > 0).any()
+
+
+def offset_rows(t: torch.Tensor) -> torch.Tensor:
+    """The same values with every row starting one element past a 16-byte boundary (rows of
+    V + 16 bytes' worth of elements, sliced from element 1; the gaps hold NaN)."""
+    per16 = 16 // t.element_size()
+    storage = torch.full((*t.shape[:-1], t.shape[-1] + per16), NAN, dtype=t.dtype)
+    out = storage[..., 1 : t.shape[-1] + 1]
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_unaligned_rows_give_the_same_results(sim, dtype):
+    """V = 1000: every contiguous row starts 16-byte aligned (the 16-byte vector loads of the
+    statistics pass and of the race). Rows offset by one element (scalar loads) in the target,
+    or the draft, and row-padded slices of both (conftest's layout: some rows aligned, most not)
+    give the same results."""
+    batch, block, vocab = 5, 4, 1000
+    case = make_case(batch, block, vocab, seed=stable_seed("align", dtype), temperature="mixed",
+                     dtype=dtype, draft_temperature="sampled")
+    size = case.target_logits.element_size()
+    assert (vocab * size) % 16 == 0 and case.target_logits.data_ptr() % 16 == 0
+    out = check(sim, case)
+    target, draft = offset_rows(case.target_logits), offset_rows(case.draft_logits)
+    starts = lambda t: torch.tensor([t[b, j].data_ptr() % 16 for b in range(batch)  # noqa: E731
+                                     for j in range(t.shape[1])])
+    assert (starts(target) == size).all() and (starts(draft) == size).all()
+    others = [case.replace(target_logits=target), case.replace(draft_logits=draft),
+              case.replace(target_logits=non_contiguous(case.target_logits, "padded"),
+                           draft_logits=non_contiguous(case.draft_logits, "padded"))]
+    for other in others:
+        assert_same_outputs(check(sim, other), out, other)
+    onehot = case.replace(draft_logits=None)
+    assert_same_outputs(check(sim, onehot.replace(target_logits=target)), check(sim, onehot),
+                        onehot)
+
+
+# --------------------------------------------------------------------------------------------
+# Draft temperature, literal outcomes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_temperature", ["sampled", 0.0], ids=["random", "greedy"])
+def test_draft_temperature(sim, draft_temperature):
+    """A draft temperature other than T (random, or greedy: q one-hot on the draft argmax)
+    changes the results, and the emulated op follows the references."""
+    case = make_case(7, 5, 3000, seed=stable_seed("td", draft_temperature), temperature="sampled",
+                     draft_temperature=draft_temperature, noise=0.7)
+    out = check(sim, case)
+    assert (out.num_accepted > 0).any()
+    as_if_t = check(sim, case.replace(draft_temperature=None))
+    differs = (as_if_t.tokens != out.tokens).any(1) | (as_if_t.num_accepted != out.num_accepted)
+    assert differs.any()
+
+
+def test_greedy_draft_rejects_non_argmax_drafts(sim):
+    """T_d = 0: a draft that is not the draft argmax has q(x) = 0 and is rejected at once even
+    where p(x) ~ 1."""
+    batch, block, vocab = 5, 3, 3000
+    case = make_case(batch, block, vocab, seed=321, temperature=1.0, draft_temperature=0.0,
+                     num_draft=block)
+    case.draft_tokens = (finite_or_neg_inf(case.draft_logits).argmax(-1) + 1) % vocab
+    case.target_logits = case.target_logits.clone()
+    rows, j = torch.arange(batch)[:, None], torch.arange(block)[None]
+    case.target_logits[rows, j, case.draft_tokens] = 30.0
+    out = check(sim, case)
+    assert (out.num_accepted == 0).all() and out.valid.all()
+
+
+@pytest.mark.parametrize("draft", ["logits", "onehot"])
+def test_full_accept_and_forced_rejection(sim, draft):
+    """p = q one-hot on the draft at every row: every draft is accepted and the bonus row's token
+    is emitted. Requests with k >= 0 instead get a random row k where p(draft) = 0: rejected
+    there (k = 0: the first row), with the correction from that row. Greedy and sampled
+    requests share the call; V = 8193 spreads each row over 9 chunks."""
+    batch, block, vocab = 5, 7, 8193
+    gen = generator(stable_seed("accept", draft))
+    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    k = torch.tensor([-1, 0, 3, -1, 6])
+    rows = torch.arange(batch)
+    for b in (k >= 0).nonzero()[:, 0].tolist():
+        target[b, k[b]] = peaky_logits((), vocab, gen)
+        target[b, k[b], drafts[b, k[b]]] = -INF
+    temperature = torch.tensor([0.8, 0.0, 1.1, 0.0, 0.6])
+    case = Case(target, drafts, torch.full((batch,), block, dtype=I32), temperature,
+                *randoms(batch, gen), draft_logits=draft_logits if draft == "logits" else None)
+    out = check(sim, case)
+    assert torch.equal(out.num_accepted.long(), torch.where(k >= 0, k, block))
+    assert out.valid.all()
+    full = k < 0
+    assert torch.equal(out.tokens[full, :block], drafts[full])
+    assert torch.equal(out.tokens[full, block], drafts[full, 0])  # the bonus row's only token
+    rejected = ~full
+    emitted = out.tokens[rows, k.clamp_min(0)][rejected]
+    assert (emitted != drafts[rows, k.clamp_min(0)][rejected]).all()
+    argmax = finite_or_neg_inf(target[rows, k.clamp_min(0)]).argmax(-1)
+    greedy = is_greedy(temperature)
+    assert torch.equal(out.tokens[rows, k.clamp_min(0)][rejected & greedy],
+                       argmax[rejected & greedy])
+
+
+def test_residual_without_mass_races_over_target(sim):
+    """A rejected draft whose residual max(p - q, 0) has no mass: the token is drawn from p
+    (the last block races over the whole row). (1) p == q (identical logits, 9 chunks) with a
+    draft outside their support; (2) a greedy draft (T_d = 0) with argmax d, p one-hot on d and a
+    draft x != d: the token is d."""
+    batch, vocab = 3, 8193
+    gen = generator(331)
+    support = torch.rand(batch, vocab, generator=gen) < 0.1
+    support[:, 0] = False
+    logits = torch.where(support, torch.randn(batch, vocab, generator=gen), -INF)
+    outside = (~support).float().multinomial(1, generator=gen)
+    target = torch.stack([logits, torch.randn(batch, vocab, generator=gen)], 1)
+    case = Case(target, outside, torch.ones(batch, dtype=I32), torch.tensor([1.0, 0.6, 1.7]),
+                *randoms(batch, gen), draft_logits=logits[:, None].clone())
+    out = check(sim, case)
+    assert (out.num_accepted == 0).all() and out.valid.all()
+    assert support.gather(1, out.tokens[:, :1]).all()
+    # Not always the argmax: a draw from p, not the greedy token.
+    more = case.replace(seed=case.seed + 1)
+    tokens = torch.stack([out.tokens[:, 0], check(sim, more).tokens[:, 0]])
+    assert (tokens != logits.argmax(-1)).any()
+
+    d, x = distinct_tokens(2, vocab, gen, batch).unbind(1)
+    target = one_hot_logits(d[:, None].expand(batch, 2), vocab, gen=gen)
+    draft_logits = 3 * torch.randn(batch, 1, vocab, generator=gen)
+    draft_logits[torch.arange(batch), 0, d] = 50.0
+    case = Case(target, x[:, None], torch.ones(batch, dtype=I32), torch.ones(batch),
+                *randoms(batch, gen), draft_logits=draft_logits,
+                draft_temperature=torch.zeros(batch))
+    out = check(sim, case)
+    assert (out.num_accepted == 0).all() and out.valid.all()
+    assert torch.equal(out.tokens[:, 0], d)
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_num_draft_zero(sim, layout):
+    """num_draft = 0: only row 0 is read (the others are NaN), the draft ids (garbage, out of
+    range) are ignored."""
+    batch, block, vocab = 5, 4, 8193
+    case = make_case(batch, block, vocab, seed=341, temperature="mixed", num_draft=0)
+    gen = generator(342)
+    case.draft_tokens = torch.randint(-5, vocab + 5, (batch, block), generator=gen)
+    target = case.target_logits.clone()
+    target[:, 1:] = NAN
+    if layout == "padded":
+        case.target_logits = target
+    else:
+        order = torch.randperm(batch, generator=gen)
+        case.target_logits = torch.cat([target[order, 0], torch.full((3, vocab), NAN)])
+        case.target_start = torch.argsort(order).int()
+    out = check(sim, case)
+    assert (out.num_accepted == 0).all() and out.valid.all()
+    greedy = is_greedy(case.temperature)
+    argmax = finite_or_neg_inf(target[:, 0]).argmax(-1)
+    assert torch.equal(out.tokens[:, 0][greedy], argmax[greedy])
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite logits
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["logits", "onehot"])
+def test_non_finite_logits_are_never_emitted(sim, draft):
+    """NaN and +-inf logits count as -inf (also at the drafts' own entries): never accepted,
+    sampled or chosen as argmax; the vector and scalar loads both map them."""
+    batch, block, vocab = 5, 7, 3000
+    case = make_case(batch, block, vocab, seed=stable_seed("nonfinite", draft),
+                     temperature="mixed", noise=0.3, dtype=BF16, draft_dtype=F32)
+    gen = generator(351)
+    target = case.target_logits.clone()
+    poison = torch.rand(target.shape, generator=gen)
+    target[poison < 0.3] = NAN
+    target[(poison >= 0.3) & (poison < 0.33)] = INF
+    target[(poison >= 0.33) & (poison < 0.36)] = -INF
+    on_draft = torch.rand(case.draft_tokens.shape, generator=gen) < 0.6
+    rows, j = torch.arange(batch)[:, None], torch.arange(block)[None]
+    at_drafts = target[rows, j, case.draft_tokens]
+    target[rows, j, case.draft_tokens] = torch.where(on_draft, NAN, at_drafts)
+    draft_logits = case.draft_logits.clone()
+    draft_logits[torch.rand(draft_logits.shape, generator=gen) < 0.2] = NAN
+    draft_logits[rows, j, case.draft_tokens] = case.draft_logits[rows, j, case.draft_tokens]
+    case = case.replace(target_logits=target,
+                        draft_logits=draft_logits if draft == "logits" else None)
+    out = check(sim, case)
+    n = out.num_accepted.long()
+    finite = torch.isfinite(target).gather(-1, out.tokens.clamp_min(0)[..., None])[..., 0]
+    assert finite[torch.arange(block + 1)[None] <= n[:, None]].all()
+    assert out.valid.all()
+
+
+@pytest.mark.parametrize("bad", list(BAD_ROWS))
+def test_target_row_without_finite_logit(sim, bad):
+    """Rows before k are certain accepts; row k (a draft row or the bonus row) has no finite
+    logit in any of its 5 chunks: the op emits 0 there with valid = False."""
+    batch, block, vocab = 5, 6, 4097
+    gen = generator(stable_seed("badtarget", bad))
+    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    k = torch.tensor([0, 6, 3, 2, 5])
+    n = torch.tensor([4, 6, 3, 6, 5], dtype=I32)
+    target[torch.arange(batch), k] = BAD_ROWS[bad]((batch, vocab))
+    temperature = torch.tensor([0.0, 0.9, 1.0, 0.0, 1.4])
+    case = Case(target, drafts, n, temperature, *randoms(batch, gen),
+                draft_logits=draft_logits if bad != "mixed" else None)
+    out = check(sim, case)
+    assert torch.equal(out.num_accepted.long(), k)
+    assert (out.tokens[torch.arange(batch), k] == 0).all() and not out.valid.any()
+
+
+def test_draft_row_without_finite_logit(sim):
+    """A sampled request whose draft row k has no finite logit rejects there with valid = False
+    and still emits an id in [0, V); greedy requests do not read the draft logits (5 chunks)."""
+    batch, block, vocab = 5, 6, 4097
+    gen = generator(361)
+    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    k = torch.tensor([1, 0, 5, 2, 3])
+    rows = torch.arange(batch)
+    target[rows, k] = torch.randn(batch, vocab, generator=gen)
+    draft_logits[rows, k] = torch.tensor([NAN, -INF, INF])[torch.arange(vocab) % 3]
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.2])
+    case = Case(target, drafts, torch.full((batch,), block, dtype=I32), temperature,
+                *randoms(batch, gen), draft_logits=draft_logits)
+    out = check(sim, case)
+    sampled = ~is_greedy(temperature)
+    assert torch.equal(out.num_accepted[sampled].long(), k[sampled])
+    assert not out.valid[sampled].any() and out.valid[~sampled].all()
+
+
+def test_single_finite_logit_in_one_chunk(sim):
+    """Rows whose only finite logit is at 0, in the middle, or at V - 1 (the last chunk's scalar
+    tail): every other chunk's partial is empty (argmax -1) and the merge still finds it; greedy
+    and sampled requests emit it."""
+    batch, vocab = 6, 8193
+    where = torch.tensor([0, vocab - 1, 4100, vocab - 1, 0, 913])
+    target = one_hot_logits(where[:, None], vocab, value=-3.0)
+    gen = generator(371)
+    drafts = torch.where(torch.arange(batch) % 2 == 0, where, (where + 7) % vocab)[:, None]
+    temperature = torch.tensor([0.0, 1.0, 0.5, 0.0, 2.0, 1.0])
+    case = Case(target.reshape(batch * 1, 1, vocab).expand(batch, 2, vocab).contiguous(), drafts,
+                torch.ones(batch, dtype=I32), temperature, *randoms(batch, gen))
+    out = check(sim, case)
+    accepted = out.num_accepted.long()
+    assert torch.equal(accepted, (torch.arange(batch) % 2 == 0).long())
+    assert torch.equal(out.tokens[torch.arange(batch), accepted], where)
+
+
+# --------------------------------------------------------------------------------------------
+# Emulated devices: grid plans other than the H200's
+# --------------------------------------------------------------------------------------------
+
+# (B, G, V, target dtype, draft) per device, the smallest grids where its plan is not the H200's:
+# A100: B = 289 at V = 2049 (at most 3 chunks): H200 1056 / 289 -> 3 chunks, A100 864 / 289 -> 2.
+# L4: B = 175 at V = 1025 (at most 2 chunks): H200 1056 / 175 -> 2, L4 348 / 175 -> 1.
+DEVICE_CASES = {"a100": (289, 1, 2049, F32, "logits"), "l4": (175, 1, 1025, BF16, "onehot"),
+                "h200": (289, 1, 2049, F16, "logits")}
+
+
+def _device_case(device: str) -> Case:
+    batch, block, vocab, dtype, draft = DEVICE_CASES[device]
+    return make_case(batch, block, vocab, seed=stable_seed("device", device), temperature="mixed",
+                     draft=draft, dtype=dtype)
+
+
+def _run_device_case(device: str) -> dict:
+    """In a fresh process: the op on ``device``, its workspace size, agreement with both
+    references. Returns what the test checks."""
+    sim = emulator.ops()
+    emulator.reset(f"test_sim_verify::device::{device}")
+    sim.set_device(device)
+    case = _device_case(device)
+    out = {}
+    seen = observed_workspace(lambda: out.update(got=case.call(_positional(sim.verify))))
+    got = out["got"]
+    check_output_contract(case, got)
+    assert_same_outputs(got, case.call(reference.verify), case)
+    assert_same_outputs(got, case.call(_positional(torch.ops.dspark_ops.verify)), case)
+    accepted = got.num_accepted.long()
+    n = case.num_draft.long()
+    return {"workspace": seen, "rejected": int((accepted < n).sum()),
+            "full": int(((accepted == n) & (n > 0)).sum())}
+
+
+def _in_fresh_processes(devices) -> dict:
+    """Runs _run_device_case for each device in its own process (concurrently): the op caches
+    the SM count and the occupancy for the life of a process (see the xfail below)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([emulator.ROOT, here, env.get("PYTHONPATH", "")])
+    procs = {d: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", d],
+                                 cwd=emulator.ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for d in devices}
+    results = {}
+    for d, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{d}: exit {proc.returncode}\n{stderr[-3000:]}"
+        results[d] = json.loads(stdout.strip().splitlines()[-1])
+    return results
+
+
+def test_other_emulated_devices(sim):
+    """The emulated A100 (108 SMs) splits B = 289 requests of V = 2049 into 2 chunks where the
+    H200 uses 3; the L4 (58 SMs, 1536 threads per SM) B = 175 of V = 1025 into 1 where the H200
+    uses 2 (seen in the workspace the glue sizes). The results match the references exactly."""
+    plans = {d: (expected_chunks(d, *DEVICE_CASES[d][0:1], DEVICE_CASES[d][2]),
+                 expected_chunks("h200", *DEVICE_CASES[d][0:1], DEVICE_CASES[d][2]))
+             for d in DEVICE_CASES}
+    assert plans == {"a100": (2, 3), "l4": (1, 2), "h200": (3, 3)}
+    devices = ["a100", "l4"] + (["h200"] if full_tests() else [])
+    for device, result in _in_fresh_processes(devices).items():
+        batch, block = DEVICE_CASES[device][:2]
+        assert result["workspace"] == workspace_bytes(batch, block, plans[device][0]), device
+        assert result["rejected"] > 0 and result["full"] > 0, (device, result)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "emulator gap for the lead: multiprocessor_count() (csrc/common/cuda_utils.h) and "
+    "verify_blocks_per_sm() (csrc/kernels/verify.cuh) cache their answers in function-local "
+    "statics for the life of the process, so after the first launch set_device() no longer "
+    "changes verify's grid plan (emulated_device('l4') keeps the first device's SM count and "
+    "occupancy)"))
+def test_grid_plan_follows_the_emulated_device(sim):
+    """In one process, the grid plan follows emulated_device(): B = 175 at V = 1025 is 2 chunks
+    on the H200 and 1 on the L4."""
+    batch, block, vocab = 175, 0, 1025
+    gen = generator(381)
+    case = Case(torch.randn(batch, vocab, generator=gen), torch.zeros(batch, 0, dtype=I64),
+                torch.zeros(batch, dtype=I32), torch.zeros(batch), *randoms(batch, gen))
+    seen = {}
+    for device in ("h200", "l4"):
+        with emulator.emulated_device(device):
+            seen[device] = observed_workspace(lambda: case.call(_positional(sim.verify)))
+    assert seen == {d: workspace_bytes(batch, block, expected_chunks(d, batch, vocab))
+                    for d in ("h200", "l4")}
+
+
+# --------------------------------------------------------------------------------------------
+# Values the CUDA glue does not check (without DSPARK_OPS_DEBUG)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["draft-ids", "num_draft", "target_start"])
+def test_unchecked_values(sim, what):
+    """Without DSPARK_OPS_DEBUG the CUDA glue does not check values (nor does the sim build,
+    csrc/common/checks.cpp): out-of-range draft ids, also as int32, are rejected at their row
+    (never an address) with valid = False, as the reference says; num_draft is clamped to
+    [0, G]; a target_start whose rows fall outside target_logits (past the end, negative) makes
+    the first missing row target-invalid (token 0, valid = False)."""
+    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
+        pytest.skip("DSPARK_OPS_DEBUG=1 turns the value checks on")
+    batch, block, vocab = 5, 6, 8193
+    if what == "draft-ids":
+        case = make_case(batch, block, vocab, seed=391, temperature="mixed", num_draft=block)
+        junk = torch.tensor([[-1, 8193, 2**40, -(2**40), 7, 7]])
+        case.draft_tokens = torch.where(torch.eye(batch, block, dtype=torch.bool), junk[:, :1],
+                                        case.draft_tokens)
+        case.draft_tokens[1, 2], case.draft_tokens[3, 0] = vocab, 2**40
+        out = check(sim, case, cpu=False)
+        assert not out.valid.all()
+        narrow = case.replace(draft_tokens=case.draft_tokens.clamp(-(2**31), 2**31 - 1).int())
+        assert_same_outputs(check(sim, narrow, cpu=False), out, case)
+    elif what == "num_draft":
+        case = make_case(batch, block, vocab, seed=392, temperature="mixed")
+        wild = torch.tensor([7, -1, 2**30, -(2**31), 3], dtype=I32)
+        got = case.replace(num_draft=wild).call(_positional(sim.verify))
+        clamped = case.replace(num_draft=wild.clamp(0, block))
+        assert_same_outputs(got, check(sim, clamped), clamped)
+    else:
+        gen = generator(393)
+        drafts, target, _ = _certain_accepts(batch, block, vocab, gen)
+        flat = target.reshape(-1, vocab)
+        rows = flat.shape[0]
+        # Request 0 starts at the last two rows (request 4's rows 5 and 6, one-hot on its drafts
+        # 5 and 0), with drafts that they accept: its row 2 is past the end. Requests 1-3 start
+        # outside; request 4 at its own rows.
+        drafts[0, :2] = torch.stack([drafts[4, 5], drafts[4, 0]])
+        start = torch.tensor([rows - 2, rows, -1, -(2**31), 4 * (block + 1)], dtype=I32)
+        case = Case(flat, drafts, torch.full((batch,), block, dtype=I32),
+                    torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5]), *randoms(batch, gen),
+                    target_start=start)
+        got = case.call(_positional(sim.verify))
+        check_output_contract(case, got)
+        assert got.num_accepted.tolist() == [2, 0, 0, 0, block]
+        assert got.valid.tolist() == [False, False, False, False, True]
+        assert got.tokens[torch.arange(4), got.num_accepted[:4].long()].tolist() == [0, 0, 0, 0]
+        assert torch.equal(got.tokens[4, :block], drafts[4])
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison catches broken kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _warp_one_case() -> Case:
+    """Greedy requests whose drafts are every row's argmax (all accepted, then the bonus row),
+    where each row's argmax lies in chunk offsets [512, 912) of one of the 9 chunks: threads 32-56,
+    i.e. warp 1, whose partial reaches the block's result only through block_reduce's shared
+    scratch (second level, lane 1). The boosted maxima are distinct and grow with the row, so a
+    stale slot (an earlier row's or another block's) never holds a row's true maximum."""
+    batch, block, vocab = 3, 7, 8193
+    gen = generator(401)
+    target = torch.randn(batch, block + 1, vocab, generator=gen)
+    chunk = 912  # ceil(ceil(8193 / 9) / 16) * 16
+    c = torch.randint(0, 9, (batch, block + 1), generator=gen)
+    offset = torch.randint(512, 897, (batch, block + 1), generator=gen)  # the last chunk has 897
+    where = c * chunk + offset
+    boost = 10.0 + torch.arange(block + 1).float() + torch.arange(batch)[:, None] * (block + 1)
+    target.scatter_(-1, where[..., None], boost[..., None].expand(batch, block + 1, 1).clone())
+    assert torch.equal(target.argmax(-1), where)
+    return Case(target, where[:, :block].clone(), torch.full((batch,), block, dtype=I32),
+                torch.zeros(batch), *randoms(batch, gen))
+
+
+@pytest.mark.parametrize("fault", ["drop_barrier", "shuffle_off_by_one"])
+def test_planted_faults_are_caught(sim, fault):
+    """The case passes clean; with block_reduce's first barrier dropped (warp 0 may read the
+    scratch slots before the other warps write them) or with every shuffle reading the next lane
+    (lane 1 never reaches lane 0), the comparison fails."""
+    case = _warp_one_case()
+    out = check(sim, case)
+    assert (out.num_accepted == case.num_draft).all()
+    plant = fault
+    if fault == "drop_barrier":
+        plant = "drop_barrier:" + emulator.barrier_site("reduce.cuh", "T block_reduce(")
+    with emulator.planted(plant):
+        how = caught(lambda: check(sim, case))
+    assert how, f"{plant} was not caught"
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point of the fresh processes of test_other_emulated_devices
+# --------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    assert sys.argv[1] == "--device", sys.argv
+    print(json.dumps(_run_device_case(sys.argv[2])))
