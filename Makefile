@@ -3,6 +3,7 @@
 #   make test    build (the extension and the SIMT emulator), then run the test suite
 # and, for kernel work without a GPU:
 #   make test-sim  the emulated CUDA tests again under the race checker and AddressSanitizer+UBSan
+#   make sim-coverage  which lines of the kernels and CUDA glue the emulated tests execute
 PYTHON ?= python3
 export MAX_JOBS ?= 2
 # The bounds flavour runs Python with the sanitizer runtimes preloaded (libstdc++ too, so the
@@ -18,9 +19,9 @@ bench: build
 test: build sim
 	DSPARK_OPS_SIM_REQUIRED=1 $(PYTHON) -m pytest python_tests
 
+# (make test runs the plain emulator; this runs the same tests under the two checkers)
 test-sim: build
-	$(PYTHON) csrc/sim/build.py plain race asan
-	DSPARK_OPS_SIM_REQUIRED=1 $(PYTHON) -m pytest python_tests -m sim
+	$(PYTHON) csrc/sim/build.py race asan
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=race $(PYTHON) -m pytest python_tests -m sim
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan LD_PRELOAD="$(ASAN_PRELOAD)" \
 	  ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) $(PYTHON) -m pytest python_tests -m sim -p no:cacheprovider

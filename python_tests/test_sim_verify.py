@@ -577,7 +577,7 @@ def test_other_emulated_devices(sim):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "emulator gap for the lead: multiprocessor_count() (csrc/common/cuda_utils.h) and "
+    "not yet modelled: multiprocessor_count() (csrc/common/cuda_utils.h) and "
     "verify_blocks_per_sm() (csrc/kernels/verify.cuh) cache their answers in function-local "
     "statics for the life of the process, so after the first launch set_device() no longer "
     "changes verify's grid plan (emulated_device('l4') keeps the first device's SM count and "
