@@ -362,9 +362,8 @@ def test_keys_overflowing_float32(sim):
 def test_other_emulated_devices(sim, device):
     """The same checks on the emulated A100 and L4 (compute capability 8.x, so the 16-bit
     tensor-core path is allowed; their launch limits), with halved groups of the largest
-    per-block inputs (just under the 44 KB budget) and the RNN head's two input planes. (The
-    glue caches the SM count and the occupancy per process, so the grid plan may be the first
-    emulated device's.)"""
+    per-block inputs (just under the 44 KB budget) and the RNN head's two input planes, under
+    each device's own grid plan."""
     cases = [
         # f32 r = 172: 64 x 176 x 4 bytes > 44 KB, so groups of 32 (two here).
         make_case(33, 2, 300, 172, seed=stable_seed("dev", device, 0), weights="f32",

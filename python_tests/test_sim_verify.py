@@ -17,8 +17,7 @@ drafts and draft logits, draft temperatures other than T and greedy ones, early 
 acceptance with the bonus row, greedy and sampled requests in one call, NaN and +-inf logits, rows
 without a finite logit (target and draft) or with one in a single chunk, num_draft = 0, the
 residual-mass fallback (race over p), and the emulated A100 and L4 with grid plans other than the
-H200's (checked through the workspace size the glue allocates; each in a fresh process, see
-test_other_emulated_devices). Planted faults (a dropped barrier in block_reduce,
+H200's (checked through the workspace size the glue allocates). Planted faults (a dropped barrier in block_reduce,
 shuffle_off_by_one) are shown to be caught.
 
 Values the CUDA glue does not check (out-of-range draft ids, num_draft outside [0, G],
@@ -33,10 +32,7 @@ decided by its last block, after the others have finished.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -525,15 +521,12 @@ def _device_case(device: str) -> Case:
                      draft=draft, dtype=dtype)
 
 
-def _run_device_case(device: str) -> dict:
-    """In a fresh process: the op on ``device``, its workspace size, agreement with both
-    references. Returns what the test checks."""
-    sim = emulator.ops()
-    emulator.reset(f"test_sim_verify::device::{device}")
-    sim.set_device(device)
+def _run_device_case(sim, device: str) -> dict:
+    """The op on the emulated ``device``: its workspace size, agreement with both references."""
     case = _device_case(device)
     out = {}
-    seen = observed_workspace(lambda: out.update(got=case.call(_positional(sim.verify))))
+    with emulator.emulated_device(device):
+        seen = observed_workspace(lambda: out.update(got=case.call(_positional(sim.verify))))
     got = out["got"]
     check_output_contract(case, got)
     assert_same_outputs(got, case.call(reference.verify), case)
@@ -542,23 +535,6 @@ def _run_device_case(device: str) -> dict:
     n = case.num_draft.long()
     return {"workspace": seen, "rejected": int((accepted < n).sum()),
             "full": int(((accepted == n) & (n > 0)).sum())}
-
-
-def _in_fresh_processes(devices) -> dict:
-    """Runs _run_device_case for each device in its own process (concurrently): the op caches
-    the SM count and the occupancy for the life of a process (see the xfail below)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([emulator.ROOT, here, env.get("PYTHONPATH", "")])
-    procs = {d: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", d],
-                                 cwd=emulator.ROOT, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for d in devices}
-    results = {}
-    for d, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{d}: exit {proc.returncode}\n{stderr[-3000:]}"
-        results[d] = json.loads(stdout.strip().splitlines()[-1])
-    return results
 
 
 def test_other_emulated_devices(sim):
@@ -570,21 +546,16 @@ def test_other_emulated_devices(sim):
              for d in DEVICE_CASES}
     assert plans == {"a100": (2, 3), "l4": (1, 2), "h200": (3, 3)}
     devices = ["a100", "l4"] + (["h200"] if full_tests() else [])
-    for device, result in _in_fresh_processes(devices).items():
+    for device in devices:
+        result = _run_device_case(sim, device)
         batch, block = DEVICE_CASES[device][:2]
         assert result["workspace"] == workspace_bytes(batch, block, plans[device][0]), device
         assert result["rejected"] > 0 and result["full"] > 0, (device, result)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not yet modelled: multiprocessor_count() (csrc/common/cuda_utils.h) and "
-    "verify_blocks_per_sm() (csrc/kernels/verify.cuh) cache their answers in function-local "
-    "statics for the life of the process, so after the first launch set_device() no longer "
-    "changes verify's grid plan (emulated_device('l4') keeps the first device's SM count and "
-    "occupancy)"))
 def test_grid_plan_follows_the_emulated_device(sim):
-    """In one process, the grid plan follows emulated_device(): B = 175 at V = 1025 is 2 chunks
-    on the H200 and 1 on the L4."""
+    """In one process, the grid plan follows emulated_device() (the glue's occupancy and SM-count
+    caches are per device): B = 175 at V = 1025 is 2 chunks on the H200 and 1 on the L4."""
     batch, block, vocab = 175, 0, 1025
     gen = generator(381)
     case = Case(torch.randn(batch, vocab, generator=gen), torch.zeros(batch, 0, dtype=I64),
@@ -689,11 +660,3 @@ def test_planted_faults_are_caught(sim, fault):
         how = caught(lambda: check(sim, case))
     assert how, f"{plant} was not caught"
 
-
-# --------------------------------------------------------------------------------------------
-# Entry point of the fresh processes of test_other_emulated_devices
-# --------------------------------------------------------------------------------------------
-
-if __name__ == "__main__":
-    assert sys.argv[1] == "--device", sys.argv
-    print(json.dumps(_run_device_case(sys.argv[2])))

@@ -9,8 +9,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
+
+#include "../kernels/device_cache.cuh"
 
 namespace dspark_ops {
 
@@ -20,28 +20,36 @@ template <> struct CudaType<c10::BFloat16> { using type = __nv_bfloat16; };
 template <> struct CudaType<c10::Half> { using type = __half; };
 template <typename T> using cuda_type_t = typename CudaType<T>::type;
 
+// The CUDA device a tensor lives on (the SIMT emulator's CPU tensors: the emulated device), the
+// key of the per-device caches below and in the kernels' occupancy queries.
+template <typename Tensor>
+int device_index(const Tensor& t) {
+#if defined(DSPARK_OPS_SIM)
+  (void)t;
+  return ::dspark_sim::device_ordinal();
+#else
+  return t.get_device();
+#endif
+}
+
 // Streaming multiprocessors of a device, queried once per device (no sync, capture-safe).
 inline int multiprocessor_count(int device) {
-  static std::array<std::atomic<int>, 64> cache{};
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0) {
+  static kernels::DeviceCache cache{};
+  return kernels::once_per_device(cache, device, [device] {
+    int count = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    cache[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
+    return count;
+  });
 }
 
 // Major compute capability of a device, queried once per device.
 inline int compute_capability_major(int device) {
-  static std::array<std::atomic<int>, 64> cache{};
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
-  int major = cache[device].load(std::memory_order_relaxed);
-  if (major == 0) {
+  static kernels::DeviceCache cache{};
+  return kernels::once_per_device(cache, device, [device] {
+    int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    cache[device].store(major, std::memory_order_relaxed);
-  }
-  return major;
+    return major;
+  });
 }
 
 }  // namespace dspark_ops

@@ -18,13 +18,13 @@ namespace dspark_ops {
 namespace {
 
 // Resident blocks per SM of the split kernel instantiated for this dtype and head dim.
-int split_blocks_per_sm(at::ScalarType dtype, int64_t dim) {
+int split_blocks_per_sm(int device, at::ScalarType dtype, int64_t dim) {
   const auto pick = [&](auto tag) {
     using T = cuda_type_t<decltype(tag)>;
     switch (dim) {
-      case 64: return kernels::attention_blocks_per_sm<T, 64>();
-      case 128: return kernels::attention_blocks_per_sm<T, 128>();
-      default: return kernels::attention_blocks_per_sm<T, 256>();
+      case 64: return kernels::attention_blocks_per_sm<T, 64>(device);
+      case 128: return kernels::attention_blocks_per_sm<T, 128>(device);
+      default: return kernels::attention_blocks_per_sm<T, 256>(device);
     }
   };
   return dtype == at::kHalf ? pick(c10::Half{}) : pick(c10::BFloat16{});
@@ -42,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "block_draft_attention(): on CUDA 'q' must have dtype Half or BFloat16, got ",
                    q.scalar_type());
-  TORCH_CHECK_VALUE(compute_capability_major(q.get_device()) >= 8,
+  TORCH_CHECK_VALUE(compute_capability_major(device_index(q)) >= 8,
                     "block_draft_attention(): the CUDA kernel needs tensor cores of compute "
                     "capability 8.0 or newer (mma.sync m16n8k16)");
   const int64_t row_groups =
@@ -92,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
   const int64_t base_blocks = a.batch * a.kv_heads * groups;
   const int64_t wanted =
-      int64_t{split_blocks_per_sm(q.scalar_type(), a.dim)} * multiprocessor_count(q.get_device());
+      int64_t{split_blocks_per_sm(device_index(q), q.scalar_type(), a.dim)} *
+      multiprocessor_count(device_index(q));
   const int64_t max_splits = std::max<int64_t>(1, (visible + 255) / 256);
   const int64_t splits = std::clamp<int64_t>((wanted + base_blocks - 1) / base_blocks, 1, max_splits);
   const int64_t tile = kernels::kAttnKeys;

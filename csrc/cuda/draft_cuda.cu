@@ -74,7 +74,7 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
   dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
     using W = cuda_type_t<decltype(w_tag)>;
     const char* op = kRnn ? "rnn_draft" : "markov_draft";
-    TORCH_CHECK_VALUE(sizeof(W) == 4 || compute_capability_major(a.base.get_device()) >= 8, op,
+    TORCH_CHECK_VALUE(sizeof(W) == 4 || compute_capability_major(device_index(a.base)) >= 8, op,
                       "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
                       "on CUDA; pass float32 weights on this GPU");
     p.group_size = group_size<W, kRnn>(a.batch, a.rank);
@@ -95,8 +95,9 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
       p.preactivation = p.state + a.batch * a.rank;
     }
     const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
-    const int64_t resident = int64_t{kernels::draft_blocks_per_sm<W, kRnn>(shared_bytes)} *
-                             multiprocessor_count(a.base.get_device());
+    const int device = device_index(a.base);
+    const int64_t resident = int64_t{kernels::draft_blocks_per_sm<W, kRnn>(device, shared_bytes)} *
+                             multiprocessor_count(device);
     const int grid_tiles = static_cast<int>(
         std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
     C10_CUDA_CHECK((kernels::launch_draft<W, kRnn>(p, grid_tiles,

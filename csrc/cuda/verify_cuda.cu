@@ -80,9 +80,10 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   // multiple of 16 (whole vector loads, whole Philox blocks).
   int blocks_per_sm = 1;
   with_types([&](auto tt, auto dt) {
-    blocks_per_sm = kernels::verify_blocks_per_sm<decltype(tt), decltype(dt)>();
+    blocks_per_sm =
+        kernels::verify_blocks_per_sm<decltype(tt), decltype(dt)>(device_index(target_logits));
   });
-  const int64_t resident = int64_t{blocks_per_sm} * multiprocessor_count(target_logits.get_device());
+  const int64_t resident = int64_t{blocks_per_sm} * multiprocessor_count(device_index(target_logits));
   const int64_t max_chunks = (a.vocab + 1023) / 1024;
   const int64_t chunks = std::clamp<int64_t>(resident / a.batch, 1, max_chunks);
   p.chunk = ((a.vocab + chunks - 1) / chunks + 15) / 16 * 16;

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "mma.cuh"
+#include "device_cache.cuh"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
@@ -364,11 +365,12 @@ size_t split_shared_bytes() {
   return sizeof(T) * (kAttnRows + 2 * kAttnKeys) * (D + 8);
 }
 
-// Resident blocks per SM of the split kernel (a host query, once per instantiation): the split
-// plan aims at one full wave.
+// Resident blocks per SM of the split kernel on the current device (a host query, once per
+// instantiation and device): the split plan aims at one full wave.
 template <typename T, int D>
-int attention_blocks_per_sm() {
-  static const int blocks = [] {
+int attention_blocks_per_sm(int device) {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [] {
     const int shared = static_cast<int>(split_shared_bytes<T, D>());
     int n = 0;
     if (cudaFuncSetAttribute(block_attention_split_kernel<T, D>,
@@ -379,8 +381,7 @@ int attention_blocks_per_sm() {
       n = 2;
     }
     return n > 0 ? n : 1;
-  }();
-  return blocks;
+  });
 }
 
 template <typename T, int D>

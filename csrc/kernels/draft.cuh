@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cuda/atomic>
 #include <map>
+#include <utility>
 #include <mutex>
 
 #include "draft_math.h"
@@ -523,14 +524,14 @@ __global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftPara
   }
 }
 
-// Blocks of draft_slot_kernel resident per SM (a host query, cached per instantiation and
-// shared-memory size).
+// Blocks of draft_slot_kernel resident per SM on the current device (a host query, cached per
+// instantiation, device and shared-memory size).
 template <typename W, bool kRnn>
-int draft_blocks_per_sm(int shared_bytes) {
+int draft_blocks_per_sm(int device, int shared_bytes) {
   static std::mutex mutex;
-  static std::map<int, int> cache;
+  static std::map<std::pair<int, int>, int> cache;
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = cache.find(shared_bytes);
+  const auto found = cache.find({device, shared_bytes});
   if (found != cache.end()) return found->second;
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, draft_slot_kernel<W, kRnn>, kDraftThreads,
@@ -538,7 +539,7 @@ int draft_blocks_per_sm(int shared_bytes) {
     (void)cudaGetLastError();  // the query's own error; nothing else is pending at this point
     n = 2;
   }
-  return cache[shared_bytes] = n > 0 ? n : 1;
+  return cache[{device, shared_bytes}] = n > 0 ? n : 1;
 }
 
 // Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).

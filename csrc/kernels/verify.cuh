@@ -40,6 +40,7 @@
 
 #include "reduce.cuh"
 #include "verify_math.h"
+#include "device_cache.cuh"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
@@ -496,11 +497,13 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
   if (threadIdx.x == 0) write_outputs(p, b, j, best.index < 0 ? 0 : best.index, valid && best.index >= 0);
 }
 
-// Blocks of the statistics kernel resident per SM (a host query, cached per instantiation): the
-// grid is sized to one resident wave, since its blocks live for the whole walk over the rows.
+// Blocks of the statistics kernel resident per SM on the current device (a host query, cached per
+// instantiation and device): the grid is sized to one resident wave, since its blocks live for
+// the whole walk over the rows.
 template <typename TT, typename DT>
-int verify_blocks_per_sm() {
-  static const int blocks = [] {
+int verify_blocks_per_sm(int device) {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [] {
     int n = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, verify_row_stats_kernel<TT, DT>,
                                                       kVerifyThreads, 0) != cudaSuccess) {
@@ -508,8 +511,7 @@ int verify_blocks_per_sm() {
       n = 4;
     }
     return n > 0 ? n : 1;
-  }();
-  return blocks;
+  });
 }
 
 // Launches both kernels on `stream`; TT/DT are the CUDA types of the target and draft logits.

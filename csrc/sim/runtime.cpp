@@ -102,6 +102,7 @@ std::string instantiation(const std::string& pretty) {
 }  // namespace
 
 const DeviceSpec& device() { return *g_device; }
+int device_ordinal() { return static_cast<int>(g_device - kDevices); }
 
 bool set_device(const std::string& name) {
   for (const auto& d : kDevices) {

@@ -46,6 +46,7 @@ struct DeviceSpec {
 };
 
 const DeviceSpec& device();
+int device_ordinal();  // the emulated device's index: the key of the glue's per-device caches
 bool set_device(const std::string& name);  // false for an unknown name
 void set_seed(uint64_t seed);
 
