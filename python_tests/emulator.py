@@ -93,3 +93,16 @@ def barrier_site(file: str, after: str) -> str:
         if "__syncthreads()" in lines[i] and not lines[i].lstrip().startswith("//"):
             return f"{file}:{i + 1}"
     raise ValueError(f"no __syncthreads after {after!r} in {file}")
+
+
+def caught(run) -> str:
+    """How ``run`` failed — a mismatch (AssertionError) or an emulator report (RuntimeError from
+    dspark_sim) — or '' if it passed: for showing that a planted fault is caught."""
+    try:
+        run()
+    except AssertionError as e:
+        return f"mismatch: {str(e)[:300]}"
+    except RuntimeError as e:
+        assert "dspark_sim" in str(e) or "emulated" in str(e), e
+        return f"emulator: {str(e)[:300]}"
+    return ""

@@ -117,18 +117,6 @@ def check_draft(sim, case: DraftCase, *, cpu: bool = True):
     return got
 
 
-def caught(check) -> str:
-    """How ``check`` failed (a mismatch or an emulator report), or '' if it passed."""
-    try:
-        check()
-    except AssertionError as e:
-        return f"mismatch: {str(e)[:200]}"
-    except RuntimeError as e:
-        assert "dspark_sim" in str(e), e
-        return f"emulator: {str(e)[:200]}"
-    return ""
-
-
 # --------------------------------------------------------------------------------------------
 # Layouts of W1 / W2 rows (draft_cuda.cu rows_aligned: 16-byte aligned start and row stride)
 # --------------------------------------------------------------------------------------------
@@ -593,7 +581,7 @@ def test_mma_swap_a12_breaks_the_tensor_core_path(sim):
         check_draft(sim, case)  # the unbroken kernel passes
     with emulator.planted("mma_swap_a12"):
         for name in ("markov-bf16", "markov-f16", "rnn-bf16"):
-            assert caught(lambda: check_draft(sim, cases[name])), name
+            assert emulator.caught(lambda: check_draft(sim, cases[name])), name
         check_draft(sim, cases["markov-f32"])
 
 
@@ -607,7 +595,7 @@ def test_dropped_barrier_is_caught(sim, weights):
                      temperature="mixed")
     check_draft(sim, case)
     with emulator.planted(f"drop_barrier:{site}"):
-        assert caught(lambda: check_draft(sim, case))
+        assert emulator.caught(lambda: check_draft(sim, case))
 
 
 def test_shuffle_off_by_one_is_caught(sim):
@@ -617,7 +605,7 @@ def test_shuffle_off_by_one_is_caught(sim):
     conf = make_confidence_case(8, 3, 200, 40, 64, seed=216)
     with emulator.planted("shuffle_off_by_one"):
         for name in ("markov-f32", "markov-bf16", "rnn-bf16"):
-            assert caught(lambda: check_draft(sim, cases[name])), name
+            assert emulator.caught(lambda: check_draft(sim, cases[name])), name
         expected = conf.call(reference)
-        assert caught(lambda: torch.testing.assert_close(conf.call(sim), expected, rtol=1e-5,
+        assert emulator.caught(lambda: torch.testing.assert_close(conf.call(sim), expected, rtol=1e-5,
                                                          atol=1e-6))

@@ -348,18 +348,6 @@ def test_pack_out_of_range_lengths(sim):
 # --------------------------------------------------------------------------------------------
 
 
-def fails(check) -> bool:
-    """Whether `check` fails: a mismatch, or the emulator raising."""
-    try:
-        check()
-    except AssertionError:
-        return True
-    except RuntimeError as error:
-        assert "dspark_sim" in str(error) or "emulated" in str(error), error
-        return True
-    return False
-
-
 @pytest.mark.parametrize("batch,block", [(64, 16), (1024, 32)])
 def test_planted_bitonic_barrier_is_caught(sim, batch, block):
     """Dropping the __syncthreads between bitonic stages (shared and global path) breaks the
@@ -371,7 +359,7 @@ def test_planted_bitonic_barrier_is_caught(sim, batch, block):
     check = lambda: check_schedulers(sim, confidence, rate, caps, [batch + 50])  # noqa: E731
     check()  # the intact kernel passes
     with emulator.planted("drop_barrier:" + emulator.barrier_site("schedule.cuh", "Bitonic")):
-        assert fails(check)
+        assert emulator.caught(check)
     check()
 
 
@@ -387,5 +375,5 @@ def test_planted_scan_barrier_is_caught(sim):
     check_pack(sim, make_pack(1, 8, gen))  # the same instantiation, <long int, long int>
     with emulator.planted("drop_barrier:" + emulator.barrier_site("reduce.cuh",
                                                                   "block_exclusive_scan")):
-        assert fails(lambda: check_pack(sim, args))
+        assert emulator.caught(lambda: check_pack(sim, args))
     check_pack(sim, args)

@@ -17,8 +17,8 @@ drafts and draft logits, draft temperatures other than T and greedy ones, early 
 acceptance with the bonus row, greedy and sampled requests in one call, NaN and +-inf logits, rows
 without a finite logit (target and draft) or with one in a single chunk, num_draft = 0, the
 residual-mass fallback (race over p), and the emulated A100 and L4 with grid plans other than the
-H200's (checked through the workspace size the glue allocates). Planted faults (a dropped barrier in block_reduce,
-shuffle_off_by_one) are shown to be caught.
+H200's (checked through the workspace size the glue allocates). Planted faults (a dropped
+barrier in block_reduce, shuffle_off_by_one) are shown to be caught.
 
 Values the CUDA glue does not check (out-of-range draft ids, num_draft outside [0, G],
 target_start outside the rows) reach the kernels as on CUDA without DSPARK_OPS_DEBUG.
@@ -41,6 +41,7 @@ import emulator
 from conftest import full_tests, non_contiguous
 from dspark_ops import reference
 from test_verify import (
+    with_non_finite_logits,
     BAD_ROWS,
     INF,
     NAN,
@@ -91,18 +92,6 @@ def check(sim, case: Case, *, cpu: bool = True) -> reference.VerifyOutput:
     if cpu:
         assert_same_outputs(got, case.call(_positional(torch.ops.dspark_ops.verify)), case)
     return got
-
-
-def caught(run) -> str:
-    """How ``run`` failed (a mismatch or an emulator report), or '' if it passed."""
-    try:
-        run()
-    except AssertionError as e:
-        return f"mismatch: {str(e)[:300]}"
-    except RuntimeError as e:
-        assert "dspark_sim" in str(e), e
-        return f"emulator: {str(e)[:300]}"
-    return ""
 
 
 def randoms(batch: int, gen: torch.Generator):
@@ -427,24 +416,11 @@ def test_non_finite_logits_are_never_emitted(sim, draft):
     batch, block, vocab = 5, 7, 3000
     case = make_case(batch, block, vocab, seed=stable_seed("nonfinite", draft),
                      temperature="mixed", noise=0.3, dtype=BF16, draft_dtype=F32)
-    gen = generator(351)
-    target = case.target_logits.clone()
-    poison = torch.rand(target.shape, generator=gen)
-    target[poison < 0.3] = NAN
-    target[(poison >= 0.3) & (poison < 0.33)] = INF
-    target[(poison >= 0.33) & (poison < 0.36)] = -INF
-    on_draft = torch.rand(case.draft_tokens.shape, generator=gen) < 0.6
-    rows, j = torch.arange(batch)[:, None], torch.arange(block)[None]
-    at_drafts = target[rows, j, case.draft_tokens]
-    target[rows, j, case.draft_tokens] = torch.where(on_draft, NAN, at_drafts)
-    draft_logits = case.draft_logits.clone()
-    draft_logits[torch.rand(draft_logits.shape, generator=gen) < 0.2] = NAN
-    draft_logits[rows, j, case.draft_tokens] = case.draft_logits[rows, j, case.draft_tokens]
-    case = case.replace(target_logits=target,
-                        draft_logits=draft_logits if draft == "logits" else None)
+    case = with_non_finite_logits(case, generator(351), draft)
     out = check(sim, case)
     n = out.num_accepted.long()
-    finite = torch.isfinite(target).gather(-1, out.tokens.clamp_min(0)[..., None])[..., 0]
+    emitted = out.tokens.clamp_min(0)[..., None]
+    finite = torch.isfinite(case.target_logits).gather(-1, emitted)[..., 0]
     assert finite[torch.arange(block + 1)[None] <= n[:, None]].all()
     assert out.valid.all()
 
@@ -657,6 +633,6 @@ def test_planted_faults_are_caught(sim, fault):
     if fault == "drop_barrier":
         plant = "drop_barrier:" + emulator.barrier_site("reduce.cuh", "T block_reduce(")
     with emulator.planted(plant):
-        how = caught(lambda: check(sim, case))
+        how = emulator.caught(lambda: check(sim, case))
     assert how, f"{plant} was not caught"
 

@@ -852,6 +852,27 @@ def test_draft_row_without_finite_logit(device, bad):
     assert out.valid.cpu()[~sampled].all()
 
 
+def with_non_finite_logits(case: "Case", gen: torch.Generator, draft: str) -> "Case":
+    """The case with 30% NaN, 3% +inf and 3% -inf target logits, most of the drafts' own target
+    entries NaN (where the draft logits stay finite), 20% NaN draft logits elsewhere; draft logits
+    dropped for one-hot drafts (``draft != "logits"``)."""
+    batch, block = case.draft_tokens.shape
+    target = case.target_logits.clone()
+    poison = torch.rand(target.shape, generator=gen)
+    target[poison < 0.3] = NAN
+    target[(poison >= 0.3) & (poison < 0.33)] = INF
+    target[(poison >= 0.33) & (poison < 0.36)] = -INF
+    on_draft = torch.rand(case.draft_tokens.shape, generator=gen) < 0.6
+    rows, j = torch.arange(batch)[:, None], torch.arange(block)[None]
+    at_drafts = target[rows, j, case.draft_tokens]
+    target[rows, j, case.draft_tokens] = torch.where(on_draft, NAN, at_drafts)
+    draft_logits = case.draft_logits.clone()
+    draft_logits[torch.rand(draft_logits.shape, generator=gen) < 0.2] = NAN
+    draft_logits[rows, j, case.draft_tokens] = case.draft_logits[rows, j, case.draft_tokens]
+    return case.replace(target_logits=target,
+                        draft_logits=draft_logits if draft == "logits" else None)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("draft", ["logits", "onehot"])
@@ -861,26 +882,11 @@ def test_non_finite_logits_are_never_emitted(device, temperature, draft):
     batch, block, vocab = 64, 7, 600
     case = make_case(batch, block, vocab, seed=stable_seed(64, temperature, draft),
                      temperature=temperature, noise=0.3)
-    gen = generator(65)
-    target = case.target_logits.clone()
-    poison = torch.rand(target.shape, generator=gen)
-    target[poison < 0.3] = NAN
-    target[(poison >= 0.3) & (poison < 0.33)] = INF
-    target[(poison >= 0.33) & (poison < 0.36)] = -INF
-    # Poison most of the drafts' own target entries, where the draft logits are finite.
-    on_draft = torch.rand(case.draft_tokens.shape, generator=gen) < 0.6
-    rows, j = torch.arange(batch)[:, None], torch.arange(block)[None]
-    at_drafts = target[rows, j, case.draft_tokens]
-    target[rows, j, case.draft_tokens] = torch.where(on_draft, NAN, at_drafts)
-    draft_logits = case.draft_logits.clone()
-    draft_logits[torch.rand(draft_logits.shape, generator=gen) < 0.2] = NAN
-    draft_logits[rows, j, case.draft_tokens] = case.draft_logits[rows, j, case.draft_tokens]
-    case = case.replace(target_logits=target,
-                        draft_logits=draft_logits if draft == "logits" else None).to(device)
+    case = with_non_finite_logits(case, generator(65), draft).to(device)
     out = check_against_reference(case)
     tokens, n = out.tokens.cpu(), out.num_accepted.cpu().long()
     emitted = tokens.clamp_min(0)
-    finite = torch.isfinite(target).gather(-1, emitted[..., None])[..., 0]
+    finite = torch.isfinite(case.target_logits.cpu()).gather(-1, emitted[..., None])[..., 0]
     assert finite[torch.arange(block + 1)[None] <= n[:, None]].all()
     assert out.valid.all()
     assert (n > 0).any() and (n < case.num_draft.cpu()).any()
