@@ -32,7 +32,7 @@ def test_empty(sim):
 
 
 def test_argument_checks_run_on_the_cuda_path(sim):
-    with pytest.raises(ValueError, match="philox_uniform\(\): .purpose. must lie in"):
+    with pytest.raises(ValueError, match=r"philox_uniform\(\): .purpose. must lie in"):
         sim.philox_uniform(torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), -1, 3)
 
 
