@@ -19,7 +19,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAVOUR = os.environ.get("DSPARK_OPS_SIM_FLAVOUR", "plain")
-DEVICES = ("h200", "a100", "l4")
 
 
 def library_path(flavour: str = FLAVOUR) -> str:

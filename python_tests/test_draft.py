@@ -556,38 +556,47 @@ def test_rnn_gate_candidate_output_order(device):
                                **literal_tolerance(case, expected))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rnn_state_update_is_after_the_bias(device):
-    # The output rows of J read the state only (o = s_j), the gate and candidate are constants:
-    # s_{j+1} = sig(g) s_j + (1 - sig(g)) tanh(c), s_0 = 0. Slot j's bias is W2 . tanh(s_j), from
-    # the state before its update, so slot 0 is unbiased.
-    batch, block, vocab, rank, hidden_size = 4, 6, 200, 8, 16
-    gen = generator(103)
+def rnn_state_case(gen: torch.Generator, w2: torch.Tensor, weights: torch.dtype = torch.float32):
+    """An RNN-head case whose output rows of J read the state only (o = s_j) and whose gate and
+    candidate are constants: s_{j+1} = sig(g) s_j + (1 - sig(g)) tanh(c), s_0 = 0, so slot j's
+    bias is W2 . tanh(s_j), from the state before its update (slot 0 unbiased). Returns the case
+    (weights of dtype ``weights``; w2 is [200, 8]) and the float32 draft_logits it must give."""
+    batch, block, vocab, hidden_size = 4, 6, 200, 16
+    rank = w2.shape[1]
     g, c = 0.4, 1.2
     joint_weight = torch.zeros(3 * rank, 2 * rank + hidden_size)
     joint_weight[2 * rank:, :rank] = torch.eye(rank)
     joint_bias = torch.cat([torch.full((rank,), g), torch.linspace(-c, c, rank),
-                            torch.zeros(rank)])
-    w2 = torch.randn(vocab, rank, generator=gen)
+                            torch.zeros(rank)]).to(weights)
     case = DraftCase(
         peaky_logits((batch, block), vocab, gen), torch.randint(0, vocab, (batch,), generator=gen),
-        torch.randn(vocab, rank, generator=gen), w2, make_temperature("mixed", batch, gen),
+        torch.randn(vocab, rank, generator=gen).to(weights), w2.to(weights),
+        make_temperature("mixed", batch, gen),
         torch.randint(-(2**62), 2**62, (batch,), generator=gen),
         torch.randint(0, 2**40, (batch,), generator=gen),
         hidden=torch.randn(batch, block, hidden_size, generator=gen),
-        joint_weight=joint_weight, joint_bias=joint_bias,
-    ).to(device)
-    out = check_against_reference(case)
-    gate = torch.sigmoid(torch.tensor(g, dtype=torch.float64))
+        joint_weight=joint_weight.to(weights), joint_bias=joint_bias,
+    )
+    gate = torch.sigmoid(joint_bias[:rank].double())
+    candidate = torch.tanh(joint_bias[rank:2 * rank].double())
     state, expected = torch.zeros(rank, dtype=torch.float64), []
     for j in range(block):
-        expected.append(case.base_logits[:, j].cpu().double() + w2.double() @ torch.tanh(state))
-        state = gate * state + (1 - gate) * torch.tanh(joint_bias[rank:2 * rank].double())
-    expected = torch.stack(expected, 1).float()
+        bias = w2.to(weights).double() @ torch.tanh(state)
+        expected.append(case.base_logits[:, j].double() + bias)
+        state = gate * state + (1 - gate) * candidate
+    return case, torch.stack(expected, 1).float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rnn_state_update_is_after_the_bias(device):
+    # See rnn_state_case: the literal logits of a state walked slot by slot.
+    gen = generator(103)
+    case, expected = rnn_state_case(gen, torch.randn(200, 8, generator=gen))
+    out = check_against_reference(case.to(device))
     torch.testing.assert_close(out.draft_logits.cpu(), expected,
                                **literal_tolerance(case, expected))
-    torch.testing.assert_close(out.draft_logits[:, 0], case.base_logits[:, 0].float(), rtol=0,
-                               atol=0)
+    torch.testing.assert_close(out.draft_logits[:, 0].cpu(), case.base_logits[:, 0].float(),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

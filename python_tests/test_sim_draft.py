@@ -44,8 +44,7 @@ from test_draft import (
     is_greedy,
     make_case,
     make_confidence_case,
-    make_temperature,
-    peaky_logits,
+    rnn_state_case,
     stable_seed,
     teacher_forced_logits,
 )
@@ -465,35 +464,14 @@ def test_rnn_draft_full_sweep(sim, params):
 
 
 def test_rnn_state_update_is_after_the_bias(sim):
-    """o = s_j and constant gate/candidate: slot j's bias is W2 . tanh(s_j) from the state before
-    its update (slot 0 unbiased), and s advances sig(g) s + (1 - sig(g)) tanh(c) slot by slot."""
-    batch, block, vocab, rank, hidden_size = 4, 6, 200, 8, 16
+    """o = s_j and constant gate/candidate (test_draft.rnn_state_case): slot j's bias is
+    W2 . tanh(s_j) from the state before its update (slot 0 unbiased), on the CUDA-core and the
+    tensor-core path."""
     gen = generator(208)
-    g, c = 0.4, 1.2
-    joint_weight = torch.zeros(3 * rank, 2 * rank + hidden_size)
-    joint_weight[2 * rank:, :rank] = torch.eye(rank)
-    joint_bias = torch.cat([torch.full((rank,), g), torch.linspace(-c, c, rank),
-                            torch.zeros(rank)])
-    w2 = torch.randn(vocab, rank, generator=gen)
+    w2 = torch.randn(200, 8, generator=gen)
     for weights in (F32, BF16):
-        case = DraftCase(
-            peaky_logits((batch, block), vocab, gen),
-            torch.randint(0, vocab, (batch,), generator=gen),
-            torch.randn(vocab, rank, generator=gen).to(weights), w2.to(weights),
-            make_temperature("mixed", batch, gen),
-            torch.randint(-(2**62), 2**62, (batch,), generator=gen),
-            torch.randint(0, 2**40, (batch,), generator=gen),
-            hidden=torch.randn(batch, block, hidden_size, generator=gen),
-            joint_weight=joint_weight.to(weights), joint_bias=joint_bias.to(weights))
+        case, expected = rnn_state_case(gen, w2, weights)
         out = check_draft(sim, case)
-        gate = torch.sigmoid(joint_bias[:rank].to(weights).double())
-        cand = torch.tanh(joint_bias[rank:2 * rank].to(weights).double())
-        state, expected = torch.zeros(rank, dtype=torch.float64), []
-        for j in range(block):
-            expected.append(case.base_logits[:, j].double() + w2.to(weights).double()
-                            @ torch.tanh(state))
-            state = gate * state + (1 - gate) * cand
-        expected = torch.stack(expected, 1).float()
         torch.testing.assert_close(out.draft_logits, expected, **cuda_tolerance(case, expected))
         torch.testing.assert_close(out.draft_logits[:, 0], case.base_logits[:, 0], rtol=0,
                                    atol=0)

@@ -41,6 +41,8 @@ import emulator
 from conftest import full_tests, non_contiguous
 from dspark_ops import reference
 from test_verify import (
+    first_rows,
+    num_draft_zero_case,
     with_non_finite_logits,
     BAD_ROWS,
     INF,
@@ -386,21 +388,11 @@ def test_num_draft_zero(sim, layout):
     """num_draft = 0: only row 0 is read (the others are NaN), the draft ids (garbage, out of
     range) are ignored."""
     batch, block, vocab = 5, 4, 8193
-    case = make_case(batch, block, vocab, seed=341, temperature="mixed", num_draft=0)
-    gen = generator(342)
-    case.draft_tokens = torch.randint(-5, vocab + 5, (batch, block), generator=gen)
-    target = case.target_logits.clone()
-    target[:, 1:] = NAN
-    if layout == "padded":
-        case.target_logits = target
-    else:
-        order = torch.randperm(batch, generator=gen)
-        case.target_logits = torch.cat([target[order, 0], torch.full((3, vocab), NAN)])
-        case.target_start = torch.argsort(order).int()
+    case = num_draft_zero_case(batch, block, vocab, 341, layout)
     out = check(sim, case)
     assert (out.num_accepted == 0).all() and out.valid.all()
     greedy = is_greedy(case.temperature)
-    argmax = finite_or_neg_inf(target[:, 0]).argmax(-1)
+    argmax = finite_or_neg_inf(first_rows(case)).argmax(-1)
     assert torch.equal(out.tokens[:, 0][greedy], argmax[greedy])
 
 

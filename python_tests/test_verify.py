@@ -580,30 +580,43 @@ def test_full_accept_when_draft_equals_target(device, dtype):
     assert (bonus != argmax).any()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["padded", "ragged"])
-def test_num_draft_zero(device, layout):
-    # Only row 0 is needed: its token is emitted, draft ids are ignored (even out of range) and
-    # the request's other rows are never consulted (they are NaN here).
-    batch, block, vocab = 64, 4, 2000
-    case = make_case(batch, block, vocab, seed=27, temperature="mixed", num_draft=0)
-    gen = generator(28)
+def num_draft_zero_case(batch: int, block: int, vocab: int, seed: int, layout: str) -> Case:
+    """num_draft = 0 with garbage (also out-of-range) draft ids and NaN in every row but row 0;
+    ``ragged``: each request contributes exactly its row 0, in a shuffled order."""
+    case = make_case(batch, block, vocab, seed=seed, temperature="mixed", num_draft=0)
+    gen = generator(seed + 1)
     case.draft_tokens = torch.randint(-5, vocab + 5, (batch, block), generator=gen)
     target = case.target_logits.clone()
     target[:, 1:] = NAN
     if layout == "padded":
         case.target_logits = target
     else:
-        # Each request contributes exactly its one row, in a shuffled order.
         order = torch.randperm(batch, generator=gen)
         case.target_logits = torch.cat([target[order, 0], torch.full((3, vocab), NAN)])
         case.target_start = torch.argsort(order).int()
-    case = case.to(device)
+    return case
+
+
+def first_rows(case: Case) -> torch.Tensor:
+    """Row 0 of every request's target logits, padded or ragged, on the CPU."""
+    target = case.target_logits.cpu()
+    if case.target_start is None:
+        return target[:, 0]
+    return target[case.target_start.cpu().long()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_num_draft_zero(device, layout):
+    # Only row 0 is needed: its token is emitted, draft ids are ignored (even out of range) and
+    # the request's other rows are never consulted (they are NaN here).
+    batch, block, vocab = 64, 4, 2000
+    case = num_draft_zero_case(batch, block, vocab, 27, layout).to(device)
     out = check_against_reference(case)
     assert (out.num_accepted == 0).all() and out.valid.all()
     assert (out.tokens[:, 1:] == -1).all()
     greedy = is_greedy(case.temperature.cpu())
-    argmax = finite_or_neg_inf(target[:, 0]).argmax(-1)
+    argmax = finite_or_neg_inf(first_rows(case)).argmax(-1)
     assert torch.equal(out.tokens[:, 0].cpu()[greedy], argmax[greedy])
 
 
@@ -852,7 +865,7 @@ def test_draft_row_without_finite_logit(device, bad):
     assert out.valid.cpu()[~sampled].all()
 
 
-def with_non_finite_logits(case: "Case", gen: torch.Generator, draft: str) -> "Case":
+def with_non_finite_logits(case: Case, gen: torch.Generator, draft: str) -> Case:
     """The case with 30% NaN, 3% +inf and 3% -inf target logits, most of the drafts' own target
     entries NaN (where the draft logits stay finite), 20% NaN draft logits elsewhere; draft logits
     dropped for one-hot drafts (``draft != "logits"``)."""

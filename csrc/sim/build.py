@@ -34,11 +34,10 @@ FLAVOURS = ("plain", "race", "asan", "coverage")
 def cuda_include() -> str:
     """The toolkit's include directory: the headers are compiled in host mode, nothing is linked."""
     candidates = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
-    for tool in ("nvcc",):
-        for folder in os.environ.get("PATH", "").split(os.pathsep):
-            path = os.path.join(folder, tool)
-            if os.path.exists(path):
-                candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(path))))
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        nvcc = os.path.join(folder, "nvcc")
+        if os.path.exists(nvcc):  # may be a wrapper outside the toolkit: only a candidate
+            candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     for root in candidates:
         if root and os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
             return os.path.join(root, "include")

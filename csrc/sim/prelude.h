@@ -174,7 +174,6 @@ const char* kernel_name() {
 
 template <auto Kernel>
 struct Launcher {
-  const char* text;  // the kernel expression as written at the launch
   dim3 grid, block;
   size_t shared;
 
@@ -185,7 +184,6 @@ struct Launcher {
     const auto body = [](void* c) { std::apply(Kernel, *static_cast<Closure*>(c)); };
     launch(kernel_name<Kernel>(), reinterpret_cast<const void*>(Kernel), grid, block, shared,
            body, &closure);
-    (void)text;
   }
 
   template <typename... Args>
@@ -197,7 +195,7 @@ struct Launcher {
 }  // namespace dspark_sim
 
 #define DSPARK_LAUNCH(grid, block, shared, stream, ...)                                  \
-  ((void)(stream), ::dspark_sim::Launcher<&__VA_ARGS__>{#__VA_ARGS__, dim3(grid), dim3(block), \
-                                                        static_cast<size_t>(shared)})
+  ((void)(stream),                                                                       \
+   ::dspark_sim::Launcher<&__VA_ARGS__>{dim3(grid), dim3(block), static_cast<size_t>(shared)})
 #define DSPARK_EXTERN_SHARED(type, name) \
   type* const name = static_cast<type*>(::dspark_sim::dynamic_shared())

@@ -2,9 +2,6 @@
 // in the race flavour this file also implements the instrumentation's callbacks (race.h).
 #include "runtime.h"
 
-#include <cxxabi.h>
-#include <dlfcn.h>
-#include <link.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -15,7 +12,6 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -79,17 +75,8 @@ std::map<std::pair<std::string, const void*>, int> g_max_dynamic_shared;  // per
 std::map<std::string, int> g_launch_bounds;
 std::map<std::string, int> g_launch_log;
 
-std::string base_name(const std::string& pretty) {
-  // "const char* ...kernel_name() [with auto Kernel = ns::name<args>]" -> "name", "ns::name<args>"
-  const auto at = pretty.find("Kernel = ");
-  std::string full = at == std::string::npos ? pretty : pretty.substr(at + 9);
-  if (!full.empty() && full.back() == ']') full.pop_back();
-  if (!full.empty() && full[0] == '&') full.erase(0, 1);
-  std::string name = full.substr(0, full.find('<'));
-  const auto colon = name.rfind("::");
-  return colon == std::string::npos ? name : name.substr(colon + 2);
-}
-
+// "const char* ...kernel_name() [with auto Kernel = &ns::kernels::name<args>]" -> "name<args>"
+// (namespace kernels:: dropped; other namespaces kept).
 std::string instantiation(const std::string& pretty) {
   const auto at = pretty.find("Kernel = ");
   std::string full = at == std::string::npos ? pretty : pretty.substr(at + 9);
@@ -97,6 +84,13 @@ std::string instantiation(const std::string& pretty) {
   if (!full.empty() && full[0] == '&') full.erase(0, 1);
   const auto ns = full.find("kernels::");
   return ns == std::string::npos ? full : full.substr(ns + 9);
+}
+
+// "ns::name<args>" -> "name": the key of the __launch_bounds__ registry.
+std::string base_name(const std::string& kernel) {
+  const std::string name = kernel.substr(0, kernel.find('<'));
+  const auto colon = name.rfind("::");
+  return colon == std::string::npos ? name : name.substr(colon + 2);
 }
 
 }  // namespace
@@ -221,7 +215,6 @@ ucontext_t g_scheduler_context;
 #endif
 Fiber* g_running = nullptr;
 BlockRun* g_block = nullptr;
-std::vector<std::string>* g_launch_reports = nullptr;
 
 #if defined(DSPARK_SIM_ASAN)
 void* g_scheduler_fake_stack = nullptr;
@@ -813,7 +806,7 @@ void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t sh
     set_error(cudaErrorLaunchFailure, "dspark_sim: a launch from inside a kernel (not emulated)");
     return;
   }
-  const std::string bad = check_configuration(name, func, grid, block, shared);
+  const std::string bad = check_configuration(kernel, func, grid, block, shared);
   if (!bad.empty()) {
     set_error(cudaErrorInvalidConfiguration, "dspark_sim: launch of " + kernel + ": " + bad);
     return;

@@ -156,8 +156,6 @@ __global__ void mma_kernel(const int32_t* a, const int32_t* b, const float* c, f
   for (int e = 0; e < 4; ++e) d[4 * lane + e] = acc[e];
 }
 
-using Kernel = void (*)(const float*, int, float*);
-
 }  // namespace dspark_sim_selftest
 
 namespace dspark_sim {
