@@ -6,14 +6,15 @@
 namespace dspark_ops {
 
 inline constexpr const char* kSchemas[] = {
-  // Lossless speculative verification of a block of draft tokens against target logits
-  // (SPEC §3.1): accepts the longest valid prefix and emits one more token, stateless Philox.
+  // Lossless speculative verification of a block of draft tokens against target logits (README
+  // "verify"): accepts the longest valid prefix and emits one more token, stateless Philox.
   "verify(Tensor target_logits, Tensor draft_tokens, Tensor num_draft, Tensor temperature, "
       "Tensor seed, Tensor position, Tensor? draft_logits=None, Tensor? target_start=None, "
       "Tensor? draft_temperature=None) -> (Tensor tokens, Tensor num_accepted, Tensor valid)",
-  // The sequential drafting stage (SPEC §3.2): the whole block of G slots in one call, each slot's
-  // logits corrected by W2 . W1[previous token] (Markov head) or W2 . tanh(o) (RNN head) and
-  // sampled from the draft stream; returns the tokens and the corrected pre-temperature logits.
+  // The sequential drafting stage (README "Drafting"): the whole block of G slots in one call,
+  // each slot's logits corrected by W2 . W1[previous token] (Markov head) or W2 . tanh(o) (RNN
+  // head) and sampled from the draft stream; returns the tokens and the corrected
+  // pre-temperature logits.
   "markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, Tensor w2, Tensor temperature, "
       "Tensor seed, Tensor position) -> (Tensor tokens, Tensor draft_logits)",
   "rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, Tensor w1, Tensor w2, "
@@ -22,8 +23,9 @@ inline constexpr const char* kSchemas[] = {
   // Conditional draft confidences sigmoid((w . [h_j; W1[x_j]] + b) / tau_j), float32 [B, G].
   "draft_confidence(Tensor hidden, Tensor prev_tokens, Tensor w1, Tensor weight, "
       "Tensor? bias=None, Tensor? calib_temperature=None) -> Tensor",
-  // Algorithm 1 (SPEC §3.4): per-request verify lengths admitted in survival order while
-  // expected tokens x step rate strictly improves, stopping at the first admission that does not.
+  // Algorithm 1 of DSpark (README "Scheduling"): per-request verify lengths admitted in survival
+  // order while expected tokens x step rate strictly improves, stopping at the first admission
+  // that does not.
   "schedule_verify(Tensor confidence, Tensor step_rate, Tensor? max_verify=None) -> Tensor",
   // Global search of the verify token budget K in [B, M) on (stale) confidences; int32 [1].
   "plan_verify_budget(Tensor confidence, Tensor step_rate) -> Tensor",
@@ -32,9 +34,9 @@ inline constexpr const char* kSchemas[] = {
   // Flattens [x0, x_1..x_l] of every request into one ragged target batch.
   "pack_verify_inputs(Tensor anchor, Tensor draft_tokens, Tensor num_verify, Tensor position) "
       "-> (Tensor input_ids, Tensor positions, Tensor cu_seqlens)",
-  // Block drafting attention (SPEC §3.5): the G block slots attend non-causally to all G block keys
-  // and to their request's context cache rows [max(0, p0 - window), p0); lse is [B, G, Hq] float32
-  // when return_lse, else empty.
+  // Block drafting attention (README "Block drafting attention"): the G block slots attend
+  // non-causally to all G block keys and to their request's context cache rows
+  // [max(0, p0 - window), p0); lse is [B, G, Hq] float32 when return_lse, else empty.
   "block_draft_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, "
       "Tensor v_cache, Tensor cache_seqlens, Tensor? cache_slot=None, float? softmax_scale=None, "
       "int? window=None, bool return_lse=False) -> (Tensor out, Tensor lse)",
