@@ -28,10 +28,13 @@ from .ops.schedule import (  # noqa: E402
     schedule_verify,
 )
 from .ops.verify import VerifyOutput, verify  # noqa: E402
+from .models import DSparkConfig, DSparkDraft  # noqa: E402,I001
 from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder, generate_target_only  # noqa: E402,I001
 
 __all__ = [
     "OPS",
+    "DSparkConfig",
+    "DSparkDraft",
     "DraftOutput",
     "GenerateOutput",
     "RoundStats",

@@ -1,20 +1,33 @@
 """An end-to-end DSpark decoder built only from this library's ops and plain PyTorch modules.
 
-One round of :meth:`SpeculativeDecoder.generate` (SPEC §1), batched over requests of different
+One round of :meth:`SpeculativeDecoder.generate`, batched over requests of different
 lengths, with no host synchronisation until the loop has to decide whether to stop:
 
 1. draft: the block ``[x0, MASK, ...]`` through the draft backbone (``block_draft_attention``
    over each layer's context cache), ``lm_head`` -> base logits, ``markov_draft`` (or
-   ``rnn_draft``) -> drafts and the logits they were sampled from, ``draft_confidence``;
+   ``rnn_draft``; for a DFlash draft the base logits themselves) -> drafts and the logits they
+   were sampled from, ``draft_confidence``;
 2. schedule: ``schedule_verify`` (Algorithm 1), or ``plan_verify_budget`` on the confidences of
    two rounds before + ``allocate_verify`` on fresh ones, or every draft;
 3. verify: ``pack_verify_inputs`` -> one target forward over the ragged batch -> ``verify``;
-4. commit: the target's K/V cache keeps the anchor and the accepted drafts (the rejected rows are
-   overwritten later), their target features go to the draft's context caches with
+4. commit: the target's cache keeps the anchor and the accepted drafts (the committed length
+   advances past them; the rejected rows are overwritten or masked later), their target features go to the draft's context caches with
    ``append_context_kv``, and the emitted token becomes the next anchor.
 
 Sampling is lossless: with the same ``temperature`` the tokens are distributed exactly as
 :func:`generate_target_only` (plain target sampling) produces them, and greedy output is identical.
+
+The target is anything with this interface (:class:`~dspark_ops.models.TinyTarget`, or
+:class:`dspark_ops.hf.HFTarget` for a transformers model):
+
+- ``device``;
+- ``new_cache(num_rows, length)``: an empty cache object, passed back as it is;
+- ``target(input_ids [B, T], num_valid [B], cache, cache_len [B])``: request ``b``'s first
+  ``num_valid[b]`` tokens at positions ``cache_len[b] + i``, after its ``cache_len[b]``
+  committed tokens (``cache_len`` only grows; rows of an earlier call past it are dropped);
+  returns ``logits [B, T, V]`` and the draft's context features ``[B, T, F]``;
+- ``forward_ragged(input_ids, cu_seqlens, cache, cache_len)``: the same over the ragged verify
+  batch of :func:`dspark_ops.pack_verify_inputs`, returning ragged rows.
 """
 
 from __future__ import annotations
@@ -88,10 +101,10 @@ def _prefill(target: TinyTarget, prompts: Sequence[Sequence[int]], length: int, 
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-    k_cache, v_cache = target.new_cache(len(prompts), length)
-    logits, features = target(ids, lengths, k_cache, v_cache, torch.zeros_like(lengths))
+    cache = target.new_cache(len(prompts), length)
+    logits, features = target(ids, lengths, cache, torch.zeros_like(lengths))
     last = logits[torch.arange(len(prompts), device=device), lengths.long() - 1]
-    return last, features, k_cache, v_cache, lengths
+    return last, features, cache, lengths
 
 
 def _sample_from_target(logits: torch.Tensor, temperature, seed, position) -> torch.Tensor:
@@ -121,12 +134,12 @@ def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], m
     """Plain autoregressive decoding of the target, one token per forward: the baseline the
     speculative decoder must reproduce (greedy: identical tokens; sampled: the same
     distribution, drawn from the same per-position random streams as ``verify``'s emissions)."""
-    device = target.embed_tokens.weight.device
+    device = target.device
     batch = len(prompts)
     length = max(len(p) for p in prompts) + max_new_tokens + 1
     temperature = _per_request(temperature, batch, torch.float32, device)
     seed = _seeds(seed, batch, device, generator)
-    last, _, k_cache, v_cache, lengths = _prefill(target, prompts, length, device)
+    last, _, cache, lengths = _prefill(target, prompts, length, device)
     position = lengths.long() - 1
     generated: List[List[int]] = [[] for _ in range(batch)]
     done = [max_new_tokens <= 0] * batch
@@ -136,8 +149,7 @@ def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], m
             if not done[b]:
                 done[b] = _finish(generated[b], [t], eos_token_id, max_new_tokens)
         position = position + 1
-        logits, _ = target(token[:, None], torch.ones_like(lengths), k_cache, v_cache,
-                           position.int())
+        logits, _ = target(token[:, None], torch.ones_like(lengths), cache, position.int())
         last = logits[:, 0]
     return generated
 
@@ -147,11 +159,11 @@ class SpeculativeDecoder:
 
     Parameters
     ----------
-    target : TinyTarget
-        Any module with the same interface works: ``new_cache``, a padded ``forward`` and
-        ``forward_ragged`` returning logits and the draft's context features.
+    target : TinyTarget or dspark_ops.hf.HFTarget
+        Anything with the interface of the module doc.
     draft : DSparkDraft
-        Its context features must be the target's ``feature_layers``.
+        Its context features must be the target's ``feature_layers``. A DFlash draft
+        (``markov_rank = 0``, no confidence head) runs with ``scheduler="fixed"``.
     block_size : int, optional
         ``G``, drafts per round; default ``draft.config.block_size``.
     scheduler : str
@@ -175,10 +187,9 @@ class SpeculativeDecoder:
                  eos_token_id: Optional[int] = None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
-        if draft.markov_head is None:
-            raise ValueError("the draft needs a Markov head (markov_rank > 0)")
         if scheduler != "fixed" and draft.confidence_head is None:
-            raise ValueError(f"scheduler {scheduler!r} needs the draft's confidence head")
+            raise ValueError(f"scheduler {scheduler!r} needs the draft's confidence head "
+                             "(this draft has none: use scheduler='fixed')")
         self.target, self.draft = target, draft
         self.block_size = block_size or draft.config.block_size
         self.scheduler = scheduler
@@ -238,7 +249,7 @@ class SpeculativeDecoder:
 
         # Prefill: the target reads the prompts, the draft's context gets their features, and
         # the first token (the first anchor, at position p0 = prompt length) is drawn.
-        last, features, t_k, t_v, target_len = _prefill(target, prompts, length, device)
+        last, features, t_cache, target_len = _prefill(target, prompts, length, device)
         d_k, d_v = draft.new_caches(batch, length)
         draft_len = torch.zeros(batch, dtype=torch.int32, device=device)
         draft.append_context(features.to(dtype), None, target_len, d_k, d_v, draft_len)
@@ -259,8 +270,8 @@ class SpeculativeDecoder:
             # 1. Draft: one parallel pass over the block, then the sequential head.
             hidden = draft(draft.block_hidden(anchor, block), None, d_k, d_v, draft_len)
             base_logits = draft.lm_head(hidden)
-            drafts, draft_logits = draft.markov_head.sample(base_logits, anchor, hidden,
-                                                            temperature, seed, position)
+            drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature, seed,
+                                                 position)
             if draft.confidence_head is not None:
                 prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
                 confidence = draft.confidence(hidden, prev, calib)
@@ -274,8 +285,8 @@ class SpeculativeDecoder:
 
             # 3. Verify: one target forward over the ragged batch of [x0, x_1..x_l].
             packed = pack_verify_inputs(anchor, drafts, num_verify, position)
-            logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens, t_k,
-                                                     t_v, target_len)
+            logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens,
+                                                     t_cache, target_len)
             starts = packed.cu_seqlens[:-1]
             out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
                          draft_logits=draft_logits, target_start=starts,

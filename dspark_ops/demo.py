@@ -63,9 +63,8 @@ def tiny_pair(vocab: int = 64, block_size: int = 7, *, context: float = 0.0, noi
         draft.norm.weight.zero_()  # h = 0: base logits 0, the Markov head carries everything
         # M[x]: the target's logits after token x on its own.
         ids = torch.arange(vocab, device=device)[:, None]
-        k, v = target.new_cache(vocab, 1)
         zeros = torch.zeros(vocab, dtype=torch.int32, device=device)
-        bigram = target(ids, zeros + 1, k, v, zeros)[0][:, 0].float().cpu()
+        bigram = target(ids, zeros + 1, target.new_cache(vocab, 1), zeros)[0][:, 0].float().cpu()
         draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
         if markov_head_type == "rnn":  # o = 3 W1[x]: tanh(o) = tanh(3) one-hot(x)
             joint = draft.markov_head.joint_proj

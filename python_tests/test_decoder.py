@@ -1,10 +1,11 @@
-"""The end-to-end decoder (SPEC §1, §3.6): greedy identity with plain target decoding, sampled
+"""The end-to-end decoder: greedy identity with plain target decoding, sampled
 losslessness by a chi-square test on the joint distribution of the first tokens (and a broken
 variant that fails it), acceptance of an exact draft, EOS, batch invariance, the checkpoint
 loader and the demo."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -74,6 +75,32 @@ def test_greedy_equals_plain_decoding_on_cuda():
     assert all(len(t) == 20 for t in sampled.tokens)
 
 
+def _dflash(draft):
+    """The same backbone without the sequential and confidence heads (a DFlash draft); its
+    final norm is re-randomised so that the base logits are not all zero."""
+    config = dataclasses.replace(draft.config, markov_rank=0, enable_confidence_head=False)
+    dflash = DSparkDraft(config).to(draft.fc.weight.dtype)
+    state = {k: v for k, v in draft.state_dict().items()
+             if not k.startswith(("markov_head.", "confidence_head."))}
+    dflash.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        dflash.norm.weight.copy_(torch.randn(dflash.norm.weight.shape,
+                                             generator=torch.Generator().manual_seed(5)))
+    return dflash
+
+
+@pytest.mark.parametrize("block", [1, 5])
+def test_dflash_draft_greedy_equals_plain_decoding(pair, block):
+    target, draft = pair
+    dflash = _dflash(draft)
+    expected = generate_target_only(target, PROMPTS, 20)
+    out = SpeculativeDecoder(target, dflash, block_size=block, scheduler="fixed").generate(
+        PROMPTS, 20)
+    assert out.tokens == expected
+    with pytest.raises(ValueError, match="confidence head"):
+        SpeculativeDecoder(target, dflash, scheduler="confidence")
+
+
 def test_exact_draft_is_always_accepted():
     """A bigram target drafted by its own table: every draft is accepted (tau = G + 1)."""
     target, draft = tiny_pair(vocab=64, block_size=6, context=0.0, noise=0.0,
@@ -139,9 +166,8 @@ def _exact_joint(target, prompt, steps, temperature):
         rows = [prompt + list(p) for p in prefixes]
         length = len(rows[0])
         ids = torch.tensor(rows)
-        k, v = target.new_cache(len(rows), length)
         zeros = torch.zeros(len(rows), dtype=torch.int32)
-        logits = target(ids, zeros + length, k, v, zeros)[0][:, -1].double()
+        logits = target(ids, zeros + length, target.new_cache(len(rows), length), zeros)[0][:, -1].double()
         probs = torch.softmax(logits / temperature, -1)
         joint = {p + (y,): joint[p] * float(probs[i, y])
                  for i, p in enumerate(prefixes) for y in range(vocab)}
@@ -157,10 +183,12 @@ def _chi_square_of_decoder(decoder, target, prompt, steps, trials, temperature):
     return chi_square(samples, probs / probs.sum()), out
 
 
-@pytest.mark.parametrize("scheduler", ["confidence", "budget"])
+@pytest.mark.parametrize("scheduler", ["confidence", "budget", "dflash"])
 def test_sampled_tokens_follow_the_target(scheduler):
     target, draft = tiny_pair(vocab=8, block_size=4, context=0.3, noise=0.4, num_layers=1,
                               target_dtype=torch.float64)
+    if scheduler == "dflash":  # no Markov head: drafts drawn from the base logits
+        draft, scheduler = _dflash(draft), "fixed"
     trials = 12000
     # Each verified token per request costs 30% of a step: the scheduler is selective.
     step_rate = default_step_rate(trials * 5 + 1, trials, cost_per_token=0.3)
@@ -170,6 +198,9 @@ def test_sampled_tokens_follow_the_target(scheduler):
     # The draft is partial: some drafts are accepted, some rejected (both paths exercised).
     accepted = sum(a for r in out.rounds for a in r.accepted)
     verified = sum(n for r in out.rounds for n in r.num_verify)
+    if scheduler == "fixed":  # the DFlash draft: every draft verified
+        assert 0 < accepted < verified
+        return
     assert 0.2 * verified < accepted < 0.95 * verified
     assert 0 < verified < 4 * len(out.rounds[0].accepted) * len(out.rounds)  # some, not all
 
@@ -282,6 +313,109 @@ def test_from_pretrained_rejects_mismatched_checkpoints(tmp_path):
 def test_gated_markov_head_is_refused():
     with pytest.raises(ValueError, match="markov_head_type"):
         DSparkDraft(DSparkConfig.from_dict(_qwen3_dspark_config(markov_head_type="gated")))
+
+
+def _transformers5_config(**changes):
+    """The same draft as DeepSpec writes it under transformers 5.x: the RoPE base only inside
+    ``rope_parameters``, plus the fields a copied Qwen3Config carries."""
+    values = _qwen3_dspark_config(**changes)
+    theta = values.pop("rope_theta")
+    values.pop("torch_dtype")
+    values.update(rope_parameters={"rope_theta": theta, "rope_type": "default"}, dtype="bfloat16",
+                  model_type="qwen3", hidden_act="silu", tie_word_embeddings=False,
+                  layer_types=["full_attention"] * values["num_hidden_layers"],
+                  use_sliding_window=False, sliding_window=None, max_window_layers=28,
+                  attention_dropout=0.0, attention_bias=False, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None, initializer_range=0.02, use_cache=True,
+                  max_position_embeddings=40960, num_target_layers=6,
+                  transformers_version="5.10.2")
+    return values
+
+
+def test_config_reads_the_rope_base_of_both_layouts():
+    assert DSparkConfig.from_dict(_qwen3_dspark_config(rope_theta=5e5)).rope_theta == 5e5
+    assert DSparkConfig.from_dict(_transformers5_config(rope_theta=2.5e4)).rope_theta == 2.5e4
+    # transformers 4.x with an explicit plain RoPE entry.
+    legacy = _qwen3_dspark_config(rope_theta=3e4, rope_scaling={"type": "default"})
+    assert DSparkConfig.from_dict(legacy).rope_theta == 3e4
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
+    (dict(rope_scaling={"rope_type": "default", "factor": 4.0}), "rope_scaling.factor"),
+    (dict(rope_theta=None), "rope_theta"),
+    (dict(markov_head_type="gated"), "markov_head_type"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(model_type="gemma4"), "model_type"),
+    (dict(architectures=["Qwen3Eagle3Model"]), "architectures"),
+    (dict(target_layer_ids=[3, 1]), "target_layer_ids"),
+    (dict(target_layer_ids=[1, 3, 6], num_target_layers=6), "target_layer_ids"),
+    (dict(markov_rank=0, confidence_head_with_markov=True), "confidence_head_with_markov"),
+])
+def test_unsupported_config_fields_fail_with_their_name(changes, field):
+    values = _qwen3_dspark_config(**changes)
+    values = {k: v for k, v in values.items() if v is not None}
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        DSparkConfig.from_dict(values)
+
+
+def test_config_requires_deepspec_fields():
+    values = _qwen3_dspark_config()
+    del values["markov_head_type"]
+    with pytest.raises(ValueError, match="markov_head_type"):
+        DSparkConfig.from_dict(values)
+    values = _qwen3_dspark_config()
+    del values["mask_token_id"]
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DSparkConfig.from_dict(values)
+    with pytest.warns(UserWarning, match="some_new_field"):
+        DSparkConfig.from_dict(_qwen3_dspark_config(some_new_field=1))
+
+
+def test_rope_base_changes_the_draft_hidden_states():
+    """The RoPE base read from rope_parameters is the one the attention uses."""
+    torch.manual_seed(0)
+    hidden = []
+    for theta in (1e6, 1e4):
+        config = DSparkConfig.from_dict(_transformers5_config(rope_theta=theta))
+        torch.manual_seed(0)
+        draft = DSparkDraft(config).eval()
+        k, v = draft.new_caches(1, 16)
+        seqlens = torch.zeros(1, dtype=torch.int32)
+        torch.manual_seed(1)
+        features = torch.randn(1, 9, 3 * 64)
+        block = torch.randn(1, 4, 64)
+        with torch.no_grad():
+            draft.append_context(features, None, torch.tensor([9], dtype=torch.int32), k, v,
+                                 seqlens)
+            hidden.append(draft(block, None, k, v, seqlens))
+    assert not torch.allclose(hidden[0], hidden[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "rnn", "dflash"])
+def test_save_pretrained_round_trips(tmp_path, kind):
+    changes = {"dspark": {}, "rnn": dict(markov_head_type="rnn"),
+               "dflash": dict(markov_rank=0, enable_confidence_head=False)}[kind]
+    values = _transformers5_config(rope_theta=5e5, **changes)
+    if kind == "dflash":  # as DeepSpec writes a DFlash draft: neither head's field
+        del values["markov_head_type"], values["confidence_head_with_markov"]
+    source = DSparkDraft(DSparkConfig.from_dict(values)).to(torch.bfloat16)
+    source.save_pretrained(str(tmp_path))
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        written = json.load(f)
+    assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
+    assert "rope_theta" not in written and written["dtype"] == "bfloat16"
+    assert written["num_target_layers"] == 6 and written["architectures"] == ["Qwen3DSparkModel"]
+    assert ("markov_head_type" in written) == (kind != "dflash")
+    assert ("confidence_head_with_markov" in written) == (kind != "dflash")
+    loaded = DSparkDraft.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert loaded.config == source.config
+    assert loaded.markov_head is None if kind == "dflash" else loaded.markov_head is not None
+    for name, value in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
 
 
 # --------------------------------------------------------------------------------------------
