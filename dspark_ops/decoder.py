@@ -117,11 +117,19 @@ def _sample_from_target(logits: torch.Tensor, temperature, seed, position) -> to
     return out.tokens[:, 0]
 
 
-def _finish(generated: List[int], new: List[int], eos: Optional[int], limit: int) -> bool:
-    """Appends ``new`` up to EOS or the length limit; True when the request is done."""
+def _stop_ids(eos_token_id) -> frozenset:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset((eos_token_id,))
+    return frozenset(int(t) for t in eos_token_id)
+
+
+def _finish(generated: List[int], new: List[int], eos: frozenset, limit: int) -> bool:
+    """Appends ``new`` up to a stop token or the length limit; True when the request is done."""
     for token in new:
         generated.append(token)
-        if token == eos or len(generated) >= limit:
+        if token in eos or len(generated) >= limit:
             return True
     return False
 
@@ -129,7 +137,7 @@ def _finish(generated: List[int], new: List[int], eos: Optional[int], limit: int
 @torch.no_grad()
 def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          temperature: Union[float, torch.Tensor] = 0.0, seed=None, *,
-                         eos_token_id: Optional[int] = None,
+                         eos_token_id: Union[int, Sequence[int], None] = None,
                          generator: Optional[torch.Generator] = None) -> List[List[int]]:
     """Plain autoregressive decoding of the target, one token per forward: the baseline the
     speculative decoder must reproduce (greedy: identical tokens; sampled: the same
@@ -147,7 +155,7 @@ def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], m
         token = _sample_from_target(last, temperature, seed, position)
         for b, t in enumerate(token.tolist()):
             if not done[b]:
-                done[b] = _finish(generated[b], [t], eos_token_id, max_new_tokens)
+                done[b] = _finish(generated[b], [t], _stop_ids(eos_token_id), max_new_tokens)
         position = position + 1
         logits, _ = target(token[:, None], torch.ones_like(lengths), cache, position.int())
         last = logits[:, 0]
@@ -177,14 +185,15 @@ class SpeculativeDecoder:
     calib_temperature : torch.Tensor, optional
         float32 ``[G]``: the confidence head's calibration (see
         :func:`dspark_ops.fit_sequential_temperatures`).
-    eos_token_id : int, optional
-        A request ends after emitting it (mid-block tokens after it are dropped).
+    eos_token_id : int or sequence of int, optional
+        Stop token(s): a request ends after emitting one (mid-block tokens after it are
+        dropped).
     """
 
     def __init__(self, target: TinyTarget, draft: DSparkDraft, *, block_size: Optional[int] = None,
                  scheduler: str = "confidence", step_rate: Optional[torch.Tensor] = None,
                  calib_temperature: Optional[torch.Tensor] = None,
-                 eos_token_id: Optional[int] = None):
+                 eos_token_id: Union[int, Sequence[int], None] = None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if scheduler != "fixed" and draft.confidence_head is None:
@@ -196,6 +205,7 @@ class SpeculativeDecoder:
         self.step_rate = step_rate
         self.calib_temperature = calib_temperature
         self.eos_token_id = eos_token_id
+        self._stop = _stop_ids(eos_token_id)
 
     def _num_verify(self, confidence, stale, active, step_rate):
         batch, block = confidence.shape
@@ -260,7 +270,7 @@ class SpeculativeDecoder:
         done = [max_new_tokens <= 0] * batch
         for b, t in enumerate(anchor.tolist()):
             if not done[b]:
-                done[b] = _finish(generated[b], [t], self.eos_token_id, max_new_tokens)
+                done[b] = _finish(generated[b], [t], self._stop, max_new_tokens)
         rounds: List[RoundStats] = []
         history: List[torch.Tensor] = []  # confidences of earlier rounds (the "budget" scheduler)
         rows = torch.arange(block + 1, device=device)
@@ -313,7 +323,7 @@ class SpeculativeDecoder:
                 stats.num_verify.append(verified[b])
                 stats.verify_tokens += 1 + verified[b]
                 stats.confidence.append(confidences[b])
-                done[b] = _finish(generated[b], tokens[b][: accepted[b] + 1], self.eos_token_id,
+                done[b] = _finish(generated[b], tokens[b][: accepted[b] + 1], self._stop,
                                   max_new_tokens)
             rounds.append(stats)
         return GenerateOutput(generated, rounds)

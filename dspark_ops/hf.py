@@ -1,0 +1,204 @@
+"""A Hugging Face transformers causal LM as the target of :class:`dspark_ops.SpeculativeDecoder`.
+
+:class:`HFTarget` wraps any ``AutoModelForCausalLM`` whose decoder layers sit in
+``model.get_decoder().layers`` (Qwen3, Llama, Qwen2, Mistral without sliding window, ...) behind
+the target interface the decoder uses (see :mod:`dspark_ops.decoder`): a batched prefill of
+prompts of different lengths, the ragged verify forward, the commit of each request's accepted
+rows, and the draft's context features, exactly as DeepSpec's training cache defines them:
+
+- id ``-1`` is the embedding output, i.e. the input of decoder layer 0 (``hidden_states[0]``);
+- id ``l >= 0`` is the raw output of decoder layer ``l`` (``hidden_states[l + 1]``), including
+  the last layer, whose raw output transformers does *not* return (its ``hidden_states[-1]`` is
+  the final-normed state); forward hooks on the layers read them directly.
+
+``transformers`` is an optional dependency (``pip install --no-build-isolation ".[hf]"``); only
+this module imports it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence, Tuple
+
+import torch
+
+from .models import forward_ragged
+
+__all__ = ["HFTarget"]
+
+_SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def _decoder_layers(model):
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layers found at "
+                         "model.get_decoder().layers")
+    return layers
+
+
+class _Cache:
+    """The HF key/value cache of a batch plus which of its slots each request may attend to.
+
+    Every forward appends its ``T`` rows to every request; rows a request did not keep (padding,
+    rejected drafts) stay in the cache as holes that the attention mask hides. ``commit`` turns
+    the rows of the last forward into kept or hidden ones from the committed lengths.
+    """
+
+    def __init__(self, hf_cache, batch: int, device):
+        self.hf_cache = hf_cache
+        self.visible = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self._pending = None  # (first slot, rows, committed lengths before the forward)
+
+    def commit(self, cache_len: torch.Tensor) -> None:
+        if self._pending is None:
+            return
+        start, rows, before = self._pending
+        kept = (cache_len.long() - before).clamp(0, rows)
+        self.visible[:, start:] = torch.arange(rows, device=kept.device) < kept[:, None]
+        self._pending = None
+
+    def append(self, rows: int, cache_len: torch.Tensor) -> None:
+        start = self.visible.shape[1]
+        self.visible = torch.cat([self.visible, self.visible.new_zeros(self.visible.shape[0], rows)],
+                                 1)
+        self._pending = (start, rows, cache_len.long().clone())
+
+
+class HFTarget:
+    """A transformers causal LM served to :class:`dspark_ops.SpeculativeDecoder`.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM (``AutoModelForCausalLM``) loaded with ``attn_implementation="sdpa"`` or
+        ``"eager"`` (the adapter passes explicit 4-D attention masks). Its layers must all be
+        full attention (no sliding window). It is put in eval mode.
+    feature_layers : sequence of int
+        The draft's ``target_layer_ids``: ``-1`` the embedding output, ``l`` the raw output of
+        decoder layer ``l`` (the last layer allowed), concatenated in this order.
+
+    Notes
+    -----
+    What this costs compared with a serving engine: the K/V cache is transformers' contiguous
+    ``DynamicCache`` of the whole batch, not a paged one. Every forward appends its padded
+    width to every request (a verify round appends ``max_b(1 + num_verify[b])`` slots, a
+    prefill the longest prompt), and the rows a request does not keep (padding, rejected
+    drafts) stay in memory as holes hidden by a dense ``[B, 1, T, S]`` additive attention mask
+    rebuilt every forward; nothing is compacted, so the cache grows by the verify width per
+    round rather than by the accepted length, and attention reads the holes too. The ragged
+    verify batch is run padded, one model forward per round for the whole batch, through
+    transformers' eager/SDPA attention (no FlashAttention varlen kernel, no CUDA graphs).
+    Correct, batched and simple; for speed-ups that carry over to production, wire the ops into
+    an engine.
+    """
+
+    def __init__(self, model, feature_layers: Sequence[int]):
+        config = _text_config(model.config)
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in _SUPPORTED_ATTENTION:
+            raise ValueError(f"attn_implementation {attention!r} is not supported: load the model "
+                             f"with attn_implementation in {_SUPPORTED_ATTENTION}")
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True)
+        if sliding or any(t != "full_attention" for t in layer_types):
+            raise ValueError("target models with sliding-window (or other non-full) attention "
+                             f"layers are not supported (layer_types={layer_types}, "
+                             f"sliding_window={getattr(config, 'sliding_window', None)})")
+        self.model = model.eval()
+        self.config = config
+        self.layers = _decoder_layers(model)
+        depth = len(self.layers)
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        bad = [i for i in self.feature_layers if not -1 <= i < depth]
+        if not self.feature_layers or bad:
+            raise ValueError(f"feature_layers {list(self.feature_layers)}: ids must be -1 "
+                             f"(embedding output) or a decoder layer in [0, {depth})")
+        parameters = inspect.signature(model.forward).parameters
+        # transformers >= 5.2x names the cache argument ``cache``; earlier versions
+        # ``past_key_values``.
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._captured: dict = {}
+        self._capturing = False
+        self._hooks = []
+        if -1 in self.feature_layers:
+            self._hooks.append(self.layers[0].register_forward_pre_hook(
+                self._capture_input, with_kwargs=True))
+        for layer_id in sorted(set(self.feature_layers) - {-1}):
+            self._hooks.append(self.layers[layer_id].register_forward_hook(
+                self._capture_output(layer_id)))
+
+    # -- feature capture ---------------------------------------------------------------------
+
+    def _capture_input(self, module, args, kwargs):
+        if self._capturing:
+            self._captured[-1] = args[0] if args else kwargs["hidden_states"]
+
+    def _capture_output(self, layer_id: int):
+        def hook(module, args, output):
+            if self._capturing:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def close(self) -> None:
+        """Removes the feature hooks from the model."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- the target interface ----------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def new_cache(self, num_rows: int, length: int) -> _Cache:
+        """An empty cache for ``num_rows`` requests (``length`` is not preallocated: the
+        transformers cache grows)."""
+        from transformers import DynamicCache
+
+        return _Cache(DynamicCache(), num_rows, self.device)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, num_valid: torch.Tensor, cache: _Cache,
+                 cache_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Padded forward: request ``b``'s first ``num_valid[b]`` tokens of ``input_ids[b]`` at
+        positions ``cache_len[b] + i``, attending to its committed rows and causally to each
+        other. Rows of the previous forward past ``cache_len[b]`` are dropped (hidden) first.
+
+        Returns ``logits [B, T, V]`` and ``features [B, T, n_layers * hidden]``.
+        """
+        batch, width = input_ids.shape
+        device = input_ids.device
+        cache.commit(cache_len)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        visible = torch.cat([cache.visible[:, None, :].expand(batch, width, -1),
+                             causal.expand(batch, width, width)], -1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
+        positions = cache_len.long()[:, None] + torch.arange(width, device=device)
+        self._captured.clear()
+        self._capturing = True
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True, **{self._cache_argument: cache.hf_cache})
+        finally:
+            self._capturing = False
+        cache.append(width, cache_len)
+        features = torch.cat([self._captured.pop(i) for i in self.feature_layers], -1)
+        return out.logits, features
+
+    def forward_ragged(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: _Cache,
+                       cache_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ragged verify batch of :func:`dspark_ops.pack_verify_inputs`, run padded."""
+        return forward_ragged(self, input_ids, cu_seqlens, cache, cache_len)
