@@ -116,9 +116,10 @@ class HFTarget:
         self.layers = _decoder_layers(model)
         depth = len(self.layers)
         self.feature_layers = tuple(int(i) for i in feature_layers)
-        bad = [i for i in self.feature_layers if not -1 <= i < depth]
-        if not self.feature_layers or bad:
-            raise ValueError(f"feature_layers {list(self.feature_layers)}: ids must be -1 "
+        ids = self.feature_layers
+        if (not ids or not all(-1 <= i < depth for i in ids)
+                or any(a >= b for a, b in zip(ids, ids[1:]))):
+            raise ValueError(f"feature_layers {list(ids)}: strictly increasing ids, each -1 "
                              f"(embedding output) or a decoder layer in [0, {depth})")
         parameters = inspect.signature(model.forward).parameters
         # transformers >= 5.2x names the cache argument ``cache``; earlier versions

@@ -58,7 +58,8 @@ def table_draft(target: HFTarget, sequences=(), *, head: str = "vanilla", block_
     rank = 0 if head == "dflash" else vocab
     config = DSparkConfig(
         vocab_size=vocab, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-        head_dim=64, intermediate_size=96, num_hidden_layers=1, target_layer_ids=FEATURES,
+        head_dim=64, intermediate_size=96, num_hidden_layers=1,
+        target_layer_ids=target.feature_layers,
         target_hidden_size=64, block_size=block_size, mask_token_id=vocab - 1, markov_rank=rank,
         markov_head_type="rnn" if head == "rnn" else "vanilla",
         enable_confidence_head=head != "dflash", rope_theta=1e6)
@@ -147,3 +148,171 @@ def test_greedy_equals_transformers_generate_other_heads_and_models(
     assert out.tokens == hf_greedy[model]
     if head != "dflash":  # (a random DFlash backbone drafts nothing useful)
         assert len(out.rounds) < 15  # fewer target forwards than tokens: drafts were accepted
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: the joint distribution of the first tokens is the model's own
+
+
+@torch.no_grad()
+def _model_joint(model, prompt, steps, temperature):
+    """P(y_1..y_steps | prompt) for every sequence, from the transformers model's own logits on
+    every prefix (no cache, no adapter)."""
+    vocab = model.config.vocab_size
+    joint = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(joint)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        probs = torch.softmax(model(input_ids=ids).logits[:, -1].double() / temperature, -1)
+        joint = {p + (y,): joint[p] * float(probs[i, y])
+                 for i, p in enumerate(prefixes) for y in range(vocab)}
+    return joint
+
+
+@pytest.mark.parametrize("scheduler", ["confidence", "fixed"])
+def test_sampled_tokens_follow_the_model(scheduler):
+    """Chi-square of the joint distribution of the first 3 tokens of many sampled requests
+    against the model's probabilities (bins expecting < 5 merged; pass iff
+    chi2 < df + 10 sqrt(2 df)). A variant whose cache kept one rejected row per round fails it."""
+    model = tiny_model("qwen3", vocab=8, layers=2, seed=4)
+    target = HFTarget(model, (-1, 0, 1))
+    prompt, steps, trials, temperature = [1, 5, 2], 3, 6000, 1.0
+    joint = _model_joint(model, prompt, steps, temperature)
+    sequences = [list(s) for s, p in joint.items() if p > 0.02]
+    draft = table_draft(target, sequences, block_size=4)
+    step_rate = default_step_rate(trials * 5 + 1, trials, cost_per_token=0.3)
+    decoder = SpeculativeDecoder(target, draft, scheduler=scheduler, step_rate=step_rate)
+    out = decoder.generate([prompt] * trials, steps, temperature, torch.arange(trials))
+    index = {seq: i for i, seq in enumerate(joint)}
+    samples = torch.tensor([index[tuple(t[:steps])] for t in out.tokens])
+    probs = torch.tensor(list(joint.values()))
+    chi2, df = chi_square(samples, probs / probs.sum())
+    assert chi_square_passes(chi2, df), (chi2, df)
+    accepted = sum(a for r in out.rounds for a in r.accepted)
+    verified = sum(n for r in out.rounds for n in r.num_verify)
+    assert 0.1 * verified < accepted < 0.95 * verified  # both paths exercised
+
+
+# --------------------------------------------------------------------------------------------
+# Features, checkpoints, errors
+
+
+@torch.no_grad()
+def test_features_follow_deepspec_target_cache(qwen3):
+    """-1: hidden_states[0]; l: hidden_states[l + 1]; the last layer raw, not transformers'
+    final-normed hidden_states[-1]."""
+    model = qwen3.model
+    ids = torch.tensor([PROMPTS[1]])
+    reference = model(input_ids=ids, output_hidden_states=True).hidden_states
+    length = torch.tensor([ids.shape[1]], dtype=torch.int32)
+    logits, features = qwen3(ids, length, qwen3.new_cache(1, 16), torch.zeros_like(length))
+    embedding, middle, last = features[0].split(64, -1)
+    torch.testing.assert_close(embedding, reference[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(middle, reference[2][0], rtol=0, atol=0)
+    torch.testing.assert_close(model.model.norm(last), reference[-1][0])
+    assert not torch.allclose(last, reference[-1][0], atol=1e-3)  # raw, not normed
+    torch.testing.assert_close(logits, model(input_ids=ids).logits)
+
+
+def test_adapter_refuses_what_it_cannot_serve():
+    model = tiny_model("qwen3", layers=2)
+    with pytest.raises(ValueError, match="feature_layers"):
+        HFTarget(model, (-1, 2))
+    with pytest.raises(ValueError, match="feature_layers"):
+        HFTarget(model, (1, 0))
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation"):
+        HFTarget(model, (-1, 1))
+
+
+def test_saved_draft_reads_as_a_transformers_qwen3_config(tmp_path):
+    """What DeepSpec's loader reads: transformers' Qwen3Config from config.json (the RoPE base
+    in rope_parameters, the draft's fields as attributes) and model.safetensors."""
+    from safetensors.torch import load_file
+
+    target = HFTarget(tiny_model("qwen3", layers=2), (-1, 1))
+    draft = table_draft(target, [PROMPTS[0]])
+    draft.config.rope_theta = 2.5e5
+    draft.save_pretrained(str(tmp_path))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert type(config).__name__ == "Qwen3Config"
+    assert config.rope_parameters["rope_theta"] == 2.5e5
+    assert config.architectures == ["Qwen3DSparkModel"]
+    assert list(config.target_layer_ids) == [-1, 1] and config.markov_rank == VOCAB
+    assert config.markov_head_type == "vanilla" and config.block_size == 7
+    assert config.confidence_head_with_markov is True and config.tie_word_embeddings is False
+    state = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert state.keys() == draft.state_dict().keys()
+    for name, value in draft.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+# --------------------------------------------------------------------------------------------
+# The commands
+
+
+def _tokenizer(vocab: int):
+    """A character-level tokenizer with a chat template, ``vocab`` ids."""
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = list("abcdefghijklmnopqrstuvwxyz .,?!'\n")
+    names = specials + chars
+    names += [f"<extra_{i}>" for i in range(vocab - len(names))]
+    model = tokenizers.models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")
+    tok = tokenizers.Tokenizer(model)
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("(?m)."), "isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+        chat_template=template)
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory, qwen3, hf_greedy):
+    """The tiny Qwen3 target with a tokenizer and a draft, saved as a user would have them."""
+    root = tmp_path_factory.mktemp("models")
+    target_dir, draft_dir = str(root / "target"), str(root / "draft")
+    qwen3.model.save_pretrained(target_dir)
+    _tokenizer(VOCAB).save_pretrained(target_dir)
+    draft = table_draft(qwen3, [p + t for p, t in zip(PROMPTS, hf_greedy["qwen3"])])
+    draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir
+
+
+def test_generate_command(saved_models, capsys):
+    from dspark_ops.generate import main
+
+    target_dir, draft_dir = saved_models
+    main(["--target", target_dir, "--draft", draft_dir, "--prompt", "why is the sky blue?",
+          "--max-new-tokens", "24", "--device", "cpu", "--dtype", "float64", "--block-size",
+          "4"])
+    printed = capsys.readouterr().out
+    assert "mean accepted length" in printed and "target forwards" in printed
+    assert "tokens/s" in printed and "speed-up x" in printed
+    assert "greedy output identical to plain decoding: True" in printed
+
+
+def test_eval_command(saved_models, tmp_path, capsys):
+    from dspark_ops.eval import main
+
+    target_dir, draft_dir = saved_models
+    data = tmp_path / "chat.jsonl"
+    rows = [{"turns": ["hello there", "and a second turn"]}, {"turns": ["what is two plus two?"]},
+            {"turns": ["write a short poem."]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    output = tmp_path / "results.json"
+    main(["--target", target_dir, "--draft", draft_dir, "--data", str(data),
+          "--max-new-tokens", "16", "--device", "cpu", "--dtype", "float64", "--batch-size",
+          "2", "--output", str(output), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert "chat.jsonl" in printed and "wrote" in printed
+    result = json.loads(output.read_text())
+    row = result["results"][0]
+    assert row["num_samples"] == 3 and row["greedy_identical_to_plain"] is True
+    assert 1.0 <= row["mean_accepted_length"] <= 1 + row["mean_verified_drafts"]
+    assert row["mean_verified_drafts"] == 7.0  # --scheduler fixed: every draft verified
+    assert row["speculative_target_forwards"] < row["plain_target_forwards"] + 3
+    assert result["settings"]["draft_kind"] == "dspark" and row["speedup"] > 0

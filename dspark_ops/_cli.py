@@ -1,0 +1,184 @@
+"""What ``python -m dspark_ops.generate`` and ``python -m dspark_ops.eval`` share: the flags, loading
+a transformers target with its tokenizer and a DSpark/DFlash draft from local directories, and
+timing the speculative and the plain decoder on the same prompts and seeds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+from .decoder import SCHEDULERS, SpeculativeDecoder, generate_target_only
+from .models import DSparkDraft
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float64": torch.float64}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True,
+                        help="local directory of a transformers causal LM and its tokenizer")
+    parser.add_argument("--draft", required=True,
+                        help="local directory of a DeepSpec DSpark or DFlash draft checkpoint")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="of both models (default: bfloat16 on CUDA, float32 on CPU; "
+                             "float64 runs the draft in float32)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="drafts per round G (default: the draft's block_size)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default=None,
+                        help="how many drafts to verify per request (default: 'fixed', every "
+                             "draft, as in the paper's Table 1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="request i samples with seed + i, in both decoders")
+    add_sampling_arguments(parser)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags; :func:`sampling_kwargs` turns them into ``generate`` arguments."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy (the default); drafts sample at the same temperature")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``SpeculativeDecoder.generate`` and ``generate_target_only``
+    that the sampling flags set."""
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    return {"temperature": args.temperature}
+
+
+@dataclasses.dataclass
+class Models:
+    tokenizer: object
+    target: object  # HFTarget
+    draft: DSparkDraft
+    decoder: SpeculativeDecoder
+    stop_token_ids: List[int]
+
+
+def stop_token_ids(model, tokenizer) -> List[int]:
+    """The generation config's EOS ids (one or several), else the tokenizer's, as DeepSpec's
+    evaluator resolves them."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else list(dict.fromkeys(int(t) for t in eos))
+
+
+def load_models(args: argparse.Namespace) -> Models:
+    """The target (:class:`dspark_ops.hf.HFTarget`), its tokenizer and the draft, checked
+    against each other."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as error:
+        raise SystemExit("these commands need transformers: pip install --no-build-isolation "
+                         "'.[hf]'") from error
+    from .hf import HFTarget
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # The drafting ops take 16/32-bit floats: a float64 target gets a float32 draft.
+    draft_dtype = torch.float32 if dtype == torch.float64 else dtype
+    draft = DSparkDraft.from_pretrained(args.draft, dtype=draft_dtype, device=device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype,
+                                                 attn_implementation="sdpa").to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    config = draft.config
+    target_config = getattr(model.config, "text_config", None) or model.config
+    depth = target_config.num_hidden_layers
+    if config.target_num_hidden_layers not in (None, depth):
+        raise SystemExit(f"the draft was trained on a {config.target_num_hidden_layers}-layer "
+                         f"target; {args.target} has {depth} layers")
+    if target_config.vocab_size != config.vocab_size:
+        raise SystemExit(f"vocab sizes differ: target {target_config.vocab_size}, draft "
+                         f"{config.vocab_size}")
+    features = (config.target_hidden_size or config.hidden_size)
+    if target_config.hidden_size != features:
+        raise SystemExit(f"the draft reads {features}-wide target features; the target's hidden "
+                         f"size is {target_config.hidden_size}")
+    target = HFTarget(model, config.target_layer_ids)
+    scheduler = args.scheduler or "fixed"
+    stop = stop_token_ids(model, tokenizer)
+    decoder = SpeculativeDecoder(target, draft, block_size=args.block_size, scheduler=scheduler,
+                                 eos_token_id=stop)
+    return Models(tokenizer, target, draft, decoder, stop)
+
+
+def chat_prompt(tokenizer, text: str) -> List[int]:
+    """``text`` as the user's turn through the tokenizer's chat template, with the assistant's
+    turn opened and thinking off (as DeepSpec's evaluator encodes it)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """One batch through both decoders."""
+
+    speculative: object  # GenerateOutput
+    plain_tokens: List[List[int]]
+    speculative_seconds: float
+    plain_seconds: float
+
+    @property
+    def speculative_forwards(self) -> int:
+        """Target forwards: the prefill and one verify per round."""
+        return 1 + len(self.speculative.rounds)
+
+    @property
+    def plain_forwards(self) -> int:
+        """The prefill and one forward per token after the first."""
+        return max(len(t) for t in self.plain_tokens)
+
+
+def compare(models: Models, prompts: Sequence[Sequence[int]], args: argparse.Namespace,
+            first_seed: Optional[int] = None) -> Comparison:
+    """The prompts through the speculative decoder and plain target decoding, same seeds."""
+    seed0 = args.seed if first_seed is None else first_seed
+    seeds = torch.arange(seed0, seed0 + len(prompts), dtype=torch.int64)
+    kwargs = sampling_kwargs(args)
+    _sync(args.device)
+    started = time.perf_counter()
+    out = models.decoder.generate(prompts, args.max_new_tokens, seed=seeds, **kwargs)
+    _sync(args.device)
+    middle = time.perf_counter()
+    plain = generate_target_only(models.target, prompts, args.max_new_tokens, seed=seeds,
+                                 eos_token_id=models.stop_token_ids, **kwargs)
+    _sync(args.device)
+    return Comparison(out, plain, middle - started, time.perf_counter() - middle)
+
+
+def warm_up(models: Models, args: argparse.Namespace) -> None:
+    """One short run of both decoders, so that one-time costs (kernel loading, allocator
+    growth) are not timed."""
+    short = argparse.Namespace(**{**vars(args), "max_new_tokens": min(8, args.max_new_tokens)})
+    compare(models, [[0, 1, 2, 3]], short)
+
+
+def progress(iterable, total: int, description: str, enabled: bool = True):
+    """tqdm's progress bar on stderr when tqdm is installed (transformers brings it)."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=description, unit="prompt", leave=False)
+
+
+def speedup(plain_seconds: float, speculative_seconds: float) -> float:
+    return plain_seconds / speculative_seconds if speculative_seconds > 0 else float("nan")
