@@ -141,5 +141,7 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
+    # dspark_ops.hf and the generate / eval commands (transformers models and tokenizers)
+    extras_require={"hf": ["transformers>=5.0", "tokenizers"]},
     zip_safe=False,
 )
