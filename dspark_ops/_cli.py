@@ -107,8 +107,11 @@ def load_models(args: argparse.Namespace) -> Models:
     target = HFTarget(model, config.target_layer_ids)
     scheduler = args.scheduler or "fixed"
     stop = stop_token_ids(model, tokenizer)
-    decoder = SpeculativeDecoder(target, draft, block_size=args.block_size, scheduler=scheduler,
-                                 eos_token_id=stop)
+    try:
+        decoder = SpeculativeDecoder(target, draft, block_size=args.block_size,
+                                     scheduler=scheduler, eos_token_id=stop)
+    except ValueError as error:  # e.g. a DFlash draft (no confidence head) with --scheduler
+        raise SystemExit(f"--scheduler {scheduler}: {error}") from error
     return Models(tokenizer, target, draft, decoder, stop)
 
 
