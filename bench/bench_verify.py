@@ -15,6 +15,16 @@ Every row times the same inputs with:
                     with what its ``RejectionSampler.forward`` does first (fp32 target softmax with
                     temperature, bonus-token sampling) and the draft softmax.
 
+Rows with sampling filters (variant ``... top-k 50 top-p 0.9``, drafts sampled from the filtered
+draft distribution as ``markov_draft`` does with the same filters) time ``ours`` with the filters
+fused, and instead of ``eager-torch``:
+
+* ``eager-filter+verify`` — the filters in eager PyTorch (``torch.topk`` threshold, sort + cumsum
+                    for top-p, renormalised in that order) written into the target logits as -inf,
+                    then the plain ``dspark_ops.verify``;
+* ``flashinfer``  — (GPU) ``top_k_renorm_probs`` + ``top_p_renorm_probs`` on the target
+                    probabilities, then ``chain_speculative_sampling``.
+
 Inputs: target logits ``2 * randn`` with one peak per row whose probability is uniform in
 [0.6, 0.99) (so deterministic drafts can be accepted too); draft logits = target logits + Gaussian
 noise whose scale is tuned by bisection so that the expected per-position acceptance
@@ -64,6 +74,7 @@ VARIANTS = ("sampled", "greedy", "one-hot")
 GPU_PLAN = dict(batch=64, block=8, vocab=151936, batches=(1, 8, 256), acceptances=(0.3, 0.95))
 CPU_PLAN = dict(batch=4, block=8, vocab=151936, batches=(1, 16), acceptances=(0.3, 0.95))
 DEFAULT_ACCEPTANCE = 0.7
+FILTER_TOP_K, FILTER_TOP_P = 50, 0.9  # the sampling-filter rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +95,7 @@ class VerifyCase:
     variant: str
     acceptance: float  # the per-position acceptance the noise was tuned for
     noise_scale: float
+    filters: Optional[Dict[str, torch.Tensor]] = None  # top_k / top_p per request, or None
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -181,7 +193,7 @@ def make_verify_inputs(batch: int, block: int, vocab: int, *, variant: str = "sa
                        acceptance: float = DEFAULT_ACCEPTANCE, temperature: float = 1.0,
                        target_dtype: torch.dtype = torch.bfloat16,
                        draft_dtype: torch.dtype = torch.float32,
-                       device="cpu", seed: int = 0) -> VerifyCase:
+                       device="cpu", seed: int = 0, filters: bool = False) -> VerifyCase:
     """Inputs for ``dspark_ops.verify`` with a chosen per-position acceptance rate.
 
     Parameters
@@ -202,6 +214,10 @@ def make_verify_inputs(batch: int, block: int, vocab: int, *, variant: str = "sa
         Where the tensors are made (generated there with a seeded generator).
     seed : int
         Seeds the generator; the per-request ``seed`` tensor is drawn from it too.
+    filters : bool
+        Sampled variant only: every request gets ``top_k = 50`` and ``top_p = 0.9``, and the
+        drafts are drawn from the draft distribution filtered the same way (the draft logits
+        hold -inf where the filters drop a token, as ``markov_draft`` returns them).
 
     Returns
     -------
@@ -219,6 +235,15 @@ def make_verify_inputs(batch: int, block: int, vocab: int, *, variant: str = "sa
     draft = target[:, :block].to(torch.float32, copy=True)
     draft.add_(torch.randn(draft.shape, generator=generator, device=device), alpha=scale)
     draft_logits = None
+    filter_args = None
+    if filters:
+        if variant != "sampled":
+            raise ValueError("filters apply to the sampled variant only")
+        filter_args = dict(top_k=torch.full((batch,), FILTER_TOP_K, dtype=torch.int32, device=device),
+                           top_p=torch.full((batch,), FILTER_TOP_P, device=device))
+        per_row = {k: v[:, None].expand(batch, block) for k, v in filter_args.items()}
+        draft = reference.filter_logits(draft, torch.full((batch, block), t, device=device),
+                                        **per_row)
     if variant == "sampled":
         draft_logits = draft.to(draft_dtype)
         q = torch.softmax(draft_logits.float() / t, -1).reshape(-1, vocab)
@@ -239,6 +264,7 @@ def make_verify_inputs(batch: int, block: int, vocab: int, *, variant: str = "sa
         variant=variant,
         acceptance=acceptance,
         noise_scale=scale,
+        filters=filter_args,
     )
 
 
@@ -312,6 +338,22 @@ def eager_torch_verify(target_logits, draft_tokens, num_draft, temperature, draf
     return tokens, num_accepted
 
 
+def eager_filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p in eager PyTorch, as a user would write it: float32 logits ``[..., V]``
+    with -inf where a filter drops a token (per-request ``top_k``/``top_p`` of the leading axis)."""
+    z = logits.float() / temperature[:, None, None]
+    kth = z.topk(int(top_k.max()), -1).values.gather(-1, (top_k.long() - 1)[:, None, None]
+                                                     .expand(*z.shape[:-1], 1))
+    z = z.masked_fill(z < kth, float("-inf"))
+    sorted_z, order = z.sort(-1, descending=True)
+    probs = torch.softmax(sorted_z, -1)
+    before = probs.cumsum(-1) - probs
+    drop = before >= top_p[:, None, None]
+    z = z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
+    return z * temperature[:, None, None]
+
+
 def _flashinfer_factory() -> Optional[Callable[[VerifyCase], Callable]]:
     """Builds timed callables around FlashInfer's chain kernel, or None when not importable."""
     try:
@@ -322,6 +364,10 @@ def _flashinfer_factory() -> Optional[Callable[[VerifyCase], Callable]]:
         return None
     params = inspect.signature(chain_speculative_sampling).parameters
     report_once("flashinfer", "anchor flashinfer: flashinfer.sampling.chain_speculative_sampling")
+    try:
+        from flashinfer.sampling import top_k_renorm_probs, top_p_renorm_probs
+    except Exception:
+        top_k_renorm_probs = top_p_renorm_probs = None
 
     def make(case: VerifyCase):
         if case.greedy:
@@ -333,8 +379,17 @@ def _flashinfer_factory() -> Optional[Callable[[VerifyCase], Callable]]:
         if "uniform_samples" in params:  # FlashInfer < 0.2 takes the uniforms as input
             kwargs["uniform_samples"] = torch.rand(batch, block + 1, device=tokens.device)
 
+        if case.filters is not None and top_k_renorm_probs is None:
+            return None
+
         def call():
             target_probs = _probs(case.target_logits, t)
+            if case.filters is not None:
+                flat = target_probs.reshape(-1, vocab)
+                rows_per_request = block + 1
+                flat = top_k_renorm_probs(flat, case.filters["top_k"].repeat_interleave(rows_per_request))
+                flat = top_p_renorm_probs(flat, case.filters["top_p"].repeat_interleave(rows_per_request))
+                target_probs = flat.reshape(batch, block + 1, vocab)
             if case.draft_logits is None:
                 draft_probs = torch.zeros(batch, block, vocab, device=tokens.device)
                 draft_probs.scatter_(-1, case.draft_tokens[..., None], 1.0)
@@ -452,7 +507,7 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
                anchors: Dict[str, Optional[Callable]], copy_gbps: Optional[float]) -> Row:
     """Times one input set with every competitor and returns its row."""
     batch, block, vocab = case.shape
-    args, kwargs = case.args(), dict(draft_logits=case.draft_logits)
+    args, kwargs = case.args(), dict(draft_logits=case.draft_logits, **(case.filters or {}))
 
     def ours():
         return dspark_ops.verify(*args, **kwargs)
@@ -461,6 +516,10 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
         return reference.verify(*args, **kwargs)
 
     def eager():
+        if case.filters is not None:
+            filtered = eager_filter_logits(case.target_logits, case.temperature,
+                                           case.filters["top_k"], case.filters["top_p"])
+            return dspark_ops.verify(filtered, *args[1:], draft_logits=case.draft_logits)
         return eager_torch_verify(case.target_logits, case.draft_tokens, case.num_draft,
                                   case.temperature, case.draft_logits)
 
@@ -489,7 +548,8 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
 
     row.ours_us = try_time("ours", ours, device, **timing.ours)
     row.reference_us = try_time("ref", ref, device, **timing.others)
-    row.anchors["eager-torch"] = try_time("eager-torch", eager, device, **timing.others)
+    eager_name = "eager-filter+verify" if case.filters is not None else "eager-torch"
+    row.anchors[eager_name] = try_time(eager_name, eager, device, **timing.others)
     for name, factory in anchors.items():
         fn = None
         if factory is not None:
@@ -508,7 +568,10 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
 
 
 def _variant_label(case: VerifyCase) -> str:
-    return f"{case.variant} a~{case.acceptance:g}"
+    label = f"{case.variant} a~{case.acceptance:g}"
+    if case.filters is not None:
+        label += f" top-k {FILTER_TOP_K} top-p {FILTER_TOP_P:g}"
+    return label
 
 
 def _dtype_label(case: VerifyCase) -> str:
@@ -523,6 +586,7 @@ def plan(device: torch.device, quick: bool) -> List[dict]:
     base = dict(batch=p["batch"], block=p["block"], vocab=p["vocab"],
                 acceptance=DEFAULT_ACCEPTANCE)
     rows = [dict(base, variant=v) for v in VARIANTS]
+    rows.append(dict(base, variant="sampled", filters=True))
     if not quick:
         rows += [dict(base, variant="sampled", batch=b) for b in p["batches"]]
         rows += [dict(base, variant="sampled", acceptance=a) for a in p["acceptances"]]
@@ -554,11 +618,12 @@ def run(device: torch.device, quick: bool = False, use_anchors: bool = True,
         started = time.perf_counter()
         case = make_verify_inputs(spec["batch"], spec["block"], spec["vocab"],
                                   variant=spec["variant"], acceptance=spec["acceptance"],
-                                  device=device, seed=i)
+                                  device=device, seed=i, filters=spec.get("filters", False))
         row = bench_case(case, device, timing, anchors, copy_gbps)
         rows.append(row)
+        eager_name = "eager-filter+verify" if case.filters is not None else "eager-torch"
         log(f"  verify {row.shape} {row.variant}: ours {format_us(row.ours_us)} us, "
-            f"ref {format_us(row.reference_us)} us, eager-torch {format_us(row.anchors['eager-torch'])} us "
+            f"ref {format_us(row.reference_us)} us, {eager_name} {format_us(row.anchors[eager_name])} us "
             f"[{time.perf_counter() - started:.1f} s]")
         del case
         if device.type == "cuda":

@@ -59,6 +59,8 @@ CONFIGS = [
      "mixed"),
     ("ragged, num_draft 0..G, bf16/f32 V=4096", "sampled", V_SMALL, torch.bfloat16,
      torch.float32, "ragged"),
+    ("top-k 50 top-p 0.9 + logprobs, bf16/f32 V=151936", "sampled", V_LARGE, torch.bfloat16,
+     torch.float32, "filters"),
 ]
 
 # Drafting: name, op, variant, vocab, rank, weight dtype, hidden size (rnn_draft).
@@ -81,10 +83,14 @@ CONFIDENCE_CONFIGS = [
 def build_inputs(variant, vocab, target_dtype, draft_dtype, tweak, batch, block, seed) -> Dict:
     """CPU inputs of one config as keyword arguments of ``dspark_ops.verify``."""
     case = make_verify_inputs(batch, block, vocab, variant=variant, target_dtype=target_dtype,
-                              draft_dtype=draft_dtype or torch.float32, device="cpu", seed=seed)
+                              draft_dtype=draft_dtype or torch.float32, device="cpu", seed=seed,
+                              filters=tweak == "filters")
     kwargs = dict(target_logits=case.target_logits, draft_tokens=case.draft_tokens,
                   num_draft=case.num_draft, temperature=case.temperature, seed=case.seed,
-                  position=case.position, draft_logits=case.draft_logits)
+                  position=case.position, draft_logits=case.draft_logits,
+                  **(case.filters or {}))
+    if tweak == "filters":
+        kwargs["return_logprobs"] = True
     generator = torch.Generator().manual_seed(seed + 1)
     if tweak == "mixed":
         # Greedy and sampled requests in one launch; drafts were sampled at T = 1.
@@ -104,7 +110,7 @@ def build_inputs(variant, vocab, target_dtype, draft_dtype, tweak, batch, block,
 def run_on(device: torch.device, kwargs: Dict):
     moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
     out = dspark_ops.verify(**moved)
-    return [t.cpu() for t in out]
+    return [t.cpu() for t in out[:3]]  # tokens, num_accepted, valid
 
 
 def compare_config(config, devices, batch: int, block: int, seed: int) -> Dict:

@@ -209,11 +209,20 @@ def main() -> int:
                         nan_rows=cases % 3 == 0, bad_ids=device == "cuda" and cases % 4 == 0,
                         seed=cases,
                     )
+                    if cases % 2:  # per-request sampling filters (some off) and a token mask
+                        fg = torch.Generator().manual_seed(cases)
+                        kwargs.update(
+                            top_k=torch.randint(0, 8, (16,), generator=fg, dtype=torch.int32),
+                            top_p=torch.rand(16, generator=fg).clamp_min(0.05),
+                            min_p=torch.rand(16, generator=fg) * 0.3,
+                            allowed_token_mask=torch.randint(
+                                -2**31, 2**31 - 1, (args[0].reshape(-1, vocab).shape[0], (vocab + 31) // 32),
+                                generator=fg, dtype=torch.int32))
                     want = reference.verify(*args, **kwargs)
                     got = dspark_ops.verify(
                         *map(on_device, args), **{k: on_device(v) for k, v in kwargs.items()}
                     )
-                    got = [t.cpu() for t in got]
+                    got = [t.cpu() for t in got[:3]]
                     assert ((got[0] >= -1) & (got[0] < vocab)).all(), "token id out of range"
                     bad = (
                         (got[0] != want.tokens).any(1)

@@ -10,20 +10,31 @@
 
 namespace dspark_ops {
 
-using VerifyResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // tokens, num_accepted, valid
+// tokens, num_accepted, valid, logprobs
+using VerifyResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 VerifyResult verify_cpu(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
                         const at::Tensor& num_draft, const at::Tensor& temperature,
                         const at::Tensor& seed, const at::Tensor& position,
                         const std::optional<at::Tensor>& draft_logits,
                         const std::optional<at::Tensor>& target_start,
-                        const std::optional<at::Tensor>& draft_temperature);
+                        const std::optional<at::Tensor>& draft_temperature,
+                        const std::optional<at::Tensor>& top_k,
+                        const std::optional<at::Tensor>& top_p,
+                        const std::optional<at::Tensor>& min_p,
+                        const std::optional<at::Tensor>& allowed_token_mask,
+                        bool return_logprobs);
 VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
                          const at::Tensor& num_draft, const at::Tensor& temperature,
                          const at::Tensor& seed, const at::Tensor& position,
                          const std::optional<at::Tensor>& draft_logits,
                          const std::optional<at::Tensor>& target_start,
-                         const std::optional<at::Tensor>& draft_temperature);
+                         const std::optional<at::Tensor>& draft_temperature,
+                         const std::optional<at::Tensor>& top_k,
+                         const std::optional<at::Tensor>& top_p,
+                         const std::optional<at::Tensor>& min_p,
+                         const std::optional<at::Tensor>& allowed_token_mask,
+                         bool return_logprobs);
 
 // Drafting family; a "backend" suffix per entry point.
 using DraftResult = std::tuple<at::Tensor, at::Tensor>;  // tokens, draft_logits
@@ -31,12 +42,18 @@ using DraftResult = std::tuple<at::Tensor, at::Tensor>;  // tokens, draft_logits
   DraftResult markov_draft_##backend(const at::Tensor& base_logits, const at::Tensor& anchor,  \
                                      const at::Tensor& w1, const at::Tensor& w2,               \
                                      const at::Tensor& temperature, const at::Tensor& seed,    \
-                                     const at::Tensor& position);                              \
+                                     const at::Tensor& position,                               \
+                                     const std::optional<at::Tensor>& top_k,                   \
+                                     const std::optional<at::Tensor>& top_p,                   \
+                                     const std::optional<at::Tensor>& min_p);                  \
   DraftResult rnn_draft_##backend(const at::Tensor& base_logits, const at::Tensor& anchor,     \
                                   const at::Tensor& hidden, const at::Tensor& w1,              \
                                   const at::Tensor& w2, const at::Tensor& joint_weight,        \
                                   const at::Tensor& joint_bias, const at::Tensor& temperature, \
-                                  const at::Tensor& seed, const at::Tensor& position);         \
+                                  const at::Tensor& seed, const at::Tensor& position,          \
+                                  const std::optional<at::Tensor>& top_k,                      \
+                                  const std::optional<at::Tensor>& top_p,                      \
+                                  const std::optional<at::Tensor>& min_p);                     \
   at::Tensor draft_confidence_##backend(const at::Tensor& hidden, const at::Tensor& prev_tokens, \
                                         const at::Tensor& w1, const at::Tensor& weight,         \
                                         const std::optional<at::Tensor>& bias,                  \

@@ -7,18 +7,25 @@ namespace dspark_ops {
 
 inline constexpr const char* kSchemas[] = {
   // Lossless speculative verification of a block of draft tokens against target logits (README
-  // "verify"): accepts the longest valid prefix and emits one more token, stateless Philox.
+  // "verify"): accepts the longest valid prefix and emits one more token, stateless Philox. The
+  // target distribution is filtered by the allowed-token bitmask and top-k / top-p / min-p
+  // (README "Sampling filters"); logprobs is [B, G+1] when return_logprobs, else [B, 0].
   "verify(Tensor target_logits, Tensor draft_tokens, Tensor num_draft, Tensor temperature, "
       "Tensor seed, Tensor position, Tensor? draft_logits=None, Tensor? target_start=None, "
-      "Tensor? draft_temperature=None) -> (Tensor tokens, Tensor num_accepted, Tensor valid)",
+      "Tensor? draft_temperature=None, Tensor? top_k=None, Tensor? top_p=None, "
+      "Tensor? min_p=None, Tensor? allowed_token_mask=None, bool return_logprobs=False) "
+      "-> (Tensor tokens, Tensor num_accepted, Tensor valid, Tensor logprobs)",
   // The sequential drafting stage (README "Drafting"): the whole block of G slots in one call,
   // each slot's logits corrected by W2 . W1[previous token] (Markov head) or W2 . tanh(o) (RNN
   // head) and sampled from the draft stream; returns the tokens and the corrected
-  // pre-temperature logits.
+  // pre-temperature logits, -inf where the sampling filters (README "Sampling filters") drop a
+  // token.
   "markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, Tensor w2, Tensor temperature, "
-      "Tensor seed, Tensor position) -> (Tensor tokens, Tensor draft_logits)",
+      "Tensor seed, Tensor position, Tensor? top_k=None, Tensor? top_p=None, "
+      "Tensor? min_p=None) -> (Tensor tokens, Tensor draft_logits)",
   "rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, Tensor w1, Tensor w2, "
-      "Tensor joint_weight, Tensor joint_bias, Tensor temperature, Tensor seed, Tensor position) "
+      "Tensor joint_weight, Tensor joint_bias, Tensor temperature, Tensor seed, Tensor position, "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
       "-> (Tensor tokens, Tensor draft_logits)",
   // Conditional draft confidences sigmoid((w . [h_j; W1[x_j]] + b) / tau_j), float32 [B, G].
   "draft_confidence(Tensor hidden, Tensor prev_tokens, Tensor w1, Tensor weight, "

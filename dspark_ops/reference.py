@@ -22,6 +22,8 @@ __all__ = [
     "philox_uniform",
     "uniform_from_bits",
     "VerifyOutput",
+    "filter_logits",
+    "allowed_tokens",
     "verify",
     "DraftOutput",
     "draft_sample",
@@ -112,6 +114,63 @@ class VerifyOutput(NamedTuple):
     tokens: torch.Tensor  # int64 [B, G+1]: emitted tokens, then -1
     num_accepted: torch.Tensor  # int32 [B]: accepted draft tokens (one more token is emitted)
     valid: torch.Tensor  # bool [B]: False where a needed row had no finite logit or a draft id was out of range
+    logprobs: Optional[torch.Tensor] = None  # float32 [B, G+1] when asked for: log p of each emitted token, then -inf
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling filters (csrc/kernels/filter_math.h). On a row of logits z (non-finite = -inf) with max
+# m and weights w = exp((z - m) / T) (T = 1 for greedy rows), in this order: top-k keeps the
+# tokens with fewer than k larger logits (boundary ties kept); top-p keeps those whose top-k-kept
+# tokens with a larger logit weigh < top_p x the top-k-kept total (float64 sums); min-p keeps
+# w >= min_p. Off: top_k outside [1, V), top_p >= 1, min_p <= 0.
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """float32 ``logits [..., V]`` with -inf where a filter (or a non-finite logit) drops a token.
+
+    ``temperature``, ``top_k``, ``top_p`` and ``min_p`` have the leading shape ``[...]``.
+    """
+    z = logits.float()
+    z = torch.where(torch.isfinite(z), z, float("-inf"))
+    vocab = z.shape[-1]
+    greedy = ~(temperature > GREEDY_TEMPERATURE)
+    inv_t = torch.where(greedy, 1.0, 1.0 / temperature).float()
+    row_max = z.amax(-1, keepdim=True)
+    shifted = torch.where(row_max == float("-inf"), float("-inf"), z - row_max)
+    weight = torch.exp(shifted * inv_t[..., None])
+    keep = torch.isfinite(z)
+    if top_k is not None:
+        k = top_k.long()
+        kth = z.sort(-1, descending=True).values.gather(-1, (k.clamp(1, vocab) - 1)[..., None])
+        keep &= ((k <= 0) | (k >= vocab))[..., None] | (z >= kth)
+    if top_p is not None:
+        kept_weight = torch.where(keep, weight, 0.0).double()
+        order = torch.where(keep, z, float("-inf")).sort(dim=-1, descending=True, stable=True)
+        sorted_weight = kept_weight.gather(-1, order.indices)
+        before = torch.cat([torch.zeros_like(sorted_weight[..., :1]),
+                            sorted_weight.cumsum(-1)[..., :-1]], -1)
+        # The weight strictly above a token is the running sum at the first token of its tie group.
+        descending = (-order.values).contiguous()
+        group_start = torch.searchsorted(descending, descending, side="left").clamp_max(vocab - 1)
+        above = torch.empty_like(before).scatter_(-1, order.indices, before.gather(-1, group_start))
+        bound = top_p.double().clamp_min(1e-30)[..., None] * kept_weight.sum(-1, keepdim=True)
+        keep &= ~(top_p < 1.0)[..., None] | (above < bound)
+    if min_p is not None:
+        keep &= ~(min_p > 0.0)[..., None] | (weight >= min_p.clamp_max(1.0)[..., None])
+    return torch.where(keep, z, float("-inf"))
+
+
+def allowed_tokens(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool ``[R, V]`` from an int32 bitmask ``[R, ceil(V / 32)]``: bit v % 32 of word v // 32."""
+    v = torch.arange(vocab, device=mask.device)
+    return ((mask.long()[:, v // 32] >> (v % 32)) & 1).bool()
 
 
 def _softmax_parts(logits: torch.Tensor, inv_temperature: torch.Tensor):
@@ -143,11 +202,17 @@ def verify(
     draft_logits: Optional[torch.Tensor] = None,
     target_start: Optional[torch.Tensor] = None,
     draft_temperature: Optional[torch.Tensor] = None,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
+    allowed_token_mask: Optional[torch.Tensor] = None,
+    return_logprobs: bool = False,
 ) -> VerifyOutput:
-    """Lossless speculative verification (SPEC §3.1), vectorised over the whole batch.
+    """Lossless speculative verification (README "verify"), vectorised over the whole batch.
 
     Row ``j`` of request ``b`` decides the token at absolute position ``position[b] + 1 + j`` and
-    draws from the streams keyed by that position.
+    draws from the streams keyed by that position. The target distribution of a row is the
+    processed one: disallowed tokens dropped, then :func:`filter_logits`.
     """
     device = draft_tokens.device
     batch, block = draft_tokens.shape
@@ -164,7 +229,15 @@ def verify(
 
     greedy = ~(temperature > GREEDY_TEMPERATURE)
     inv_t = torch.where(greedy, 1.0, 1.0 / temperature)
-    p, target_argmax, target_invalid = _softmax_parts(target[rows], inv_t[:, None])
+    row_logits = target[rows]
+    if allowed_token_mask is not None:
+        row_logits = torch.where(allowed_tokens(allowed_token_mask, vocab)[rows], row_logits,
+                                 float("-inf"))
+    if top_k is not None or top_p is not None or min_p is not None:
+        per_row = lambda t: None if t is None else t[:, None].expand(batch, block + 1)  # noqa: E731
+        row_logits = filter_logits(row_logits, per_row(temperature), top_k=per_row(top_k),
+                                   top_p=per_row(top_p), min_p=per_row(min_p))
+    p, target_argmax, target_invalid = _softmax_parts(row_logits, inv_t[:, None])
 
     # Per-row views padded with the bonus row (no draft token there).
     x = torch.cat([draft_tokens.long(), torch.full_like(n[:, None], -1)], 1)
@@ -223,7 +296,15 @@ def verify(
 
     tokens = torch.where(j < j_star[:, None], x, -1)
     tokens[b, j_star] = token
-    return VerifyOutput(tokens, num_accepted.int(), ~invalid)
+    logprobs = None
+    if return_logprobs:
+        # log p of each emitted token under the processed distribution (greedy rows: at T = 1).
+        emitted = torch.where(j[None, :] <= j_star[:, None], tokens, 0).clamp(0, vocab - 1)
+        logprobs = torch.log(p.gather(-1, emitted[..., None])[..., 0])
+        logprobs = torch.where(j[None, :] <= j_star[:, None], logprobs, float("-inf"))
+        logprobs[b, j_star] = torch.where(target_invalid[b, j_star], float("-inf"),
+                                          logprobs[b, j_star])
+    return VerifyOutput(tokens, num_accepted.int(), ~invalid, logprobs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,15 +344,18 @@ def draft_sample(
     return torch.where(torch.isfinite(z), key, float("-inf")).argmax(-1)
 
 
-def _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2):
+def _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2, filters):
     """The sequential walk shared by both heads; bias_input(j, prev) gives the [B, r] float64
-    vector that W2 maps to the logit bias of slot j."""
+    vector that W2 maps to the logit bias of slot j; `filters` (top_k, top_p, min_p) are applied
+    to each slot's z before it is sampled and stored."""
     w2 = w2.double()
     prev = anchor.long()
     tokens, logits = [], []
     for j in range(base_logits.shape[1]):
         bias = bias_input(j, prev) @ w2.T
         z = (bias + base_logits[:, j].double()).float()
+        if any(f is not None for f in filters.values()):
+            z = filter_logits(z, temperature, **filters)
         prev = draft_sample(z, temperature, seed, position + 1 + j)
         tokens.append(prev)
         logits.append(z)
@@ -282,14 +366,17 @@ def _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w
     return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1))
 
 
-def markov_draft(base_logits, anchor, w1, w2, temperature, seed, position) -> DraftOutput:
-    """Markov head (SPEC §3.2): z_j = base_logits[:, j] + W2 . W1[x_j], one slot at a time."""
+def markov_draft(base_logits, anchor, w1, w2, temperature, seed, position, *, top_k=None,
+                 top_p=None, min_p=None) -> DraftOutput:
+    """Markov head (README "Drafting"): z_j = base_logits[:, j] + W2 . W1[x_j], one slot at a
+    time, filtered by :func:`filter_logits` when filters are given."""
     return _draft_block(base_logits, anchor, temperature, seed, position,
-                        lambda j, prev: _embed(w1, prev), w2)
+                        lambda j, prev: _embed(w1, prev), w2,
+                        dict(top_k=top_k, top_p=top_p, min_p=min_p))
 
 
 def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed,
-              position) -> DraftOutput:
+              position, *, top_k=None, top_p=None, min_p=None) -> DraftOutput:
     """RNN head (SPEC §1 step 3): [g; c; o] = J [s_j; W1[x_j]; h_j] + b, bias W2 . tanh(o), then
     s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), s_0 = 0."""
     rank = w1.shape[1]
@@ -304,7 +391,8 @@ def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, tem
         state = gate * state + (1.0 - gate) * torch.tanh(candidate)  # after this slot's bias input
         return torch.tanh(output)
 
-    return _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2)
+    return _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2,
+                        dict(top_k=top_k, top_p=top_p, min_p=min_p))
 
 
 def draft_confidence(hidden, prev_tokens, w1, weight, bias=None, calib_temperature=None):

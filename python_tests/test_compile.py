@@ -79,7 +79,7 @@ def test_compiled_verify_dynamic_batch(device):
            target_start):
         return tuple(dspark_ops.verify(target_logits, draft_tokens, num_draft, temperature, seed,
                                        position, draft_logits=draft_logits,
-                                       target_start=target_start))
+                                       target_start=target_start))[:3]
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
     for batch in (3, 6):
@@ -91,7 +91,7 @@ def test_compiled_verify_dynamic_batch(device):
         got = compiled(*args)
         _assert_equal(got, fn(*args))
         expected = reference.verify(*args[:6], draft_logits=args[6], target_start=start)
-        _assert_equal(got, tuple(expected))
+        _assert_equal(got, tuple(expected)[:3])
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
@@ -347,7 +347,7 @@ def schedule_round(stale_confidence, confidence, step_rate, max_verify, anchor, 
     out = dspark_ops.verify(target_logits, draft_tokens, num_verify, temperature, seed, position,
                             draft_logits=draft_logits, target_start=packed.cu_seqlens[:-1])
     single_stage = dspark_ops.schedule_verify(confidence, step_rate, max_verify=max_verify)
-    return (budget, num_verify, *packed, *out, single_stage)
+    return (budget, num_verify, *packed, *out[:3], single_stage)
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)

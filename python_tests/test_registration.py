@@ -350,8 +350,10 @@ def test_schemas():
     assert verify == (
         "dspark_ops::verify(Tensor target_logits, Tensor draft_tokens, Tensor num_draft, "
         "Tensor temperature, Tensor seed, Tensor position, Tensor? draft_logits=None, "
-        "Tensor? target_start=None, Tensor? draft_temperature=None) -> "
-        "(Tensor tokens, Tensor num_accepted, Tensor valid)"
+        "Tensor? target_start=None, Tensor? draft_temperature=None, Tensor? top_k=None, "
+        "Tensor? top_p=None, Tensor? min_p=None, Tensor? allowed_token_mask=None, "
+        "bool return_logprobs=False) -> "
+        "(Tensor tokens, Tensor num_accepted, Tensor valid, Tensor logprobs)"
     )
     philox = str(torch.ops.dspark_ops.philox_uniform.default._schema)
     assert philox == (
@@ -363,11 +365,13 @@ def test_schemas():
                             "block_draft_attention", "append_context_kv")}
     assert schemas == {
         "markov_draft": "dspark_ops::markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, "
-                        "Tensor w2, Tensor temperature, Tensor seed, Tensor position) -> "
+                        "Tensor w2, Tensor temperature, Tensor seed, Tensor position, "
+                        "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) -> "
                         "(Tensor tokens, Tensor draft_logits)",
         "rnn_draft": "dspark_ops::rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, "
                      "Tensor w1, Tensor w2, Tensor joint_weight, Tensor joint_bias, "
-                     "Tensor temperature, Tensor seed, Tensor position) -> "
+                     "Tensor temperature, Tensor seed, Tensor position, Tensor? top_k=None, "
+                     "Tensor? top_p=None, Tensor? min_p=None) -> "
                      "(Tensor tokens, Tensor draft_logits)",
         "draft_confidence": "dspark_ops::draft_confidence(Tensor hidden, Tensor prev_tokens, "
                             "Tensor w1, Tensor weight, Tensor? bias=None, "
@@ -409,7 +413,7 @@ def test_cuda_build_where_a_gpu_is_present():
 
 
 def test_public_api():
-    assert dspark_ops.VerifyOutput._fields == ("tokens", "num_accepted", "valid")
+    assert dspark_ops.VerifyOutput._fields == ("tokens", "num_accepted", "valid", "logprobs")
     assert dspark_ops.VerifyBatch._fields == ("input_ids", "positions", "cu_seqlens")
     assert dspark_ops.DraftOutput._fields == ("tokens", "draft_logits")
     for name in ("schedule_verify", "plan_verify_budget", "allocate_verify", "pack_verify_inputs",

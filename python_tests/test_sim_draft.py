@@ -15,7 +15,10 @@ several request groups (B = 65, 130; large ranks that halve the group), float32 
 path) and bfloat16/float16 weights (mma.sync; the RNN head's two-pass split activation), every
 base/hidden dtype, aligned and unaligned W1/W2 rows, mixed greedy/sampled requests, NaN/+-inf base
 logits, int32 anchors and ids, out-of-range ids (zero rows), several tiles per block (V = 151936),
-the emulated A100 and L4, draft_confidence with and without bias and calibration. Planted faults
+the emulated A100 and L4, draft_confidence with and without bias and calibration, the sampling
+filters (draft_filter_kernel after every slot: top-k / top-p / min-p per request, some off, the
+filtered rows and redrawn tokens against the CPU kernel exactly, unchecked garbage values, and the
+launch count). Planted faults
 (mma_swap_a12, a dropped barrier in draft_slot_kernel, shuffle_off_by_one) are shown to be caught.
 """
 
@@ -539,6 +542,69 @@ def test_launches(sim):
         expected[f"draft_confidence_kernel<{w}>"] = 1
     got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
     assert got == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling filters (draft_filter_kernel)
+# --------------------------------------------------------------------------------------------
+
+
+def filter_case(batch: int, vocab: int, filters: dict, seed: int) -> dict:
+    out = {}
+    for key, values in filters.items():
+        dtype = torch.int32 if key == "top_k" else torch.float32
+        out[key] = torch.tensor([values[b % len(values)] for b in range(batch)], dtype=dtype)
+    return out
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("vocab", [17, 300, 8193])
+def test_filtered_drafts_match_cpu(sim, head, vocab):
+    # The emulated kernels against the CPU kernel exactly: the filter passes over the stored row
+    # (float32 z within rounding of the CPU's float64 head, so the inputs are made exact: bf16
+    # weights, and rows compared only while the drafts agree).
+    batch, block = 5, 3
+    case = make_case(batch, block, vocab, 20, seed=stable_seed("sim-filters", head, vocab),
+                     head=head, weights="bf16", temperature="mixed")
+    filters = filter_case(batch, vocab, dict(top_k=[2, 0, 9, 40], top_p=[0.9, 0.6, 1.0, 0.95],
+                                             min_p=[0.0, 0.05, 0.3, 0.01]), 0)
+    got = dspark_ops.DraftOutput(*case.call(sim, **filters))
+    check_output_contract(case, got)
+    want = case.call(**filters)
+    finite = torch.isfinite(got.draft_logits)
+    chosen = finite.gather(-1, got.tokens[..., None])[..., 0]
+    assert chosen.all(), "a draft outside the kept set"
+    same = (got.tokens == want.tokens).all(1)
+    assert int((~same).sum()) <= 1, (got.tokens, want.tokens)
+    assert torch.equal(finite[same], torch.isfinite(want.draft_logits)[same])
+    torch.testing.assert_close(got.draft_logits[same][finite[same]],
+                               want.draft_logits[same][finite[same]], rtol=1e-5, atol=1e-5)
+
+
+def test_unchecked_filter_values_stay_in_bounds(sim):
+    # What the CUDA entry point does not check (value checks need DSPARK_OPS_DEBUG=1): negative
+    # or huge top_k, top_p outside (0, 1] or NaN, min_p outside [0, 1] or NaN. The kernel treats
+    # them as documented (off, or clamped) and never leaves the row.
+    batch, vocab = 6, 100
+    case = make_case(batch, 2, vocab, 8, seed=217, temperature="sampled")
+    filters = dict(top_k=torch.tensor([-5, 2**31 - 1, 0, 1, vocab, -1], dtype=torch.int32),
+                   top_p=torch.tensor([NAN, -1.0, 0.0, 2.0, 1e-30, INF]),
+                   min_p=torch.tensor([NAN, -1.0, 5.0, 0.5, INF, 0.0]))
+    got = dspark_ops.DraftOutput(*case.call(sim, **filters))
+    check_output_contract(case, got)
+    finite = torch.isfinite(got.draft_logits)
+    assert finite.gather(-1, got.tokens[..., None]).all()
+    assert (finite.sum(-1) >= 1).all()  # the most probable token always stays
+
+
+def test_filter_launches(sim):
+    """One draft_filter_kernel launch per slot when filters are given, none otherwise."""
+    sim.clear_launch_log()
+    case = make_case(3, 4, 50, 8, seed=218, weights="f32")
+    case.call(sim)
+    case.call(sim, top_p=torch.full((3,), 0.5))
+    got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
+    assert got == {"draft_slot_kernel<float, false>": 8, "draft_filter_kernel": 4}
 
 
 def _fault_cases():

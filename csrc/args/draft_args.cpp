@@ -45,7 +45,10 @@ int64_t check_markov_weights(const char* op, const at::Tensor& w1, const at::Ten
 
 DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::Tensor& anchor,
                        const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& temperature,
-                       const at::Tensor& seed, const at::Tensor& position) {
+                       const at::Tensor& seed, const at::Tensor& position,
+                       const std::optional<at::Tensor>& top_k,
+                       const std::optional<at::Tensor>& top_p,
+                       const std::optional<at::Tensor>& min_p) {
   DraftArgs a;
   check_dim(op, "base_logits", base_logits, {3}, "3-D [B, G, V]");
   check_dtype(op, "base_logits", base_logits, kFloatTypes);
@@ -64,6 +67,7 @@ DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::
                                     a.batch);
   a.seed = check_per_request(op, "seed", seed, {at::kLong}, base_logits, a.batch);
   a.position = check_per_request(op, "position", position, {at::kLong}, base_logits, a.batch);
+  a.filters = check_filter_args(op, top_k, top_p, min_p, a.batch, base_logits, "base_logits");
   if (value_checks_enabled(base_logits) && a.batch > 0) {
     check_values_in_range(op, "anchor", a.anchor, 0, a.vocab - 1);
     // Slot j draws from position + 1 + j, which must not overflow.
@@ -78,17 +82,25 @@ DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::
 DraftArgs check_markov_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
                                   const at::Tensor& w1, const at::Tensor& w2,
                                   const at::Tensor& temperature, const at::Tensor& seed,
-                                  const at::Tensor& position) {
-  return check_common("markov_draft", base_logits, anchor, w1, w2, temperature, seed, position);
+                                  const at::Tensor& position,
+                                  const std::optional<at::Tensor>& top_k,
+                                  const std::optional<at::Tensor>& top_p,
+                                  const std::optional<at::Tensor>& min_p) {
+  return check_common("markov_draft", base_logits, anchor, w1, w2, temperature, seed, position,
+                      top_k, top_p, min_p);
 }
 
 DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
                                const at::Tensor& hidden, const at::Tensor& w1,
                                const at::Tensor& w2, const at::Tensor& joint_weight,
                                const at::Tensor& joint_bias, const at::Tensor& temperature,
-                               const at::Tensor& seed, const at::Tensor& position) {
+                               const at::Tensor& seed, const at::Tensor& position,
+                               const std::optional<at::Tensor>& top_k,
+                               const std::optional<at::Tensor>& top_p,
+                               const std::optional<at::Tensor>& min_p) {
   constexpr const char* kOp = "rnn_draft";
-  auto a = check_common(kOp, base_logits, anchor, w1, w2, temperature, seed, position);
+  auto a = check_common(kOp, base_logits, anchor, w1, w2, temperature, seed, position, top_k,
+                        top_p, min_p);
   check_device(kOp, "hidden", hidden, base_logits, "base_logits");
   check_dtype(kOp, "hidden", hidden, kFloatTypes);
   check_dim(kOp, "hidden", hidden, {3}, "3-D [B, G, d]");

@@ -7,6 +7,8 @@
 #include <optional>
 #include <tuple>
 
+#include "filter_args.h"
+
 namespace dspark_ops {
 
 struct DraftArgs {
@@ -16,6 +18,7 @@ struct DraftArgs {
   at::Tensor temperature;  // float32 [B], contiguous
   at::Tensor seed;         // int64 [B], contiguous
   at::Tensor position;     // int64 [B], contiguous
+  FilterArgs filters;      // top_k / top_p / min_p of the proposal
   // rnn_draft only (undefined for markov_draft).
   at::Tensor hidden;        // [B, G, d], unit stride along d
   at::Tensor joint_weight;  // [3r, 2r + d] in w1's dtype, unit stride along columns
@@ -29,13 +32,19 @@ constexpr int64_t kMaxDraftRank = 1024;
 DraftArgs check_markov_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
                                   const at::Tensor& w1, const at::Tensor& w2,
                                   const at::Tensor& temperature, const at::Tensor& seed,
-                                  const at::Tensor& position);
+                                  const at::Tensor& position,
+                                  const std::optional<at::Tensor>& top_k,
+                                  const std::optional<at::Tensor>& top_p,
+                                  const std::optional<at::Tensor>& min_p);
 
 DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
                                const at::Tensor& hidden, const at::Tensor& w1,
                                const at::Tensor& w2, const at::Tensor& joint_weight,
                                const at::Tensor& joint_bias, const at::Tensor& temperature,
-                               const at::Tensor& seed, const at::Tensor& position);
+                               const at::Tensor& seed, const at::Tensor& position,
+                               const std::optional<at::Tensor>& top_k,
+                               const std::optional<at::Tensor>& top_p,
+                               const std::optional<at::Tensor>& min_p);
 
 // tokens int64 [B, G] and draft_logits float32 [B, G, V] (contiguous) on the inputs' device.
 std::tuple<at::Tensor, at::Tensor> allocate_draft_outputs(const DraftArgs& args);

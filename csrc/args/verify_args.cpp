@@ -28,7 +28,12 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
                              const at::Tensor& seed, const at::Tensor& position,
                              const std::optional<at::Tensor>& draft_logits,
                              const std::optional<at::Tensor>& target_start,
-                             const std::optional<at::Tensor>& draft_temperature) {
+                             const std::optional<at::Tensor>& draft_temperature,
+                             const std::optional<at::Tensor>& top_k,
+                             const std::optional<at::Tensor>& top_p,
+                             const std::optional<at::Tensor>& min_p,
+                             const std::optional<at::Tensor>& allowed_token_mask,
+                             bool return_logprobs) {
   const auto float_types = {at::kFloat, at::kBFloat16, at::kHalf};
   VerifyArgs a;
 
@@ -76,6 +81,17 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
                       a.batch * (a.block + 1), " rows (the padded layout), got ", a.rows);
   }
 
+  a.filters = check_filter_args(kOp, top_k, top_p, min_p, a.batch, target_logits, "target_logits");
+  if (allowed_token_mask.has_value()) {
+    const auto& m = *allowed_token_mask;
+    check_device(kOp, "allowed_token_mask", m, target_logits, "target_logits");
+    check_dtype(kOp, "allowed_token_mask", m, {at::kInt});
+    check_shape(kOp, "allowed_token_mask", m, {a.rows, (a.vocab + 31) / 32},
+                "[R, ceil(V/32)] (one row per target_logits row)");
+    a.allowed_token_mask = m.contiguous();
+  }
+  a.return_logprobs = return_logprobs;
+
   if (value_checks_enabled(target_logits) && a.batch > 0) {
     check_values_in_range(kOp, "num_draft", a.num_draft, 0, a.block);
     const auto j = at::arange(a.block, draft_tokens.options().dtype(at::kInt));
@@ -96,11 +112,13 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
   return a;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_verify_outputs(const VerifyArgs& a) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_verify_outputs(
+    const VerifyArgs& a) {
   const auto options = a.target.options();
   return {at::empty({a.batch, a.block + 1}, options.dtype(at::kLong)),
           at::empty({a.batch}, options.dtype(at::kInt)),
-          at::empty({a.batch}, options.dtype(at::kBool))};
+          at::empty({a.batch}, options.dtype(at::kBool)),
+          at::empty({a.batch, a.return_logprobs ? a.block + 1 : 0}, options.dtype(at::kFloat))};
 }
 
 }  // namespace dspark_ops

@@ -7,6 +7,8 @@
 #include <optional>
 #include <tuple>
 
+#include "filter_args.h"
+
 namespace dspark_ops {
 
 struct VerifyArgs {
@@ -19,6 +21,9 @@ struct VerifyArgs {
   at::Tensor draft_logits;  // undefined, or [B, G, V] with unit stride along V
   at::Tensor target_start;  // undefined (rows b*(G+1)), or int32 [B], contiguous
   at::Tensor draft_temperature;  // undefined (= temperature), or float32 [B], contiguous
+  FilterArgs filters;            // top_k / top_p / min_p of the target distribution
+  at::Tensor allowed_token_mask;  // undefined (all allowed), or int32 [R, ceil(V/32)], contiguous
+  bool return_logprobs = false;
   int64_t batch = 0, block = 0, vocab = 0, rows = 0;
 };
 
@@ -27,9 +32,16 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
                              const at::Tensor& seed, const at::Tensor& position,
                              const std::optional<at::Tensor>& draft_logits,
                              const std::optional<at::Tensor>& target_start,
-                             const std::optional<at::Tensor>& draft_temperature);
+                             const std::optional<at::Tensor>& draft_temperature,
+                             const std::optional<at::Tensor>& top_k,
+                             const std::optional<at::Tensor>& top_p,
+                             const std::optional<at::Tensor>& min_p,
+                             const std::optional<at::Tensor>& allowed_token_mask,
+                             bool return_logprobs);
 
-// tokens int64 [B, G+1], num_accepted int32 [B], valid bool [B] on the inputs' device.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_verify_outputs(const VerifyArgs& args);
+// tokens int64 [B, G+1], num_accepted int32 [B], valid bool [B] and logprobs float32 [B, G+1]
+// (or [B, 0] when not asked for) on the inputs' device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_verify_outputs(
+    const VerifyArgs& args);
 
 }  // namespace dspark_ops

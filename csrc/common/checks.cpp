@@ -76,4 +76,9 @@ void check_probabilities(const char* op, const char* name, const at::Tensor& val
                      "probabilities in [0, 1]");
 }
 
+void check_positive_probabilities(const char* op, const char* name, const at::Tensor& values) {
+  check_float_values(op, name, values, (values > 0).logical_and_(values <= 1).logical_not_(),
+                     "in (0, 1]");
+}
+
 }  // namespace dspark_ops

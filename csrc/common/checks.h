@@ -64,5 +64,7 @@ void check_values_in_range(const char* op, const char* name, const at::Tensor& v
 void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values);
 void check_finite_positive(const char* op, const char* name, const at::Tensor& values);
 void check_probabilities(const char* op, const char* name, const at::Tensor& values);
+// Raises unless every element lies in (0, 1] (NaN fails).
+void check_positive_probabilities(const char* op, const char* name, const at::Tensor& values);
 
 }  // namespace dspark_ops

@@ -9,6 +9,9 @@
 // best key. Chunks merge in vocabulary order (ties to the lower id), so the result does not depend
 // on the thread count. The head's float64 arithmetic makes z exact whenever the dot product is
 // (always for 16-bit weights), so tokens and draft_logits match dspark_ops/reference.py bit for bit.
+// A request with sampling filters (kernels/filter_math.h) is sampled after the whole slot's z is
+// known: its row is filtered in place (dropped tokens -inf, the stored draft_logits) and its keys
+// taken over the filtered row.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
@@ -21,6 +24,7 @@
 #include "../args/draft_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/draft_math.h"
+#include "../kernels/filter_math.h"
 #include "../kernels/verify_math.h"
 #include "../ops.h"
 
@@ -87,7 +91,59 @@ struct SlotSampling {
   std::vector<float> inv_temperature;  // 1/T, or 1 for greedy requests
   std::vector<char> greedy;
   std::vector<int64_t> seed, position;  // position of this slot's draw: p0 + 1 + j
+  std::vector<FilterSpec> filter;
 };
+
+// Request b's best Gumbel-max candidate over z[x0, x1) (x0 a multiple of 32), 32 keys at a time
+// (whole Philox blocks; the tail past x1 is masked).
+RaceCandidate best_key(const float* z, int64_t x0, int64_t x1, const SlotSampling& s, int64_t b) {
+  RaceCandidate best = empty_candidate();
+  alignas(64) float u[32], key[32], zs[32];
+  for (int64_t x = x0; x < x1; x += 32) {
+    const int64_t n = std::min<int64_t>(32, x1 - x);
+    for (int64_t i = 0; i < 32; ++i) zs[i] = i < n ? z[x + i] : -INFINITY;
+    if (s.greedy[b]) {
+      for (int64_t i = 0; i < 32; ++i) key[i] = zs[i];
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        const auto block = philox_block(s.seed[b], s.position[b], kPurposeDraft,
+                                        static_cast<uint32_t>((x >> 2) + g));
+        for (int k = 0; k < 4; ++k) u[4 * g + k] = uniform_from_bits(block.x[k]);
+      }
+      const VecF inv_t(s.inv_temperature[b]);
+      for (int64_t i = 0; i < 32; i += VecF::size()) {
+        const VecF log_e = (-(-VecF::loadu(u + i)).log1p()).log();
+        (VecF::loadu(zs + i) * inv_t - log_e).store(key + i);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      // Non-finite z, and keys that are -inf (z / T overflowing) or NaN, never win.
+      if (std::isfinite(zs[i]) && key[i] > -INFINITY) {
+        best = better_candidate(best, RaceCandidate{key[i], static_cast<int32_t>(x + i)});
+      }
+    }
+  }
+  return best;
+}
+
+// Filters request b's row z[0, vocab) in place (dropped tokens -inf) and returns its token.
+int64_t filtered_token(float* z, int64_t vocab, const SlotSampling& s, int64_t b) {
+  float row_max = -INFINITY;
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (std::isfinite(z[x])) row_max = std::max(row_max, z[x]);
+  }
+  if (row_max == -INFINITY) return 0;
+  std::vector<float> row(vocab), weights(vocab);
+  std::vector<uint32_t> keys(vocab);
+  for (int64_t x = 0; x < vocab; ++x) row[x] = std::isfinite(z[x]) ? z[x] : -INFINITY;
+  const FilterResult f = filter_row(row.data(), vocab, row_max, s.inv_temperature[b],
+                                    s.filter[b], keys.data(), weights.data());
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (!filter_keeps(f, row[x], weights[x])) z[x] = -INFINITY;
+  }
+  const RaceCandidate best = best_key(z, 0, vocab, s, b);
+  return best.index < 0 ? 0 : best.index;
+}
 
 // One slot over the whole vocabulary: z = float32(W2 . input[b] + base[b]) into `z_out` (row b at
 // z_out + b * z_stride), and the sampled token of each request into `token`.
@@ -101,7 +157,6 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
   std::vector<RaceCandidate> best(chunks * batch, empty_candidate());
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> rows(kRowsPerGroup * padded_rank, 0.0);
-    alignas(64) float u[32], key[32];
     for (int64_t c = begin; c < end; ++c) {
       const int64_t x0 = c * kChunk, x1 = std::min(x0 + kChunk, vocab);
       for (int64_t v = x0; v < x1; v += kRowsPerGroup) {
@@ -119,43 +174,23 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
           }
         }
       }
-      // Keys over the chunk, 32 at a time (whole Philox blocks; the tail past x1 is masked).
+      // Keys over the chunk; filtered requests wait for their whole row.
       for (int64_t b = 0; b < batch; ++b) {
-        const float* z = z_out + b * z_stride;
-        RaceCandidate& chunk_best = best[c * batch + b];
-        for (int64_t x = x0; x < x1; x += 32) {
-          const int64_t n = std::min<int64_t>(32, x1 - x);
-          alignas(64) float zs[32];
-          for (int64_t i = 0; i < 32; ++i) zs[i] = i < n ? z[x + i] : -INFINITY;
-          if (s.greedy[b]) {
-            for (int64_t i = 0; i < 32; ++i) key[i] = zs[i];
-          } else {
-            for (int g = 0; g < 8; ++g) {
-              const auto block = philox_block(s.seed[b], s.position[b], kPurposeDraft,
-                                              static_cast<uint32_t>((x >> 2) + g));
-              for (int k = 0; k < 4; ++k) u[4 * g + k] = uniform_from_bits(block.x[k]);
-            }
-            const VecF inv_t(s.inv_temperature[b]);
-            for (int64_t i = 0; i < 32; i += VecF::size()) {
-              const VecF log_e = (-(-VecF::loadu(u + i)).log1p()).log();
-              (VecF::loadu(zs + i) * inv_t - log_e).store(key + i);
-            }
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            // Non-finite z, and keys that are -inf (z / T overflowing) or NaN, never win.
-            if (std::isfinite(zs[i]) && key[i] > -INFINITY) {
-              chunk_best = better_candidate(chunk_best, RaceCandidate{key[i], static_cast<int32_t>(x + i)});
-            }
-          }
-        }
+        if (!s.filter[b].active()) best[c * batch + b] = best_key(z_out + b * z_stride, x0, x1, s, b);
       }
     }
   });
-  for (int64_t b = 0; b < batch; ++b) {
-    RaceCandidate m = empty_candidate();
-    for (int64_t c = 0; c < chunks; ++c) m = better_candidate(m, best[c * batch + b]);
-    token[b * token_stride] = m.index < 0 ? 0 : m.index;
-  }
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (s.filter[b].active()) {
+        token[b * token_stride] = filtered_token(z_out + b * z_stride, vocab, s, b);
+        continue;
+      }
+      RaceCandidate m = empty_candidate();
+      for (int64_t c = 0; c < chunks; ++c) m = better_candidate(m, best[c * batch + b]);
+      token[b * token_stride] = m.index < 0 ? 0 : m.index;
+    }
+  });
 }
 
 SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
@@ -166,6 +201,11 @@ SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
     s.inv_temperature.push_back(is_greedy(t) ? 1.f : 1.f / t);
     s.seed.push_back(a.seed.const_data_ptr<int64_t>()[b]);
     s.position.push_back(a.position.const_data_ptr<int64_t>()[b] + 1 + j);
+    const auto& f = a.filters;
+    s.filter.push_back(make_filter_spec(
+        f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>()[b] : 0,
+        f.top_p.defined() ? f.top_p.const_data_ptr<float>()[b] : 1.f,
+        f.min_p.defined() ? f.min_p.const_data_ptr<float>()[b] : 0.f, a.vocab));
   }
   return s;
 }
@@ -223,8 +263,11 @@ void dispatch_draft_types(const DraftArgs& a, F&& f) {
 DraftResult markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor,
                              const at::Tensor& w1, const at::Tensor& w2,
                              const at::Tensor& temperature, const at::Tensor& seed,
-                             const at::Tensor& position) {
-  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position);
+                             const at::Tensor& position, const std::optional<at::Tensor>& top_k,
+                             const std::optional<at::Tensor>& top_p,
+                             const std::optional<at::Tensor>& min_p) {
+  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position,
+                                         top_k, top_p, min_p);
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   dispatch_draft_types(a, [&](auto w_tag, auto base_tag) {
     using W = decltype(w_tag);
@@ -241,9 +284,11 @@ DraftResult rnn_draft_cpu(const at::Tensor& base_logits, const at::Tensor& ancho
                           const at::Tensor& hidden, const at::Tensor& w1, const at::Tensor& w2,
                           const at::Tensor& joint_weight, const at::Tensor& joint_bias,
                           const at::Tensor& temperature, const at::Tensor& seed,
-                          const at::Tensor& position) {
+                          const at::Tensor& position, const std::optional<at::Tensor>& top_k,
+                          const std::optional<at::Tensor>& top_p,
+                          const std::optional<at::Tensor>& min_p) {
   const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
-                                      joint_bias, temperature, seed, position);
+                                      joint_bias, temperature, seed, position, top_k, top_p, min_p);
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   const int64_t rank = a.rank, width = 2 * a.rank + a.hidden_size;
   const int64_t padded_width = round_up(width, VecD::size());

@@ -7,6 +7,11 @@
 // and sum of weights for the acceptance test, then, for the one row that emits a token, the
 // exponential race over r = max(p - q, 0) with Philox noise. The scalar math is the shared
 // kernels/verify_math.h, so CPU and CUDA apply the same rule with the same random numbers.
+//
+// Sampling filters (kernels/filter_math.h): a disallowed token is dropped as the row is copied; a
+// row whose request has top-k / top-p / min-p gets its thresholds from the serial radix descent
+// and the dropped tokens set to -inf in the scratch row, with the kept weight as the new sum, so
+// the acceptance test, the race and the logprobs run unchanged on the processed distribution.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -15,6 +20,7 @@
 
 #include "../args/verify_args.h"
 #include "../common/dispatch.h"
+#include "../kernels/filter_math.h"
 #include "../kernels/verify_math.h"
 #include "../ops.h"
 
@@ -36,6 +42,13 @@ void load_row(const T* src, int64_t vocab, float* dst) {
     dst[x] = v - v == 0.f ? v : -INFINITY;  // false for +-inf and NaN
   }
   for (int64_t x = vocab; x < padded_length(vocab); ++x) dst[x] = -INFINITY;
+}
+
+// Drops the tokens whose bit in the allowed-token bitmask row is clear.
+void drop_disallowed(const int32_t* mask_row, int64_t vocab, float* row) {
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (!((static_cast<uint32_t>(mask_row[x >> 5]) >> (x & 31)) & 1u)) row[x] = -INFINITY;
+  }
 }
 
 float horizontal_max(Vec v) {
@@ -137,13 +150,36 @@ struct RequestVerifier {
   int64_t* tokens;
   int32_t* num_accepted;
   bool* valid;
-  std::vector<float> target_row, draft_row;
+  float* logprobs;  // null unless asked for
+  std::vector<float> target_row, draft_row, weights;
+  std::vector<uint32_t> keys;
 
   int64_t draft_token(int64_t b, int64_t j) const {
     const auto& t = a.draft_tokens;
     const int64_t offset = b * t.stride(0) + j * t.stride(1);
     return t.scalar_type() == at::kInt ? t.const_data_ptr<int32_t>()[offset]
                                        : t.const_data_ptr<int64_t>()[offset];
+  }
+
+  FilterSpec filter_spec(int64_t b) const {
+    const auto& f = a.filters;
+    return make_filter_spec(f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>()[b] : 0,
+                            f.top_p.defined() ? f.top_p.const_data_ptr<float>()[b] : 1.f,
+                            f.min_p.defined() ? f.min_p.const_data_ptr<float>()[b] : 0.f, a.vocab);
+  }
+
+  // Applies the request's filters to the scratch target row; t.sum becomes the kept weight.
+  void filter_target_row(const FilterSpec& spec, float inv_t, SoftmaxStats& t) {
+    if (keys.empty()) {
+      keys.resize(a.vocab);
+      weights.resize(a.vocab);
+    }
+    const FilterResult f =
+        filter_row(target_row.data(), a.vocab, t.max, inv_t, spec, keys.data(), weights.data());
+    for (int64_t x = 0; x < a.vocab; ++x) {
+      if (!filter_keeps(f, target_row[x], weights[x])) target_row[x] = -INFINITY;
+    }
+    t.sum = f.kept_sum;
   }
 
   void operator()(int64_t b) {
@@ -162,6 +198,14 @@ struct RequestVerifier {
     const int64_t start = a.target_start.defined() ? a.target_start.const_data_ptr<int32_t>()[b]
                                                    : b * (a.block + 1);
     const int64_t vocab = a.vocab;
+    const FilterSpec spec = filter_spec(b);
+    const bool with_logprobs = logprobs != nullptr;
+    // Greedy rows need the distribution only for logprobs (at T = 1).
+    const bool need_distribution = !greedy || with_logprobs;
+    float* row_logprobs = with_logprobs ? logprobs + b * (a.block + 1) : nullptr;
+    const auto log_prob = [&](const SoftmaxStats& s, int64_t x) {
+      return logf(softmax_prob(target_row[x], s.max, 1.f / s.sum, inv_t));
+    };
 
     // Walk the rows; stop at the first rejection (j == n is the bonus row).
     int64_t j = 0;
@@ -172,8 +216,14 @@ struct RequestVerifier {
       target_invalid = row < 0 || row >= a.rows;  // only on inputs the value checks reject
       if (target_invalid) break;
       load_row(target + row * a.target.stride(0), vocab, target_row.data());
-      t = row_stats(target_row.data(), vocab, !greedy, inv_t);
+      if (a.allowed_token_mask.defined()) {
+        const int64_t words = a.allowed_token_mask.size(1);
+        drop_disallowed(a.allowed_token_mask.const_data_ptr<int32_t>() + row * words, vocab,
+                        target_row.data());
+      }
+      t = row_stats(target_row.data(), vocab, need_distribution, inv_t);
       target_invalid = t.max == -INFINITY;
+      if (!target_invalid && need_distribution && spec.active()) filter_target_row(spec, inv_t, t);
       if (target_invalid || j == n) break;
       const int64_t x = draft_token(b, j);
       if (use_draft) {
@@ -196,6 +246,7 @@ struct RequestVerifier {
         accept = accept_draft(philox_uniform(seed, position + 1 + j, kPurposeAccept, 0), p_x, q_x);
       }
       if (!accept) break;
+      if (with_logprobs) row_logprobs[j] = log_prob(t, x);
     }
 
     // Emit the correction (or the bonus token) at row j.
@@ -228,12 +279,16 @@ struct RequestVerifier {
     out[j] = token;
     num_accepted[b] = static_cast<int32_t>(j);
     valid[b] = !(target_invalid || draft_invalid);
+    if (with_logprobs) {
+      row_logprobs[j] = target_invalid ? -INFINITY : log_prob(t, token);
+      for (int64_t k = j + 1; k <= a.block; ++k) row_logprobs[k] = -INFINITY;
+    }
   }
 };
 
 template <typename TargetT, typename DraftT>
 void verify_batch(const VerifyArgs& a, at::Tensor& tokens, at::Tensor& num_accepted,
-                  at::Tensor& valid) {
+                  at::Tensor& valid, at::Tensor& logprobs) {
   const auto* target = a.target.const_data_ptr<TargetT>();
   const auto* draft = a.draft_logits.defined() ? a.draft_logits.const_data_ptr<DraftT>() : nullptr;
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
@@ -243,8 +298,11 @@ void verify_batch(const VerifyArgs& a, at::Tensor& tokens, at::Tensor& num_accep
                                               tokens.data_ptr<int64_t>(),
                                               num_accepted.data_ptr<int32_t>(),
                                               valid.data_ptr<bool>(),
+                                              a.return_logprobs ? logprobs.data_ptr<float>() : nullptr,
                                               std::vector<float>(padded_length(a.vocab)),
-                                              std::vector<float>(draft ? padded_length(a.vocab) : 0)};
+                                              std::vector<float>(draft ? padded_length(a.vocab) : 0),
+                                              {},
+                                              {}};
     for (int64_t b = begin; b < end; ++b) verifier(b);
   });
 }
@@ -256,17 +314,24 @@ VerifyResult verify_cpu(const at::Tensor& target_logits, const at::Tensor& draft
                         const at::Tensor& seed, const at::Tensor& position,
                         const std::optional<at::Tensor>& draft_logits,
                         const std::optional<at::Tensor>& target_start,
-                        const std::optional<at::Tensor>& draft_temperature) {
+                        const std::optional<at::Tensor>& draft_temperature,
+                        const std::optional<at::Tensor>& top_k,
+                        const std::optional<at::Tensor>& top_p,
+                        const std::optional<at::Tensor>& min_p,
+                        const std::optional<at::Tensor>& allowed_token_mask,
+                        bool return_logprobs) {
   const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
-                                   position, draft_logits, target_start, draft_temperature);
-  auto [tokens, num_accepted, valid] = allocate_verify_outputs(a);
+                                   position, draft_logits, target_start, draft_temperature, top_k,
+                                   top_p, min_p, allowed_token_mask, return_logprobs);
+  auto [tokens, num_accepted, valid, logprobs] = allocate_verify_outputs(a);
   const auto draft_dtype = a.draft_logits.defined() ? a.draft_logits.scalar_type() : at::kFloat;
   dispatch_logit_type(a.target.scalar_type(), [&](auto target_tag) {
     dispatch_logit_type(draft_dtype, [&](auto draft_tag) {
-      verify_batch<decltype(target_tag), decltype(draft_tag)>(a, tokens, num_accepted, valid);
+      verify_batch<decltype(target_tag), decltype(draft_tag)>(a, tokens, num_accepted, valid,
+                                                              logprobs);
     });
   });
-  return {tokens, num_accepted, valid};
+  return {tokens, num_accepted, valid, logprobs};
 }
 
 TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) { m.impl("verify", &verify_cpu); }

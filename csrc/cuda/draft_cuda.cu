@@ -46,6 +46,10 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
   p.temperature = a.temperature.const_data_ptr<float>();
   p.seed = a.seed.const_data_ptr<int64_t>();
   p.position = a.position.const_data_ptr<int64_t>();
+  const auto& f = a.filters;
+  p.top_k = f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>() : nullptr;
+  p.top_p = f.top_p.defined() ? f.top_p.const_data_ptr<float>() : nullptr;
+  p.min_p = f.min_p.defined() ? f.min_p.const_data_ptr<float>() : nullptr;
   p.tokens = tokens.data_ptr<int64_t>();
   p.draft_logits = logits.data_ptr<float>();
   p.batch = static_cast<int>(a.batch);
@@ -110,8 +114,12 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
 DraftResult markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor,
                               const at::Tensor& w1, const at::Tensor& w2,
                               const at::Tensor& temperature, const at::Tensor& seed,
-                              const at::Tensor& position) {
-  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position);
+                              const at::Tensor& position,
+                              const std::optional<at::Tensor>& top_k,
+                              const std::optional<at::Tensor>& top_p,
+                              const std::optional<at::Tensor>& min_p) {
+  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position,
+                                         top_k, top_p, min_p);
   const c10::cuda::CUDAGuard guard(base_logits.device());
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
@@ -123,9 +131,13 @@ DraftResult rnn_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anch
                            const at::Tensor& hidden, const at::Tensor& w1, const at::Tensor& w2,
                            const at::Tensor& joint_weight, const at::Tensor& joint_bias,
                            const at::Tensor& temperature, const at::Tensor& seed,
-                           const at::Tensor& position) {
+                           const at::Tensor& position,
+                           const std::optional<at::Tensor>& top_k,
+                           const std::optional<at::Tensor>& top_p,
+                           const std::optional<at::Tensor>& min_p) {
   const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
-                                      joint_bias, temperature, seed, position);
+                                      joint_bias, temperature, seed, position, top_k, top_p,
+                                      min_p);
   const c10::cuda::CUDAGuard guard(base_logits.device());
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};

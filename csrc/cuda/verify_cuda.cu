@@ -30,14 +30,20 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
                          const at::Tensor& seed, const at::Tensor& position,
                          const std::optional<at::Tensor>& draft_logits,
                          const std::optional<at::Tensor>& target_start,
-                         const std::optional<at::Tensor>& draft_temperature) {
+                         const std::optional<at::Tensor>& draft_temperature,
+                         const std::optional<at::Tensor>& top_k,
+                         const std::optional<at::Tensor>& top_p,
+                         const std::optional<at::Tensor>& min_p,
+                         const std::optional<at::Tensor>& allowed_token_mask,
+                         bool return_logprobs) {
   const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
-                                   position, draft_logits, target_start, draft_temperature);
+                                   position, draft_logits, target_start, draft_temperature, top_k,
+                                   top_p, min_p, allowed_token_mask, return_logprobs);
   const c10::cuda::CUDAGuard guard(target_logits.device());
-  auto [tokens, num_accepted, valid] = allocate_verify_outputs(a);
+  auto [tokens, num_accepted, valid, logprobs] = allocate_verify_outputs(a);
   TORCH_CHECK_VALUE(a.batch <= 65535, "verify(): at most 65535 requests per call on CUDA, got ",
                     a.batch);
-  if (a.batch == 0) return {tokens, num_accepted, valid};
+  if (a.batch == 0) return {tokens, num_accepted, valid, logprobs};
 
   kernels::VerifyParams p{};
   p.target = a.target.const_data_ptr();
@@ -59,6 +65,15 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.seed = a.seed.const_data_ptr<int64_t>();
   p.position = a.position.const_data_ptr<int64_t>();
   p.target_start = a.target_start.defined() ? a.target_start.const_data_ptr<int32_t>() : nullptr;
+  const auto& f = a.filters;
+  p.top_k = f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>() : nullptr;
+  p.top_p = f.top_p.defined() ? f.top_p.const_data_ptr<float>() : nullptr;
+  p.min_p = f.min_p.defined() ? f.min_p.const_data_ptr<float>() : nullptr;
+  if (a.allowed_token_mask.defined()) {
+    p.allowed_token_mask = a.allowed_token_mask.const_data_ptr<int32_t>();
+    p.mask_words = a.allowed_token_mask.size(1);
+  }
+  p.logprobs = a.return_logprobs ? logprobs.data_ptr<float>() : nullptr;
   p.tokens = tokens.data_ptr<int64_t>();
   p.num_accepted = num_accepted.data_ptr<int32_t>();
   p.valid = valid.data_ptr<bool>();
@@ -80,8 +95,8 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   // multiple of 16 (whole vector loads, whole Philox blocks).
   int blocks_per_sm = 1;
   with_types([&](auto tt, auto dt) {
-    blocks_per_sm =
-        kernels::verify_blocks_per_sm<decltype(tt), decltype(dt)>(device_index(target_logits));
+    blocks_per_sm = kernels::verify_blocks_per_sm<decltype(tt), decltype(dt)>(
+        device_index(target_logits), f.any());
   });
   const int64_t resident = int64_t{blocks_per_sm} * multiprocessor_count(device_index(target_logits));
   const int64_t max_chunks = (a.vocab + 1023) / 1024;
@@ -109,7 +124,7 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
     const cudaError_t error = kernels::launch_verify<decltype(tt), decltype(dt)>(p, stream);
     C10_CUDA_CHECK(error);
   });
-  return {tokens, num_accepted, valid};
+  return {tokens, num_accepted, valid, logprobs};
 }
 
 TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) { m.impl("verify", &verify_cuda); }

@@ -22,6 +22,10 @@
 //   (each warp 4 rows of J x 8 requests, float32), then draft_slot_kernel runs as above with the
 //   activation tanh(o) split into a high and a low 16-bit part (two MMAs against the same W2
 //   fragments: ~16-bit mantissa instead of 8), and its first block per group advances the state.
+// Sampling filters (top-k / top-p / min-p): after each slot launch, draft_filter_kernel gives every
+//   filtered request one block that computes the filters over its stored row (kernels/filter.cuh),
+//   writes -inf into draft_logits where they drop a token and redraws the token over the kept ones
+//   with the same keys, before the next slot reads it. Requests without filters return at once.
 // draft_confidence: one warp per (request, slot) row; float32 dot product, warp reduction.
 //
 // Float32 accumulation in an order of the hardware's choosing (explicit fmaf: the build's
@@ -41,6 +45,7 @@
 #include <mutex>
 
 #include "draft_math.h"
+#include "filter.cuh"
 #include "mma.cuh"
 #include "verify_math.h"
 #include "launch.cuh"
@@ -90,6 +95,9 @@ struct DraftParams {
   const float* temperature;
   const int64_t* seed;
   const int64_t* position;
+  const int32_t* top_k;  // [B] or null (off), as the three filters
+  const float* top_p;
+  const float* min_p;
   int64_t* tokens;      // [B, G]
   float* draft_logits;  // [B, G, V]
   // rnn_draft only.
@@ -465,6 +473,78 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   }
 }
 
+__host__ __device__ inline bool has_filters(const DraftParams& p) {
+  return p.top_k || p.top_p || p.min_p;
+}
+
+// The sampling filters of slot p.slot (see the file header): block b filters request b's row in
+// place and redraws its token. Dynamic shared memory: FilterShared.
+__global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const DraftParams p) {
+  const int b = blockIdx.x;
+  const FilterSpec spec = make_filter_spec(p.top_k ? p.top_k[b] : 0, p.top_p ? p.top_p[b] : 1.f,
+                                           p.min_p ? p.min_p[b] : 0.f, p.vocab);
+  if (!spec.active()) return;
+  const float t = p.temperature[b];
+  const bool greedy = is_greedy(t);
+  const float inv_t = greedy ? 1.f : 1.f / t;
+  DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
+  FilterShared& sh = *reinterpret_cast<FilterShared*>(filter_shared_raw);
+  __shared__ unsigned long long candidate_scratch[32];
+  float* z = p.draft_logits + (int64_t{b} * p.block + p.slot) * p.vocab;
+  const auto load8 = [&](int64_t x, float (&v)[kFilterValues]) {
+#pragma unroll
+    for (int k = 0; k < kFilterValues; ++k) {
+      v[k] = x + k < p.vocab ? (isfinite(z[x + k]) ? z[x + k] : -INFINITY) : -INFINITY;
+    }
+  };
+
+  double row_max = -INFINITY;
+  for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < p.vocab;
+       x += int64_t{blockDim.x} * kFilterValues) {
+    float v[kFilterValues];
+    load8(x, v);
+#pragma unroll
+    for (int k = 0; k < kFilterValues; ++k) row_max = fmax(row_max, double{v[k]});
+  }
+  const auto larger = [](double a, double c) { return fmax(a, c); };
+  const float m = static_cast<float>(block_reduce(row_max, larger, double{-INFINITY}, sh.sum_scratch));
+  if (m == -INFINITY) return;  // no finite logit: the slot kernel's token 0 stands
+  const FilterResult f = block_filter_row(load8, p.vocab, m, inv_t, spec, sh);
+
+  const int64_t position = p.position[b] + 1 + p.slot;
+  unsigned long long best = 0;
+  for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < p.vocab;
+       x += int64_t{blockDim.x} * kFilterValues) {
+    float v[kFilterValues], u[kFilterValues];
+    load8(x, v);
+#pragma unroll
+    for (int g = 0; g < kFilterValues / 4; ++g) {
+      const Philox4 block =
+          philox_block(p.seed[b], position, kPurposeDraft, static_cast<uint32_t>((x >> 2) + g));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) u[4 * g + k] = uniform_from_bits(block.x[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kFilterValues; ++k) {
+      if (x + k >= p.vocab) break;
+      if (v[k] == -INFINITY || !filter_keeps(f, v[k], softmax_weight(v[k], m, inv_t))) {
+        z[x + k] = -INFINITY;  // dropped (and non-finite values, as the filtered row stores them)
+        continue;
+      }
+      const float key = greedy ? v[k] : v[k] * inv_t - logf(-log1pf(-u[k]));
+      if (!(key > -INFINITY)) continue;
+      const unsigned long long packed = pack_candidate(key, static_cast<int32_t>(x + k));
+      best = packed > best ? packed : best;
+    }
+  }
+  const auto higher = [](unsigned long long a, unsigned long long c) { return a > c ? a : c; };
+  best = block_reduce(best, higher, 0ull, candidate_scratch);
+  if (threadIdx.x == 0) {
+    const int32_t id = candidate_id(best);
+    p.tokens[int64_t{b} * p.block + p.slot] = id < 0 ? 0 : id;
+  }
+}
+
 // [g; c; o] = J [s; W1[x]; h] + b for slot p.slot. Grid (3r / 32, ceil(B / 8)): warp w of block
 // (x, y) computes rows 32x + 4w .. +4 of J for requests 8y .. 8y + 8, lanes striding over the input.
 constexpr int kHeadRowsPerWarp = 4;
@@ -560,8 +640,14 @@ cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
     }
     DSPARK_LAUNCH(dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream,
                   draft_slot_kernel<W, kRnn>)(p);
-    const cudaError_t error = cudaGetLastError();
+    cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
+    if (has_filters(p)) {
+      DSPARK_LAUNCH(dim3(p.batch), kDraftThreads, sizeof(FilterShared), stream,
+                    draft_filter_kernel)(p);
+      error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+    }
   }
   return cudaSuccess;
 }

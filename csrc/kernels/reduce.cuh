@@ -24,6 +24,14 @@ __device__ __forceinline__ float shfl_down(float v, int offset) {
   return __shfl_down_sync(kFullMask, v, offset);
 }
 
+__device__ __forceinline__ double shfl_down(double v, int offset) {
+  return __shfl_down_sync(kFullMask, v, offset);
+}
+
+__device__ __forceinline__ unsigned long long shfl_down(unsigned long long v, int offset) {
+  return __shfl_down_sync(kFullMask, v, offset);
+}
+
 __device__ __forceinline__ int shfl_down(int v, int offset) {
   return __shfl_down_sync(kFullMask, v, offset);
 }

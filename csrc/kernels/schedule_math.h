@@ -17,33 +17,13 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../common/philox.h"  // DSPARK_HOST_DEVICE
+#include "../common/float_bits.h"
 
 namespace dspark_ops {
 
 constexpr uint64_t kIneligible = ~uint64_t{0};
 constexpr uint32_t kOneBits = 0x3F800000u;  // bits of 1.0f
 constexpr double kSurvivalScale = 4294967296.0;  // 2^32
-
-DSPARK_HOST_DEVICE uint32_t float_bits(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits;
-#endif
-}
-
-DSPARK_HOST_DEVICE float bits_float(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-#endif
-}
 
 // Confidences outside [0, 1] (and NaN) are clamped, so an unchecked input can never reorder keys.
 DSPARK_HOST_DEVICE float clamp_confidence(float c) { return fminf(fmaxf(c, 0.f), 1.f); }

@@ -25,8 +25,15 @@
 //     race over r = max(p - q, 0) on their chunk of row j* (re-read), merged by the last block,
 //     which writes the request's outputs.
 //
-// Each element of a needed row is read once in step 1; step 2 reads one row per sampled request
-// again. Chunks start at multiples of 16 elements, so rows whose start is 16-byte aligned use
+// Sampling filters: the allowed-token bitmask is applied as the rows stream in (one 32-bit word
+// per 32 elements). A request with top-k / top-p / min-p has its filters computed by the block
+// that decides the row, over the whole row (kernels/filter.cuh: a radix descent, at most seven
+// passes through L2, in dynamic shared memory the launch provides only when a filter is given),
+// for the rows the decision needs only; the row's result carries the threshold and the kept
+// weight, so the acceptance test, the race and the logprobs use the processed distribution.
+//
+// Each element of a needed row is read once from HBM in step 1; step 2 reads one row per sampled
+// request again. Chunks start at multiples of 16 elements, so rows whose start is 16-byte aligned use
 // 16-byte vector loads, all issued before any is used. Sums are merged in a chunk-dependent order
 // and C depends on the batch size and the GPU, so a token at a float-rounding near-tie can differ
 // with either; everything else is batch-invariant.
@@ -38,6 +45,7 @@
 
 #include <cstdint>
 
+#include "filter.cuh"
 #include "reduce.cuh"
 #include "verify_math.h"
 #include "device_cache.cuh"
@@ -63,9 +71,10 @@ enum RowFlags : int32_t {
 };
 
 struct RowResult {
-  SoftmaxStats target;
+  SoftmaxStats target;  // sum: of the kept weights when the row was filtered
   SoftmaxStats draft;
   int32_t decision;  // RowDecision | RowFlags
+  FilterResult filter;
 };
 
 struct RacePartial {
@@ -88,6 +97,12 @@ struct VerifyParams {
   const int64_t* seed;
   const int64_t* position;
   const int32_t* target_start;  // null: b * (G + 1)
+  const int32_t* top_k;         // [B] or null (off), as the three filters
+  const float* top_p;
+  const float* min_p;
+  const int32_t* allowed_token_mask;  // [target_rows, mask_words] or null (all allowed)
+  int64_t mask_words;
+  float* logprobs;              // [B, G + 1] or null (not asked for)
   int64_t* tokens;              // [B, G + 1]
   int32_t* num_accepted;        // [B]
   bool* valid;                  // [B]
@@ -158,9 +173,16 @@ __device__ __forceinline__ bool is_aligned16(const void* p) {
 struct Request {
   int n;
   bool greedy, use_draft, draft_greedy;
+  bool need_distribution;  // sampled, or logprobs asked for (greedy: at T = 1)
+  bool filtered;           // need_distribution and a filter is on
   float inv_t, inv_td;
   int64_t start, seed, position;
+  FilterSpec spec;
 };
+
+DSPARK_HOST_DEVICE bool has_filters(const VerifyParams& p) {
+  return p.top_k || p.top_p || p.min_p;
+}
 
 __device__ __forceinline__ Request load_request(const VerifyParams& p, int b) {
   Request r;
@@ -173,6 +195,10 @@ __device__ __forceinline__ Request load_request(const VerifyParams& p, int b) {
   r.draft_greedy = is_greedy(td);
   r.inv_td = r.draft_greedy ? 1.f : 1.f / td;
   r.start = p.target_start ? p.target_start[b] : int64_t{b} * (p.block + 1);
+  r.need_distribution = !r.greedy || p.logprobs != nullptr;
+  r.spec = make_filter_spec(p.top_k ? p.top_k[b] : 0, p.top_p ? p.top_p[b] : 1.f,
+                            p.min_p ? p.min_p[b] : 0.f, p.vocab);
+  r.filtered = r.need_distribution && r.spec.active();
   r.seed = p.seed[b];
   r.position = p.position[b];
   return r;
@@ -187,6 +213,39 @@ __device__ __forceinline__ int64_t draft_token(const VerifyParams& p, int b, int
 template <typename T>
 __device__ __forceinline__ const T* target_row(const VerifyParams& p, int64_t row) {
   return static_cast<const T*>(p.target) + row * p.target_row_stride;
+}
+
+// The bitmask row of a target row (null: all allowed); out-of-range rows have none.
+__device__ __forceinline__ const int32_t* mask_row(const VerifyParams& p, int64_t row) {
+  return p.allowed_token_mask && row >= 0 && row < p.target_rows
+             ? p.allowed_token_mask + row * p.mask_words
+             : nullptr;
+}
+
+// Drops the disallowed ones of elements [x, x + 8) (x a multiple of 8: one byte of one word).
+__device__ __forceinline__ void drop_disallowed8(const int32_t* mrow, int64_t x, int64_t end,
+                                                 float (&v)[kElementsPerThread]) {
+  if (!mrow || x >= end) return;  // past the end: all -inf already, and no word to read
+  const uint32_t bits = static_cast<uint32_t>(__ldg(mrow + (x >> 5))) >> (x & 31);
+#pragma unroll
+  for (int k = 0; k < kElementsPerThread; ++k) {
+    if (!((bits >> k) & 1u)) v[k] = -INFINITY;
+  }
+}
+
+__device__ __forceinline__ bool allowed(const int32_t* mrow, int64_t x) {
+  return !mrow || ((static_cast<uint32_t>(__ldg(mrow + (x >> 5))) >> (x & 31)) & 1u);
+}
+
+// Drops what the row's filters drop from elements [x, x + 8) (already masked).
+__device__ __forceinline__ void drop_filtered8(const FilterResult& f, float row_max, float inv_t,
+                                               float (&v)[kElementsPerThread]) {
+#pragma unroll
+  for (int k = 0; k < kElementsPerThread; ++k) {
+    if (v[k] != -INFINITY && !filter_keeps(f, v[k], softmax_weight(v[k], row_max, inv_t))) {
+      v[k] = -INFINITY;
+    }
+  }
 }
 
 template <typename T>
@@ -222,11 +281,11 @@ __device__ __forceinline__ void accumulate8(SoftmaxStats& s, const float (&v)[kE
 // `abandon_above` (an earlier row was rejected, so this row will never be decided); the load is
 // issued at the top of an iteration and used at its end, so its latency hides behind the row's.
 template <typename TT, typename DT>
-__device__ RowPartial thread_row_stats(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
-                                       const Request& r, const int32_t* reject_mark,
-                                       int32_t abandon_above) {
+__device__ RowPartial thread_row_stats(const TT* trow, const int32_t* mrow, const DT* drow,
+                                       int64_t x0, int64_t x1, const Request& r,
+                                       const int32_t* reject_mark, int32_t abandon_above) {
   RowPartial s{empty_stats(), empty_stats()};
-  const bool t_sum = !r.greedy, d_sum = !r.draft_greedy;
+  const bool t_sum = r.need_distribution, d_sum = !r.draft_greedy;
   const bool aligned = (!trow || is_aligned16(trow)) && (!drow || is_aligned16(drow));
   constexpr int kStep = kElementsPerThread * kStatsGroups;
   for (int64_t base = x0 + int64_t{threadIdx.x} * kStep; base < x1;
@@ -246,6 +305,7 @@ __device__ RowPartial thread_row_stats(const TT* trow, const DT* drow, int64_t x
         const int64_t x = base + g * kElementsPerThread;
         if (trow) {
           unpack8(t_raw[g], v);
+          drop_disallowed8(mrow, x, x1, v);
           accumulate8(s.target, v, x, t_sum, r.inv_t);
         }
         if (drow) {
@@ -259,6 +319,7 @@ __device__ RowPartial thread_row_stats(const TT* trow, const DT* drow, int64_t x
         const int64_t x = base + g * kElementsPerThread;
         if (trow) {
           load8(trow, x, x1, false, v);
+          drop_disallowed8(mrow, x, x1, v);
           accumulate8(s.target, v, x, t_sum, r.inv_t);
         }
         if (drow) {
@@ -287,6 +348,7 @@ struct Proposal {
 // This thread's part of the exponential race over row[x0, x1).
 template <typename TT, typename DT>
 __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
+                            const int32_t* mrow, const FilterResult* filter,
                             const SoftmaxStats& t, float inv_t, const Proposal& q, int64_t seed,
                             int64_t position, float& mass, RaceCandidate& best) {
   const bool t_aligned = is_aligned16(trow), d_aligned = drow && is_aligned16(drow);
@@ -296,6 +358,8 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
        x += int64_t{blockDim.x} * kElementsPerThread) {
     float v[kElementsPerThread], w[kElementsPerThread], u[kElementsPerThread];
     load8(trow, x, x1, t_aligned, v);
+    drop_disallowed8(mrow, x, x1, v);
+    if (filter) drop_filtered8(*filter, t.max, inv_t, v);
     if (q.kind == Proposal::kDistribution) load8(drow, x, x1, d_aligned, w);
 #pragma unroll
     for (int g = 0; g < kElementsPerThread / 4; ++g) {
@@ -337,13 +401,18 @@ __global__ void __launch_bounds__(kVerifyThreads)
   };
   const RowPartial empty{empty_stats(), empty_stats()};
   __shared__ RowPartial scratch[32];
+  __shared__ RowPartial merged;
   __shared__ bool stop, last;
+  // Dynamic shared memory: sizeof(FilterShared) when the call has filters, else none.
+  DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
+  FilterShared& filter_shared = *reinterpret_cast<FilterShared*>(filter_shared_raw);
 
   for (int j = 0; j <= r.n; ++j) {
     const int64_t row = r.start + j;
     const bool row_ok = row >= 0 && row < p.target_rows;
     const bool need_draft = r.use_draft && j < r.n;
     const TT* trow = row_ok ? target_row<TT>(p, row) : nullptr;
+    const int32_t* mrow = mask_row(p, row);
     const DT* drow = need_draft ? draft_row<DT>(p, b, j) : nullptr;
 
     // Thread 0 may decide the row: issue its loads of the draft id and the two logits at that id
@@ -353,13 +422,14 @@ __global__ void __launch_bounds__(kVerifyThreads)
     if (threadIdx.x == 0 && j < r.n) {
       x = draft_token(p, b, j);
       if (x >= 0 && x < p.vocab) {
-        if (trow) t_x = to_float(trow[x]);
+        if (trow && allowed(mrow, x)) t_x = to_float(trow[x]);
         if (drow) d_x = to_float(drow[x]);
       }
     }
 
     const RowPartial part = block_reduce(
-        thread_row_stats(trow, drow, x0, x1, r, p.reject_marks + b, rows - j), merge, empty, scratch);
+        thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j), merge, empty,
+        scratch);
 
     const int64_t slot = int64_t{b} * rows + j;
     if (threadIdx.x == 0) {
@@ -370,22 +440,39 @@ __global__ void __launch_bounds__(kVerifyThreads)
       stop = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b) > rows - (j + 1);
     }
     __syncthreads();
-    if (last && threadIdx.x < 32) {
+    if (last) {  // block-uniform: this block decides the row
       __threadfence();
-      // The last block of the row merges every chunk's partial (read through L2: __ldcg).
-      RowPartial m = empty;
-      for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
-        const RowPartial* q = p.partials + slot * p.num_chunks + k;
-        m = merge(m, RowPartial{
-                         SoftmaxStats{__ldcg(&q->target.max), __ldcg(&q->target.sum),
-                                      __ldcg(&q->target.argmax)},
-                         SoftmaxStats{__ldcg(&q->draft.max), __ldcg(&q->draft.sum),
-                                      __ldcg(&q->draft.argmax)}});
+      if (threadIdx.x < 32) {
+        // Merge every chunk's partial (read through L2: __ldcg).
+        RowPartial m = empty;
+        for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
+          const RowPartial* q = p.partials + slot * p.num_chunks + k;
+          m = merge(m, RowPartial{
+                           SoftmaxStats{__ldcg(&q->target.max), __ldcg(&q->target.sum),
+                                        __ldcg(&q->target.argmax)},
+                           SoftmaxStats{__ldcg(&q->draft.max), __ldcg(&q->draft.sum),
+                                        __ldcg(&q->draft.argmax)}});
+        }
+        m = warp_reduce(m, merge);
+        if (threadIdx.x == 0) merged = m;
       }
-      m = warp_reduce(m, merge);
+      __syncthreads();
+      SoftmaxStats mt = merged.target;
+      const SoftmaxStats md = merged.draft;
+      FilterResult filter{-INFINITY, 0.f, mt.sum};
+      if (r.filtered && row_ok && mt.max != -INFINITY) {
+        const auto masked8 = [&](int64_t at, float (&v)[kElementsPerThread]) {
+          load8(trow, at, p.vocab, false, v);
+          drop_disallowed8(mrow, at, p.vocab, v);
+        };
+        filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, filter_shared);
+        mt.sum = filter.kept_sum;
+      }
       if (threadIdx.x == 0) {
-        const SoftmaxStats& mt = m.target;
-        const SoftmaxStats& md = m.draft;
+        if (r.filtered && t_x != -INFINITY &&
+            !filter_keeps(filter, finite_or_neg_inf(t_x), softmax_weight(t_x, mt.max, r.inv_t))) {
+          t_x = -INFINITY;  // the filters drop the draft: p = 0
+        }
         int32_t decision = kRowUndecided;
         if (!row_ok || mt.max == -INFINITY) {
           decision = kRowRejected | kTargetInvalid;
@@ -405,7 +492,10 @@ __global__ void __launch_bounds__(kVerifyThreads)
             decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
           }
         }
-        p.results[slot] = RowResult{mt, md, decision};
+        p.results[slot] = RowResult{mt, md, decision, filter};
+        if (p.logprobs && decision == kRowAccepted) {
+          p.logprobs[slot] = logf(softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t));
+        }
         if (decision & kRowRejected) {
           atomicMax(p.reject_marks + b, rows - j);
           stop = true;
@@ -417,13 +507,20 @@ __global__ void __launch_bounds__(kVerifyThreads)
   }
 }
 
+// Writes request b's outputs; the logprobs of the accepted rows k < j were written as they were
+// decided.
 __device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int j, int64_t token,
-                                              bool valid) {
+                                              bool valid, float logprob) {
   int64_t* out = p.tokens + int64_t{b} * (p.block + 1);
   for (int k = 0; k <= p.block; ++k) out[k] = k < j ? draft_token(p, b, k) : -1;
   out[j] = token;
   p.num_accepted[b] = j;
   p.valid[b] = valid;
+  if (p.logprobs) {
+    float* lp = p.logprobs + int64_t{b} * (p.block + 1);
+    lp[j] = logprob;
+    for (int k = j + 1; k <= p.block; ++k) lp[k] = -INFINITY;
+  }
 }
 
 template <typename TT, typename DT>
@@ -437,9 +534,13 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
   const RowResult res = p.results[int64_t{b} * rows + j];
   const bool target_invalid = res.decision & kTargetInvalid;
   const bool valid = !(res.decision & (kTargetInvalid | kDraftInvalid));
+  const SoftmaxStats& t = res.target;
   if (target_invalid || r.greedy) {
     if (c == 0 && threadIdx.x == 0) {
-      write_outputs(p, b, j, target_invalid ? 0 : res.target.argmax, valid);
+      const bool with_logprob = p.logprobs && !target_invalid;
+      const float logprob =
+          with_logprob ? logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t)) : -INFINITY;
+      write_outputs(p, b, j, target_invalid ? 0 : t.argmax, valid, logprob);
     }
     return;
   }
@@ -453,6 +554,8 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
     q.token = draft_token(p, b, j);
   }
   const TT* trow = target_row<TT>(p, r.start + j);
+  const int32_t* mrow = mask_row(p, r.start + j);
+  const FilterResult* filter = r.filtered ? &res.filter : nullptr;
   const DT* drow = q.kind == Proposal::kDistribution ? draft_row<DT>(p, b, j) : nullptr;
   const int64_t position = r.position + 1 + j;
   const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
@@ -465,7 +568,7 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
 
   float mass = 0.f;
   RaceCandidate best = empty_candidate();
-  thread_race(trow, drow, x0, x1, res.target, r.inv_t, q, r.seed, position, mass, best);
+  thread_race(trow, drow, x0, x1, mrow, filter, t, r.inv_t, q, r.seed, position, mass, best);
   mass = block_reduce(mass, add, 0.f, mass_scratch);
   best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
   if (threadIdx.x == 0) {
@@ -490,23 +593,34 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
     const Proposal none{Proposal::kNone, -1, res.draft, r.inv_td};
     float unused = 0.f;
     best = empty_candidate();
-    thread_race(trow, static_cast<const DT*>(nullptr), 0, p.vocab, res.target, r.inv_t, none,
-                r.seed, position, unused, best);
+    thread_race(trow, static_cast<const DT*>(nullptr), 0, p.vocab, mrow, filter, t, r.inv_t,
+                none, r.seed, position, unused, best);
     best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
   }
-  if (threadIdx.x == 0) write_outputs(p, b, j, best.index < 0 ? 0 : best.index, valid && best.index >= 0);
+  if (threadIdx.x == 0) {
+    const bool won = best.index >= 0;
+    const float logprob = p.logprobs && won
+                              ? logf(softmax_prob(to_float(trow[best.index]), t.max, 1.f / t.sum,
+                                                  r.inv_t))
+                              : -INFINITY;
+    write_outputs(p, b, j, won ? best.index : 0, valid && won, logprob);
+  }
 }
 
 // Blocks of the statistics kernel resident per SM on the current device (a host query, cached per
 // instantiation and device): the grid is sized to one resident wave, since its blocks live for
 // the whole walk over the rows.
+// Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.
+inline int verify_shared_bytes(bool filters) { return filters ? int{sizeof(FilterShared)} : 0; }
+
 template <typename TT, typename DT>
-int verify_blocks_per_sm(int device) {
-  static DeviceCache cache{};
-  return once_per_device(cache, device, [] {
+int verify_blocks_per_sm(int device, bool filters) {
+  static DeviceCache caches[2]{};
+  return once_per_device(caches[filters], device, [filters] {
     int n = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, verify_row_stats_kernel<TT, DT>,
-                                                      kVerifyThreads, 0) != cudaSuccess) {
+                                                      kVerifyThreads,
+                                                      verify_shared_bytes(filters)) != cudaSuccess) {
       (void)cudaGetLastError();
       n = 4;
     }
@@ -519,7 +633,8 @@ template <typename TT, typename DT>
 cudaError_t launch_verify(const VerifyParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   const dim3 grid(p.num_chunks, p.batch);
-  DSPARK_LAUNCH(grid, kVerifyThreads, 0, stream, verify_row_stats_kernel<TT, DT>)(p);
+  DSPARK_LAUNCH(grid, kVerifyThreads, verify_shared_bytes(has_filters(p)), stream,
+                verify_row_stats_kernel<TT, DT>)(p);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   DSPARK_LAUNCH(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);

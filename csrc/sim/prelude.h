@@ -85,18 +85,27 @@ template <typename T>
 inline dspark_sim::atomic_int_t<T> atomicAdd(T* address, T value) {
   return dspark_sim::atomic_update(address, [&](T old) { return static_cast<T>(old + value); });
 }
-inline float atomicAdd(float* address, float value) {
-  uint32_t* bits = reinterpret_cast<uint32_t*>(address);
-  const uint32_t old = dspark_sim::atomic_update(bits, [&](uint32_t o) {
-    float f;
-    std::memcpy(&f, &o, 4);
+// Floating-point atomicAdd through the same-width integer (CUDA has float and, from sm_60, double).
+template <typename F, typename Bits>
+inline F atomic_add_float(F* address, F value) {
+  static_assert(sizeof(F) == sizeof(Bits));
+  Bits* bits = reinterpret_cast<Bits*>(address);
+  const Bits old = dspark_sim::atomic_update(bits, [&](Bits o) {
+    F f;
+    std::memcpy(&f, &o, sizeof(F));
     f += value;
-    std::memcpy(&o, &f, 4);
+    std::memcpy(&o, &f, sizeof(F));
     return o;
   });
-  float f;
-  std::memcpy(&f, &old, 4);
+  F f;
+  std::memcpy(&f, &old, sizeof(F));
   return f;
+}
+inline float atomicAdd(float* address, float value) {
+  return atomic_add_float<float, uint32_t>(address, value);
+}
+inline double atomicAdd(double* address, double value) {
+  return atomic_add_float<double, uint64_t>(address, value);
 }
 template <typename T>
 inline dspark_sim::atomic_int_t<T> atomicMax(T* address, T value) {

@@ -40,7 +40,13 @@ _SHARED_SAMPLING = """
     position : torch.Tensor
         int64 ``[B]``: absolute position ``p0`` of each anchor, in ``[0, 2**62]``. Slot ``j``
         draws from the draft stream of position ``p0 + 1 + j`` only (the acceptance and
-        resampling streams :func:`verify` uses at that position are independent of it)."""
+        resampling streams :func:`verify` uses at that position are independent of it).
+    top_k, top_p, min_p : torch.Tensor, optional
+        Per-request sampling filters (int32 ``[B]`` >= 0, float32 ``[B]`` in ``(0, 1]``, float32
+        ``[B]`` in ``[0, 1]``; 0, 1 and 0 are off), as :func:`verify` takes them: each slot's
+        token is sampled from the filtered ``softmax(z_j / T)`` and ``draft_logits`` holds -inf
+        where a filter dropped a token (greedy requests: filters at ``T = 1``), so the same
+        filters in :func:`verify` see exactly the proposal distribution."""
 
 _SHARED_RETURNS = """
     Returns
@@ -78,11 +84,14 @@ def markov_draft(
     seed: Optional[torch.Tensor],
     position: torch.Tensor,
     *,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
 ) -> DraftOutput:
     seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
     tokens, draft_logits = torch.ops.dspark_ops.markov_draft(
-        base_logits, anchor, w1, w2, temperature, seed, position
+        base_logits, anchor, w1, w2, temperature, seed, position, top_k, top_p, min_p
     )
     return DraftOutput(tokens, draft_logits)
 
@@ -117,11 +126,15 @@ def rnn_draft(
     seed: Optional[torch.Tensor],
     position: torch.Tensor,
     *,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
 ) -> DraftOutput:
     seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
     tokens, draft_logits = torch.ops.dspark_ops.rnn_draft(
-        base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position
+        base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position,
+        top_k, top_p, min_p,
     )
     return DraftOutput(tokens, draft_logits)
 
@@ -269,7 +282,8 @@ def fit_sequential_temperatures(
 
 
 @torch.library.register_fake("dspark_ops::markov_draft")
-def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position):
+def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position, top_k=None,
+                       top_p=None, min_p=None):
     torch._check(base_logits.dim() == 3, lambda: "markov_draft(): 'base_logits' must be 3-D")
     batch, block, _ = base_logits.shape
     return (base_logits.new_empty((batch, block), dtype=torch.int64),
@@ -278,7 +292,7 @@ def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position)
 
 @torch.library.register_fake("dspark_ops::rnn_draft")
 def _rnn_draft_fake(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature,
-                    seed, position):
+                    seed, position, top_k=None, top_p=None, min_p=None):
     return _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position)
 
 

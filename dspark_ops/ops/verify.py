@@ -22,6 +22,11 @@ def verify(
     draft_logits: Optional[torch.Tensor] = None,
     target_start: Optional[torch.Tensor] = None,
     draft_temperature: Optional[torch.Tensor] = None,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
+    allowed_token_mask: Optional[torch.Tensor] = None,
+    return_logprobs: bool = False,
     generator: Optional[torch.Generator] = None,
 ) -> VerifyOutput:
     """Accepts the longest valid prefix of each request's drafts and emits one more token.
@@ -32,6 +37,13 @@ def verify(
     bonus token is drawn from ``p_n``. The emitted tokens are distributed exactly as sampling the
     target alone. Greedy requests (``temperature <= 1e-5``) accept iff the draft equals the target
     argmax (ties to the lowest id) and emit that argmax.
+
+    The target distribution ``p_j`` is the processed one, in this order: disallowed tokens
+    (``allowed_token_mask``) and non-finite logits dropped, ``softmax(logits / T)``, then top-k,
+    top-p and min-p, each renormalising (transformers' order; vLLM applies min-p before top-k and
+    top-p, which keeps other tokens). A draft outside the kept set has ``p = 0`` and is rejected;
+    the filters cannot change a greedy request's argmax. The filters are computed inside the
+    fused pass, only for the rows the decision needs.
 
     Parameters
     ----------
@@ -63,6 +75,23 @@ def verify(
     draft_temperature : torch.Tensor, optional
         float32 ``[B]``: the temperature ``T_d`` the drafts were sampled at; default
         ``temperature``.
+    top_k : torch.Tensor, optional
+        int32 ``[B]``, ``>= 0``: keep the tokens with fewer than ``k`` larger logits (ties at the
+        boundary are kept); 0 (or ``>= V``) is off.
+    top_p : torch.Tensor, optional
+        float32 ``[B]`` in ``(0, 1]``: keep a token iff the probability of the (top-k kept)
+        tokens with a larger logit is ``< top_p`` (ties at the boundary kept); 1 is off. Sums
+        are taken in float64.
+    min_p : torch.Tensor, optional
+        float32 ``[B]`` in ``[0, 1]``: keep a token iff ``p >= min_p * max p``; 0 is off.
+    allowed_token_mask : torch.Tensor, optional
+        int32 ``[R, ceil(V / 32)]``, one row per ``target_logits`` row (the layout grammar engines
+        such as xgrammar produce): bit ``v % 32`` of word ``v // 32`` set = token ``v`` allowed.
+        A row with no allowed finite logit emits 0 with ``valid = False``.
+    return_logprobs : bool
+        Also return ``logprobs`` float32 ``[B, G+1]``: the log of each emitted token's processed
+        probability (greedy requests: of the processed distribution at ``T = 1``), ``-inf`` past
+        the ``num_accepted + 1`` emitted tokens and where the row had no allowed finite logit.
     generator : torch.Generator, optional
         Only used to draw ``seed`` when it is ``None``.
 
@@ -72,8 +101,8 @@ def verify(
         ``tokens`` int64 ``[B, G+1]`` (the ``num_accepted[b] + 1`` emitted tokens, then -1),
         ``num_accepted`` int32 ``[B]``, ``valid`` bool ``[B]`` (False where a row the op needed
         had no finite logit, in which case the token there is 0, or a draft id was outside
-        ``[0, V)``, which is rejected without being used as an index). Non-finite logits (NaN,
-        +-inf) count as -inf.
+        ``[0, V)``, which is rejected without being used as an index), and ``logprobs`` (None
+        unless ``return_logprobs``). Non-finite logits (NaN, +-inf) count as -inf.
 
     Notes
     -----
@@ -86,20 +115,23 @@ def verify(
             0, 2**62, (draft_tokens.shape[0],), generator=generator,
             device=draft_tokens.device, dtype=torch.int64,
         )
-    tokens, num_accepted, valid = torch.ops.dspark_ops.verify(
+    tokens, num_accepted, valid, logprobs = torch.ops.dspark_ops.verify(
         target_logits, draft_tokens, num_draft, temperature, seed, position,
-        draft_logits, target_start, draft_temperature,
+        draft_logits, target_start, draft_temperature, top_k, top_p, min_p, allowed_token_mask,
+        return_logprobs,
     )
-    return VerifyOutput(tokens, num_accepted, valid)
+    return VerifyOutput(tokens, num_accepted, valid, logprobs if return_logprobs else None)
 
 
 @torch.library.register_fake("dspark_ops::verify")
 def _verify_fake(target_logits, draft_tokens, num_draft, temperature, seed, position,
-                 draft_logits=None, target_start=None, draft_temperature=None):
+                 draft_logits=None, target_start=None, draft_temperature=None, top_k=None,
+                 top_p=None, min_p=None, allowed_token_mask=None, return_logprobs=False):
     torch._check(draft_tokens.dim() == 2, lambda: "verify(): 'draft_tokens' must be 2-D [B, G]")
     batch, block = draft_tokens.shape
     return (
         draft_tokens.new_empty((batch, block + 1), dtype=torch.int64),
         draft_tokens.new_empty((batch,), dtype=torch.int32),
         draft_tokens.new_empty((batch,), dtype=torch.bool),
+        draft_tokens.new_empty((batch, block + 1 if return_logprobs else 0), dtype=torch.float32),
     )

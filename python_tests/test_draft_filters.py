@@ -1,0 +1,224 @@
+"""Sampling filters (top-k, top-p, min-p) of markov_draft and rnn_draft: tokens and draft_logits
+against the reference, tokens only ever from the kept set, draft_logits -inf exactly where a
+filter drops a token, "off" values identical to no filter, the drafts distributed as the filtered
+softmax (chi-square, shown to reject the unfiltered distribution), the lossless hand-off to
+verify with the same filters, and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark_ops
+from dspark_ops import reference
+from conftest import DEVICES
+from stats import chi_square, chi_square_passes
+from test_draft import (
+    assert_sampled_from_stored_logits,
+    check_output_contract,
+    cuda_tolerance,
+    describe_token_difference,
+    generator,
+    logits_tolerance,
+    make_case,
+    stable_seed,
+    teacher_forced_logits,
+)
+
+# Per-request settings, some off, cycled over the batch.
+FILTER_SETS = {
+    "top_k": dict(top_k=[1, 5, 0, 40]),
+    "top_p": dict(top_p=[0.5, 0.9, 1.0, 0.05]),
+    "min_p": dict(min_p=[0.0, 0.1, 0.5, 1.0]),
+    "all": dict(top_k=[3, 0, 50, 8], top_p=[0.8, 0.95, 1.0, 0.3], min_p=[0.05, 0.0, 0.2, 0.01]),
+}
+
+
+def filters_for(name: str, batch: int, device) -> dict:
+    out = {}
+    for key, values in FILTER_SETS[name].items():
+        dtype = torch.int32 if key == "top_k" else torch.float32
+        out[key] = torch.tensor([values[b % len(values)] for b in range(batch)], dtype=dtype,
+                                device=device)
+    return out
+
+
+def expected_kept(case, tokens: torch.Tensor, filters: dict) -> torch.Tensor:
+    """bool [B, G, V]: what the filters keep of the z the drafts' own prefix gives (CPU)."""
+    z = teacher_forced_logits(case, tokens)
+    batch, block = tokens.shape
+    per_slot = {k: v.cpu()[:, None].expand(batch, block) for k, v in filters.items()}
+    temperature = case.temperature.cpu()[:, None].expand(batch, block)
+    return torch.isfinite(reference.filter_logits(z, temperature, **per_slot))
+
+
+def check_filtered_against_reference(case, filters: dict):
+    got = case.call(**filters)
+    check_output_contract(case, got)
+    tokens = got.tokens.cpu()
+    kept = expected_kept(case, tokens, filters)
+    finite = torch.isfinite(got.draft_logits.cpu())
+    if case.device.type == "cpu":
+        expected = case.call(reference, **filters)
+        assert torch.equal(got.tokens, expected.tokens), describe_token_difference(
+            case, got.tokens, expected.tokens)
+        torch.testing.assert_close(got.draft_logits, expected.draft_logits, equal_nan=True,
+                                   **logits_tolerance(case))
+        assert torch.equal(finite, kept), "draft_logits are not -inf exactly where filtered"
+    else:
+        # CUDA's float32 head rounds z differently, which can move a token across a boundary.
+        assert (finite != kept).float().mean() < 1e-3
+        forced = teacher_forced_logits(case, tokens)
+        torch.testing.assert_close(got.draft_logits.cpu()[finite], forced[finite],
+                                   **cuda_tolerance(case, forced))
+        assert_sampled_from_stored_logits(case, got)
+    # Every draft comes from its slot's kept set.
+    chosen = finite.gather(-1, tokens[..., None])[..., 0]
+    assert chosen.all(), f"{int((~chosen).sum())} drafts outside the kept set"
+    return got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("name", list(FILTER_SETS))
+@pytest.mark.parametrize("temperature", ["mixed", "sampled"])
+def test_filtered_drafts_match_reference(device, head, name, temperature):
+    batch, block, vocab = 8, 5, 300
+    case = make_case(batch, block, vocab, 16, seed=stable_seed("filters", head, name, temperature),
+                     head=head, temperature=temperature).to(device)
+    check_filtered_against_reference(case, filters_for(name, batch, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [1, 2, 33, 8193])
+def test_filtered_drafts_odd_vocabularies(device, vocab):
+    batch, block = 4, 3
+    case = make_case(batch, block, vocab, 8, seed=stable_seed("filter-vocab", vocab)).to(device)
+    check_filtered_against_reference(case, filters_for("all", batch, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_boundary_ties_are_kept(device):
+    # Integer-valued base logits and no head bias: many equal logits at the top-k and top-p
+    # boundaries; all tied tokens stay (and only they are added).
+    batch, block, vocab = 6, 2, 64
+    case = make_case(batch, block, vocab, 8, seed=5, temperature="sampled")
+    gen = generator(6)
+    base = torch.randint(0, 4, (batch, block, vocab), generator=gen).float()
+    case = case.replace(base_logits=base, w2=torch.zeros_like(case.w2)).to(device)
+    filters = dict(top_k=torch.tensor([1, 2, 5, 17, 30, 63], dtype=torch.int32, device=device))
+    got = check_filtered_against_reference(case, filters)
+    z = base.to(device)
+    for b, k in enumerate(filters["top_k"].tolist()):
+        kth = z[b].sort(-1, descending=True).values[:, k - 1:k]
+        assert torch.equal(torch.isfinite(got.draft_logits[b]), z[b] >= kth)
+    top_p = dict(top_p=torch.tensor([0.01, 0.3, 0.5, 0.7, 0.9, 0.99], device=device))
+    check_filtered_against_reference(case, top_p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_filters_that_are_off_change_nothing(device, head):
+    batch, block, vocab = 6, 4, 500
+    case = make_case(batch, block, vocab, 8, seed=stable_seed("off", head), head=head).to(device)
+    plain = case.call()
+    for off in (dict(top_k=torch.zeros(batch, dtype=torch.int32, device=device)),
+                dict(top_k=torch.full((batch,), vocab, dtype=torch.int32, device=device)),
+                dict(top_p=torch.ones(batch, device=device)),
+                dict(min_p=torch.zeros(batch, device=device))):
+        out = case.call(**off)
+        assert torch.equal(out.tokens, plain.tokens), off
+        torch.testing.assert_close(out.draft_logits, plain.draft_logits, rtol=0, atol=0,
+                                   equal_nan=True)
+
+
+def filtered_distribution_counts(device, trials: int, vocab: int, filters: dict):
+    """Slot-0 drafts of `trials` requests sharing one base row and anchor (different seeds)."""
+    gen = generator(41)
+    base = (torch.randn(1, 1, vocab, generator=gen) * 1.5).expand(trials, 1, vocab)
+    rank = 4
+    w1 = torch.randn(vocab, rank, generator=gen) * 0.5
+    w2 = torch.randn(vocab, rank, generator=gen) * 0.5
+    anchor = torch.zeros(trials, dtype=torch.int64)
+    temperature = torch.full((trials,), 0.8)
+    seed = torch.randint(0, 2**62, (trials,), generator=gen)
+    position = torch.full((trials,), 100, dtype=torch.int64)
+    per_request = {k: v.expand(trials).contiguous() for k, v in filters.items()}
+    out = dspark_ops.markov_draft(*(t.to(device) for t in (base, anchor, w1, w2, temperature, seed,
+                                                            position)),
+                                  **{k: v.to(device) for k, v in per_request.items()})
+    z = (base[0, 0].double() + w1[0].double() @ w2.double().T).float()[None]
+    return out.tokens[:, 0].cpu(), z, temperature[:1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_drafts_follow_the_filtered_distribution(device):
+    vocab, trials = 200, 20000
+    filters = dict(top_k=torch.tensor([60], dtype=torch.int32), top_p=torch.tensor([0.8]),
+                   min_p=torch.tensor([0.02]))
+    tokens, z, temperature = filtered_distribution_counts(device, trials, vocab, filters)
+    filtered = reference.filter_logits(z, temperature, **filters)
+    probs = torch.softmax(filtered / temperature[:, None], -1)[0].double()
+    chi2, df = chi_square(tokens, probs)
+    assert chi_square_passes(chi2, df), (chi2, df)
+    # The same check rejects the unfiltered distribution (the harness can fail), and filtering
+    # after renormalising in another order (min-p first, vLLM's order) as well.
+    unfiltered = torch.softmax(z / temperature[:, None], -1)[0].double()
+    assert not chi_square_passes(*chi_square(tokens, unfiltered))
+    other_order = reference.filter_logits(
+        reference.filter_logits(z, temperature, min_p=filters["min_p"]), temperature,
+        top_k=filters["top_k"], top_p=filters["top_p"])
+    other = torch.softmax(other_order / temperature[:, None], -1)[0].double()
+    if not torch.allclose(other, probs):
+        assert not chi_square_passes(*chi_square(tokens, other))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_verify_with_the_same_filters_accepts_every_draft(device, head):
+    # The target's first G rows are the unfiltered z of the drafts' own prefix: with the same
+    # filters in verify, p = q, so every draft is accepted and a bonus token follows.
+    batch, block, vocab = 16, 6, 1000
+    case = make_case(batch, block, vocab, 16, seed=stable_seed("handoff-filters", head),
+                     head=head, temperature="mixed", base_dtype=torch.bfloat16).to(device)
+    filters = filters_for("all", batch, device)
+    draft = case.call(**filters)
+    z = teacher_forced_logits(case, draft.tokens).to(device)
+    finite = torch.isfinite(draft.draft_logits)
+    z = torch.where(finite, draft.draft_logits, z)  # the kept values exactly as stored
+    target = torch.cat([z, torch.randn(batch, 1, vocab, generator=generator(3)).to(device)], 1)
+    n = torch.full((batch,), block, dtype=torch.int32, device=device)
+    out = dspark_ops.verify(target, draft.tokens, n, case.temperature, case.seed, case.position,
+                            draft_logits=draft.draft_logits, draft_temperature=case.temperature,
+                            **filters)
+    assert (out.num_accepted == block).all(), out.num_accepted
+    assert out.valid.all()
+    assert torch.equal(out.tokens[:, :block], draft.tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_filter_argument_errors(device, head):
+    batch = 3
+    case = make_case(batch, 2, 50, 8, seed=1, head=head).to(device)
+    ones = dict(device=device)
+    bad = [
+        (dict(top_k=torch.ones(batch, **ones)), TypeError, "'top_k' must have dtype"),
+        (dict(top_k=torch.ones(batch + 1, dtype=torch.int32, **ones)), ValueError, "'top_k' must have shape"),
+        (dict(top_p=torch.ones(batch, dtype=torch.float64, **ones)), TypeError, "'top_p' must have dtype"),
+        (dict(top_p=torch.ones(1, batch, **ones)), ValueError, "'top_p' must have shape"),
+        (dict(min_p=torch.ones(batch, dtype=torch.int32, **ones)), TypeError, "'min_p' must have dtype"),
+    ]
+    if device == "cpu":  # value checks: always on CPU, on CUDA with DSPARK_OPS_DEBUG=1
+        bad += [
+            (dict(top_k=torch.tensor([1, -1, 0], dtype=torch.int32)), ValueError, "'top_k' values must lie in"),
+            (dict(top_p=torch.tensor([0.5, 0.0, 1.0])), ValueError, r"'top_p' must be in \(0, 1\]"),
+            (dict(top_p=torch.tensor([0.5, 1.5, 1.0])), ValueError, r"'top_p' must be in \(0, 1\]"),
+            (dict(min_p=torch.tensor([0.5, float("nan"), 0.0])), ValueError, "'min_p' must be probabilities"),
+        ]
+    for kwargs, error, message in bad:
+        with pytest.raises(error, match=message):
+            case.call(**kwargs)
+    if torch.cuda.is_available() and device == "cpu":
+        with pytest.raises(ValueError, match="'top_k' must be on"):
+            case.call(top_k=torch.ones(batch, dtype=torch.int32, device="cuda"))
