@@ -128,6 +128,8 @@ _INFERENCE_NEUTRAL_FIELDS = frozenset({
     "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
     "max_window_layers",  # only meaningful with use_sliding_window, which is refused
     "output_attentions", "output_hidden_states", "return_dict",
+    # what every transformers config carries (task heads, encoder-decoder switches)
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "problem_type",
 })
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "rms_norm_eps",

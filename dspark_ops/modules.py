@@ -1,4 +1,4 @@
-"""Draft backbone modules that wire the attention ops into a DSpark draft model (SPEC §1 step 2).
+"""Draft backbone modules that wire the attention ops into a DSpark draft (its parallel stage).
 
 The DSpark draft backbone is a few Qwen3-style decoder layers run once per round over the block
 ``[x0, MASK, ..., MASK]`` (G slots at absolute positions ``p0 .. p0+G-1``). Its attention sees a

@@ -223,6 +223,36 @@ def test_features_follow_deepspec_target_cache(qwen3):
     torch.testing.assert_close(logits, model(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("theta", [1e6, 2.5e4])
+def test_draft_rope_matches_transformers_rope_of_the_loaded_base(theta):
+    """The base read from a 5.x config (rope_parameters only) rotates as transformers' Qwen3
+    RoPE of that config does (the DeepSpec draft's own rotary embedding)."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from dspark_ops.modules import apply_rope
+
+    values = transformers.Qwen3Config(hidden_size=128, num_attention_heads=2, head_dim=64,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": theta}).to_dict()
+    assert "rope_theta" not in values  # the 5.x layout
+    values.update(target_layer_ids=[1], block_size=4, mask_token_id=0, markov_rank=8,
+                  markov_head_type="vanilla", enable_confidence_head=False, vocab_size=32,
+                  architectures=["Qwen3DSparkModel"])
+    config = DSparkConfig.from_dict(values)
+    assert config.rope_theta == theta
+    rotary = modeling_qwen3.Qwen3RotaryEmbedding(transformers.Qwen3Config(**values))
+    positions = torch.tensor([[0, 5, 17, 300, 4000]])
+    x = torch.randn(1, 5, 2, 64, generator=torch.Generator().manual_seed(0))  # [B, S, H, D]
+    cos, sin = rotary(x, positions)
+    expected, _ = modeling_qwen3.apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2),
+                                                      cos, sin)
+    # float32 angles up to position 4000: rounding differs by ~1e-4 between the two formulas
+    torch.testing.assert_close(apply_rope(x, positions, config.rope_theta),
+                               expected.transpose(1, 2), rtol=0, atol=1e-3)
+    other = apply_rope(x, positions, 1e4 if theta != 1e4 else 1e6)
+    assert (other - expected.transpose(1, 2)).abs().max() > 0.1  # the base matters
+
+
 def test_adapter_refuses_what_it_cannot_serve():
     model = tiny_model("qwen3", layers=2)
     with pytest.raises(ValueError, match="feature_layers"):
