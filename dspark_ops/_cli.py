@@ -42,6 +42,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """The sampling flags; :func:`sampling_kwargs` turns them into ``generate`` arguments."""
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 is greedy (the default); drafts sample at the same temperature")
+    parser.add_argument("--top-k", type=int, default=None, help="keep the k most probable tokens")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="keep the most probable tokens up to this total probability")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="keep the tokens at least this fraction as probable as the top one")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -49,7 +54,15 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     that the sampling flags set."""
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
-    return {"temperature": args.temperature}
+    if args.top_k is not None and args.top_k < 0:
+        raise SystemExit(f"--top-k must be >= 0, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise SystemExit(f"--min-p must be in [0, 1], got {args.min_p}")
+    filters = {k: getattr(args, k) for k in ("top_k", "top_p", "min_p")
+               if getattr(args, k) is not None}
+    return {"temperature": args.temperature, **filters}
 
 
 @dataclasses.dataclass

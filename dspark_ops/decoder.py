@@ -85,6 +85,16 @@ def _per_request(value, batch: int, dtype, device) -> torch.Tensor:
     return t.expand(batch).contiguous() if t.dim() == 0 else t.to(dtype=dtype, device=device)
 
 
+def _filters(top_k, top_p, min_p, batch: int, device) -> dict:
+    """The sampling filters as per-request tensors (README "Sampling filters"); None = off."""
+    out = {}
+    for name, value, dtype in (("top_k", top_k, torch.int32), ("top_p", top_p, torch.float32),
+                               ("min_p", min_p, torch.float32)):
+        if value is not None:
+            out[name] = _per_request(value, batch, dtype, device)
+    return out
+
+
 def _seeds(seed, batch, device, generator) -> torch.Tensor:
     if seed is None:
         return torch.randint(0, 2**62, (batch,), generator=generator, dtype=torch.int64).to(device)
@@ -107,13 +117,15 @@ def _prefill(target: TinyTarget, prompts: Sequence[Sequence[int]], length: int, 
     return last, features, cache, lengths
 
 
-def _sample_from_target(logits: torch.Tensor, temperature, seed, position) -> torch.Tensor:
+def _sample_from_target(logits: torch.Tensor, temperature, seed, position,
+                        filters: Optional[dict] = None) -> torch.Tensor:
     """The token after ``position`` from target logits ``[B, V]``: ``verify`` with no drafts,
-    i.e. a plain draw from ``softmax(logits / T)`` on the resampling stream of that position."""
+    i.e. a plain draw from the (filtered) ``softmax(logits / T)`` on the resampling stream of
+    that position."""
     batch = logits.shape[0]
     no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=logits.device)
     out = verify(logits.float()[:, None], no_drafts, torch.zeros(batch, dtype=torch.int32,
-                 device=logits.device), temperature, seed, position)
+                 device=logits.device), temperature, seed, position, **(filters or {}))
     return out.tokens[:, 0]
 
 
@@ -138,21 +150,25 @@ def _finish(generated: List[int], new: List[int], eos: frozenset, limit: int) ->
 def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          temperature: Union[float, torch.Tensor] = 0.0, seed=None, *,
                          eos_token_id: Union[int, Sequence[int], None] = None,
+                         top_k=None, top_p=None, min_p=None,
                          generator: Optional[torch.Generator] = None) -> List[List[int]]:
     """Plain autoregressive decoding of the target, one token per forward: the baseline the
     speculative decoder must reproduce (greedy: identical tokens; sampled: the same
-    distribution, drawn from the same per-position random streams as ``verify``'s emissions)."""
+    distribution, drawn from the same per-position random streams as ``verify``'s emissions).
+    ``top_k``, ``top_p`` and ``min_p`` (per request or shared) filter every draw as
+    :func:`dspark_ops.verify` does."""
     device = target.device
     batch = len(prompts)
     length = max(len(p) for p in prompts) + max_new_tokens + 1
     temperature = _per_request(temperature, batch, torch.float32, device)
     seed = _seeds(seed, batch, device, generator)
+    filters = _filters(top_k, top_p, min_p, batch, device)
     last, _, cache, lengths = _prefill(target, prompts, length, device)
     position = lengths.long() - 1
     generated: List[List[int]] = [[] for _ in range(batch)]
     done = [max_new_tokens <= 0] * batch
     while not all(done):
-        token = _sample_from_target(last, temperature, seed, position)
+        token = _sample_from_target(last, temperature, seed, position, filters)
         for b, t in enumerate(token.tolist()):
             if not done[b]:
                 done[b] = _finish(generated[b], [t], _stop_ids(eos_token_id), max_new_tokens)
@@ -224,6 +240,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  temperature: Union[float, torch.Tensor] = 0.0, seed=None, *,
+                 top_k=None, top_p=None, min_p=None,
                  generator: Optional[torch.Generator] = None) -> GenerateOutput:
         """Generates up to ``max_new_tokens`` tokens after each prompt.
 
@@ -238,6 +255,10 @@ class SpeculativeDecoder:
         seed : int, torch.Tensor or None
             int64 per request (or shared); ``None`` draws them from ``generator``. Each request's
             output depends only on its prompt, temperature and seed, not on its batch neighbours.
+        top_k, top_p, min_p : int / float or torch.Tensor, optional
+            Sampling filters per request (``[B]``) or shared, in :func:`dspark_ops.verify`'s
+            order and meaning. The drafts are sampled with the same filters, so the output is
+            distributed as :func:`generate_target_only` with them.
 
         Returns
         -------
@@ -251,6 +272,7 @@ class SpeculativeDecoder:
         length = max(len(p) for p in prompts) + max_new_tokens + block + 2
         temperature = _per_request(temperature, batch, torch.float32, device)
         seed = _seeds(seed, batch, device, generator)
+        filters = _filters(top_k, top_p, min_p, batch, device)
         step_rate = self.step_rate
         if step_rate is None:
             step_rate = default_step_rate(batch * (block + 1) + 1, batch)
@@ -264,7 +286,7 @@ class SpeculativeDecoder:
         draft_len = torch.zeros(batch, dtype=torch.int32, device=device)
         draft.append_context(features.to(dtype), None, target_len, d_k, d_v, draft_len)
         position = target_len.long()  # p0 of each anchor
-        anchor = _sample_from_target(last, temperature, seed, position - 1)
+        anchor = _sample_from_target(last, temperature, seed, position - 1, filters)
 
         generated: List[List[int]] = [[] for _ in range(batch)]
         done = [max_new_tokens <= 0] * batch
@@ -281,7 +303,7 @@ class SpeculativeDecoder:
             hidden = draft(draft.block_hidden(anchor, block), None, d_k, d_v, draft_len)
             base_logits = draft.lm_head(hidden)
             drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature, seed,
-                                                 position)
+                                                 position, **filters)
             if draft.confidence_head is not None:
                 prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
                 confidence = draft.confidence(hidden, prev, calib)
@@ -300,7 +322,7 @@ class SpeculativeDecoder:
             starts = packed.cu_seqlens[:-1]
             out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
                          draft_logits=draft_logits, target_start=starts,
-                         draft_temperature=temperature)
+                         draft_temperature=temperature, **filters)
 
             # 4. Commit the anchor and the accepted drafts; the emitted token is the next anchor.
             kept = torch.where(active, out.num_accepted + 1, 0).int()

@@ -32,6 +32,7 @@ from torch import nn
 from .modules import DraftAttention, DraftBackbone, DraftConfig, DraftMLP, RMSNorm
 from .ops.attention import append_context_kv
 from .ops.draft import DraftOutput, draft_confidence, markov_draft, rnn_draft
+from .reference import filter_logits
 from .ops.random import philox_uniform
 
 __all__ = [
@@ -358,14 +359,15 @@ class MarkovHead(nn.Module):
             raise ValueError(f"unsupported markov_head_type {config.markov_head_type!r}; "
                              "this library implements 'vanilla' and 'rnn'")
 
-    def sample(self, base_logits, anchor, hidden, temperature, seed, position):
-        """The block's tokens and draft logits: :func:`markov_draft` or :func:`rnn_draft`."""
+    def sample(self, base_logits, anchor, hidden, temperature, seed, position, **filters):
+        """The block's tokens and draft logits: :func:`markov_draft` or :func:`rnn_draft`
+        (``filters``: their ``top_k`` / ``top_p`` / ``min_p``)."""
         w1, w2 = self.markov_w1.weight, self.markov_w2.weight
         if self.is_rnn:
             return rnn_draft(base_logits, anchor, hidden.to(w1.dtype), w1, w2,
                              self.joint_proj.weight, self.joint_proj.bias, temperature, seed,
-                             position)
-        return markov_draft(base_logits, anchor, w1, w2, temperature, seed, position)
+                             position, **filters)
+        return markov_draft(base_logits, anchor, w1, w2, temperature, seed, position, **filters)
 
 
 class ConfidenceHead(nn.Module):
@@ -377,21 +379,29 @@ class ConfidenceHead(nn.Module):
 
 
 def sample_base_logits(base_logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-                       position: torch.Tensor) -> DraftOutput:
+                       position: torch.Tensor, top_k: Optional[torch.Tensor] = None,
+                       top_p: Optional[torch.Tensor] = None,
+                       min_p: Optional[torch.Tensor] = None) -> DraftOutput:
     """Drafts sampled from the base logits alone (a DFlash draft: no sequential head).
 
     The same rule and random stream as :func:`dspark_ops.markov_draft` with a zero bias: slot
     ``j`` takes ``argmax_v z(v) / T - log(-log1p(-u_v))`` with the Philox uniforms of the draft
     stream of position ``p0 + 1 + j`` (greedy argmax when ``T <= 1e-5``), so the verifier's
-    acceptance and resampling streams stay independent of the drafts.
+    acceptance and resampling streams stay independent of the drafts. Sampling filters
+    (per-request ``[B]``) apply as in :func:`dspark_ops.markov_draft`.
 
     Returns
     -------
     DraftOutput
-        ``tokens`` int64 ``[B, G]`` and ``draft_logits``: ``base_logits`` as float32.
+        ``tokens`` int64 ``[B, G]`` and ``draft_logits``: ``base_logits`` as float32, -inf
+        where a filter drops a token.
     """
     batch, block, vocab = base_logits.shape
     logits = base_logits.float()
+    filters = {k: v[:, None].expand(batch, block) for k, v in
+               (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None}
+    if filters:
+        logits = filter_logits(logits, temperature[:, None].expand(batch, block), **filters)
     slots = position.long()[:, None] + 1 + torch.arange(block, device=logits.device)
     uniforms = philox_uniform(seed.long().repeat_interleave(block), slots.reshape(-1), 0, vocab)
     noise = -torch.log(-torch.log1p(-uniforms.double())).reshape(batch, block, vocab)
@@ -479,12 +489,14 @@ class DSparkDraft(DraftBackbone):
 
     def propose(self, base_logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor,
                 temperature: torch.Tensor, seed: torch.Tensor,
-                position: torch.Tensor) -> DraftOutput:
+                position: torch.Tensor, **filters) -> DraftOutput:
         """The block's drafts and the logits they were sampled from: the Markov or RNN head, or
-        for a DFlash draft (no head) the base logits themselves (:func:`sample_base_logits`)."""
+        for a DFlash draft (no head) the base logits themselves (:func:`sample_base_logits`);
+        ``filters`` are the sampling filters (``top_k``, ``top_p``, ``min_p``) of both."""
         if self.markov_head is None:
-            return sample_base_logits(base_logits, temperature, seed, position)
-        return self.markov_head.sample(base_logits, anchor, hidden, temperature, seed, position)
+            return sample_base_logits(base_logits, temperature, seed, position, **filters)
+        return self.markov_head.sample(base_logits, anchor, hidden, temperature, seed, position,
+                                       **filters)
 
     def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor,
                    calib_temperature: Optional[torch.Tensor] = None) -> torch.Tensor:

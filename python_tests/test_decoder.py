@@ -14,6 +14,7 @@ import struct
 import pytest
 import torch
 
+from dspark_ops import reference
 from dspark_ops import decoder as decoder_module
 from dspark_ops.decoder import SpeculativeDecoder, default_step_rate, generate_target_only
 from dspark_ops.demo import main as demo_main
@@ -157,8 +158,9 @@ def test_bad_arguments(pair):
 
 
 @torch.no_grad()
-def _exact_joint(target, prompt, steps, temperature):
-    """P(y_1..y_steps | prompt) for every sequence, by running the target on every prefix."""
+def _exact_joint(target, prompt, steps, temperature, **filters):
+    """P(y_1..y_steps | prompt) for every sequence, by running the target on every prefix
+    (each step's distribution filtered by reference.filter_logits with ``filters``)."""
     vocab = target.config.vocab_size
     joint = {(): 1.0}
     for _ in range(steps):
@@ -168,19 +170,29 @@ def _exact_joint(target, prompt, steps, temperature):
         ids = torch.tensor(rows)
         zeros = torch.zeros(len(rows), dtype=torch.int32)
         logits = target(ids, zeros + length, target.new_cache(len(rows), length), zeros)[0][:, -1].double()
+        if filters:
+            per_row = {k: torch.tensor([v] * len(rows)) for k, v in filters.items()}
+            logits = reference.filter_logits(logits.float(), torch.full((len(rows),), temperature),
+                                             **per_row).double()
         probs = torch.softmax(logits / temperature, -1)
         joint = {p + (y,): joint[p] * float(probs[i, y])
                  for i, p in enumerate(prefixes) for y in range(vocab)}
     return joint
 
 
-def _chi_square_of_decoder(decoder, target, prompt, steps, trials, temperature):
-    out = decoder.generate([prompt] * trials, steps, temperature, torch.arange(trials))
-    joint = _exact_joint(target, prompt, steps, temperature)
+def _chi_square_of_tokens(tokens, target, prompt, steps, temperature, **filters):
+    """chi-square of generated token lists' first ``steps`` tokens against the exact joint
+    distribution (filtered with ``filters``)."""
+    joint = _exact_joint(target, prompt, steps, temperature, **filters)
     index = {seq: i for i, seq in enumerate(joint)}
-    samples = torch.tensor([index[tuple(t[:steps])] for t in out.tokens])
+    samples = torch.tensor([index[tuple(t[:steps])] for t in tokens])
     probs = torch.tensor(list(joint.values()))
-    return chi_square(samples, probs / probs.sum()), out
+    return chi_square(samples, probs / probs.sum())
+
+
+def _chi_square_of_decoder(decoder, target, prompt, steps, trials, temperature, **filters):
+    out = decoder.generate([prompt] * trials, steps, temperature, torch.arange(trials), **filters)
+    return _chi_square_of_tokens(out.tokens, target, prompt, steps, temperature, **filters), out
 
 
 @pytest.mark.parametrize("scheduler", ["confidence", "budget", "dflash"])
@@ -203,6 +215,27 @@ def test_sampled_tokens_follow_the_target(scheduler):
         return
     assert 0.2 * verified < accepted < 0.95 * verified
     assert 0 < verified < 4 * len(out.rounds[0].accepted) * len(out.rounds)  # some, not all
+
+
+@pytest.mark.parametrize("scheduler", ["confidence", "dflash"])
+def test_filtered_sampling_follows_the_filtered_target(scheduler):
+    # top-k, top-p and min-p in generate: drafts and verification filtered alike, the output
+    # distributed as the filtered target; the same check rejects the unfiltered target.
+    target, draft = tiny_pair(vocab=8, block_size=4, context=0.3, noise=0.4, num_layers=1,
+                              target_dtype=torch.float64)
+    if scheduler == "dflash":
+        draft, scheduler = _dflash(draft), "fixed"
+    decoder = SpeculativeDecoder(target, draft, scheduler=scheduler)
+    filters = dict(top_k=5, top_p=0.85, min_p=0.05)
+    (chi2, df), out = _chi_square_of_decoder(decoder, target, [1, 2, 3], 3, 12000, 1.0, **filters)
+    assert chi_square_passes(chi2, df), (chi2, df)
+    accepted = sum(a for r in out.rounds for a in r.accepted)
+    verified = sum(n for r in out.rounds for n in r.num_verify)
+    assert 0 < accepted < verified
+    chi2, df = _chi_square_of_tokens(out.tokens, target, [1, 2, 3], 3, 1.0)  # unfiltered
+    assert not chi_square_passes(chi2, df), (chi2, df)
+    plain = generate_target_only(target, [[1, 2, 3]] * 8, 6, 1.0, torch.arange(8), **filters)
+    assert all(len(t) == 6 for t in plain)
 
 
 def test_chi_square_rejects_a_decoder_with_misaligned_draft_logits(monkeypatch):

@@ -333,6 +333,21 @@ def test_generate_command(saved_models, capsys):
     assert "greedy output identical to plain decoding: True" in printed
 
 
+def test_generate_command_sampling_flags(saved_models, capsys):
+    from dspark_ops.generate import main
+
+    target_dir, draft_dir = saved_models
+    main(["--target", target_dir, "--draft", draft_dir, "--prompt", "why is the sky blue?",
+          "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float64", "--block-size",
+          "4", "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05"])
+    printed = capsys.readouterr().out
+    assert "mean accepted length" in printed and "greedy output identical" not in printed
+    for flag, value in (("--top-p", "1.5"), ("--top-k", "-1"), ("--min-p", "2")):
+        with pytest.raises(SystemExit, match=flag):
+            main(["--target", target_dir, "--draft", draft_dir, "--prompt", "x", "--device",
+                  "cpu", flag, value])
+
+
 def test_eval_command(saved_models, tmp_path, capsys):
     from dspark_ops.eval import main
 
