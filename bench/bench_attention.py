@@ -1,5 +1,5 @@
-"""Benchmark of ``block_draft_attention`` and ``append_context_kv`` (SPEC §3.5) against SDPA and
-FlashAttention.
+"""Benchmark of ``block_draft_attention`` and ``append_context_kv`` (docs/semantics.md §3.5)
+against SDPA and FlashAttention.
 
 ``block_draft_attention`` rows, at ``G = 8``, ``Hq = 32``, ``Hkv = 8``, ``D = 128`` (Qwen3-8B's
 attention) and every request at ``p0 = ctx`` context rows; on GPU bf16 with ``B`` in {1, 16, 64}
@@ -25,8 +25,9 @@ Before timing, every competitor's output is compared with ``reference.block_draf
 (explicit float32 softmax); ``err`` is ours' largest absolute difference, and a competitor that
 disagrees beyond rounding is reported. ``MB`` counts the bytes the op must move: the K and V
 context rows it reads, ``sum_b min(p0_b, window) * Hkv * D * 2`` elements, plus q, the block K/V
-and the output; GB/s follows, and on GPU its share of the measured copy bandwidth (SPEC §4: at
-``B = 64, ctx = 4k`` the K/V read alone is 1.07 GB, a floor of about 250 µs on an H200).
+and the output; GB/s follows, and on GPU its share of the measured copy bandwidth
+(docs/semantics.md §4: at ``B = 64, ctx = 4k`` the K/V read alone is 1.07 GB, a floor of about
+250 µs on an H200).
 
 ``append_context_kv`` rows append up to ``G + 1`` rows per request (the anchor and the accepted
 drafts; counts uniform in ``[1, G + 1]``) at ``p0 = ctx``, timed with ``ref``
@@ -35,9 +36,10 @@ write as a user would vectorise it: boolean-mask ``index_put_`` and a clamped le
 Each timed call first restores ``cache_seqlens``, so every call appends at the same place;
 ``match`` says whether the caches and lengths equal the reference's.
 
-The SPEC asks the CPU kernel to be at least as fast as the masked-SDPA reference; the ``SPEC``
-column judges that at ``B = 4, ctx = 4k`` (both dtypes). On a GPU whose build has no CUDA kernel
-for an op, ``ours`` is reported as not built and left out; the other competitors still run.
+docs/semantics.md §4 asks the CPU kernel to be at least as fast as the masked-SDPA reference;
+the ``target`` column judges that at ``B = 4, ctx = 4k`` (both dtypes). On a GPU whose build has
+no CUDA kernel for an op, ``ours`` is reported as not built and left out; the other competitors
+still run.
 
 Run from the repository root: ``python bench/bench_attention.py [--quick] [--device D]
 [--json-only] [--no-anchors]`` (or ``python -m bench`` for every family).
@@ -79,8 +81,9 @@ CPU_PLAN = dict(batches=(1, 4), contexts=(1024, 4096), dtypes=(torch.float32, to
 CPU_QUICK = dict(batches=(4,), contexts=(4096,), dtypes=(torch.float32, torch.bfloat16),
                  append_batches=(4,), append_context=4096)
 
-# SPEC §4: on CPU the op must be at least as fast as the masked-SDPA reference; judged here.
-CPU_SPEC_SHAPE = (4, 4096)
+# docs/semantics.md §4: on CPU the op must be at least as fast as the masked-SDPA reference;
+# judged here.
+CPU_TARGET_SHAPE = (4, 4096)
 
 _SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # Largest acceptable |out - exact| per dtype: output rounding plus the inputs' rounding.
@@ -355,10 +358,10 @@ def bench_attention(case: AttentionCase, device: torch.device, timing: Timing,
         for name in ("flash-attn", "fa-append"):
             row.anchors[name] = try_time(name, competitors.get(name), device, **timing.others)
 
-    row.extra["SPEC"] = None
-    if device.type == "cpu" and (batch, case.context) == CPU_SPEC_SHAPE:
+    row.extra["target"] = None
+    if device.type == "cpu" and (batch, case.context) == CPU_TARGET_SHAPE:
         if row.ours_us is not None and row.reference_us is not None:
-            row.extra["SPEC"] = "met" if row.ours_us <= row.reference_us else "not met"
+            row.extra["target"] = "met" if row.ours_us <= row.reference_us else "not met"
     row.bytes_moved = attention_bytes(case)
     finish_row(row, copy_gbps)
     return row
@@ -415,7 +418,7 @@ def bench_append(case: AppendCase, device: torch.device, timing: Timing,
     row.reference_us = try_time("ref", timed("ref"), device, **timing.others)
     row.anchors["eager-torch"] = try_time("eager-torch", timed("eager-torch"), device,
                                            **timing.others)
-    row.extra["SPEC"] = None
+    row.extra["target"] = None
     row.bytes_moved = append_bytes(case)
     finish_row(row, copy_gbps)
     return row
@@ -497,17 +500,18 @@ def main(argv=None, *, emit: bool = True) -> List[Row]:
         lambda device, args, checkpoint: run(device, quick=args.quick,
                                              use_anchors=not args.no_anchors,
                                              checkpoint=checkpoint),
-        emit=emit, after_table=_print_cpu_spec)
+        emit=emit, after_table=_print_cpu_target)
 
 
-def _print_cpu_spec(rows: List[Row], device: torch.device) -> None:
-    """One line per dtype: SDPA reference time over ours at the CPU SPEC shape."""
+def _print_cpu_target(rows: List[Row], device: torch.device) -> None:
+    """One line per dtype: SDPA reference time over ours at the CPU target shape."""
     if device.type != "cpu":
         return
     for row in rows:
-        if row.extra.get("SPEC") is not None:
-            print(f"SPEC (CPU at least as fast as masked SDPA) at {row.shape} {row.variant}: "
-                  f"ref/ours = {row.speedup:.2f} -> {row.extra['SPEC']}")
+        if row.extra.get("target") is not None:
+            print(f"target of docs/semantics.md §4 (CPU at least as fast as masked SDPA) at "
+                  f"{row.shape} {row.variant}: "
+                  f"ref/ours = {row.speedup:.2f} -> {row.extra['target']}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Benchmark of the drafting ops (SPEC §3.2-3.3) against the reference and eager PyTorch.
+"""Benchmark of the drafting ops (docs/semantics.md §3.2-3.3) against the reference and eager
+PyTorch.
 
 Rows:
 
@@ -40,8 +41,8 @@ computes in the weight dtype); on GPU ``launches`` (device kernels and copies of
 ours/eager-torch, default row only), ``MB`` (bytes the op must move: ``W2`` once per slot,
 ``G * V * r`` elements, plus the base logits read, the float32 draft logits written and the
 embedded ``W1`` rows; ``rnn_draft`` adds the joint weight once per slot and the hidden states),
-GB/s, ``% copy`` (of the measured copy bandwidth, the roofline of SPEC §4) and ``floor us``
-(those bytes at the copy bandwidth).
+GB/s, ``% copy`` (of the measured copy bandwidth, the roofline of docs/semantics.md §4) and
+``floor us`` (those bytes at the copy bandwidth).
 
 Run from the repository root: ``python bench/bench_draft.py [--quick] [--device D]
 [--json-only]`` (or ``python -m bench`` for every family).
@@ -75,8 +76,8 @@ GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
 VARIANTS = ("sampled", "greedy", "mixed")
 HIDDEN = 2560  # Qwen3-4B
 
-# Default shape: B=64, G=7, V=151936, r=256, bf16 (SPEC §4 at G=7). CPU keeps the vocabulary,
-# which sets the cost (W2 is read once per slot), at a small batch.
+# Default shape: B=64, G=7, V=151936, r=256, bf16 (docs/semantics.md §4 at G=7). CPU keeps the
+# vocabulary, which sets the cost (W2 is read once per slot), at a small batch.
 GPU_PLAN = dict(batch=64, block=7, vocab=151936, rank=256, batches=(1, 256), rnn_batch=64,
                 confidence_batch=64, compile=True)
 GPU_QUICK = dict(GPU_PLAN, batches=(), compile=False)
@@ -341,8 +342,8 @@ def eager_draft_confidence(hidden, prev_tokens, w1, weight, bias, calib_temperat
 
 def markov_bytes(case: DraftCase) -> int:
     """Bytes ``markov_draft`` must move: W2 once per slot, base logits in, float32 logits out,
-    the ``B * G`` embedded W1 rows (SPEC §4); ``rnn_draft`` adds the joint weight once per slot
-    and the hidden states."""
+    the ``B * G`` embedded W1 rows (docs/semantics.md §4); ``rnn_draft`` adds the joint weight once
+    per slot and the hidden states."""
     batch, block, vocab, rank = case.batch, case.block, case.vocab, case.rank
     w = case.w1.element_size()
     total = (block * vocab * rank * w + case.base_logits.numel() * case.base_logits.element_size()

@@ -1,4 +1,5 @@
-"""Benchmark of the scheduling ops (SPEC §3.4) against the reference and eager PyTorch.
+"""Benchmark of the scheduling ops (docs/semantics.md §3.4) against the reference and eager
+PyTorch.
 
 Rows, at ``B`` in {64, 256, 1024} and ``G`` in {7, 16}:
 
@@ -39,8 +40,8 @@ Columns besides the times: ``mean l`` (mean ``num_verify`` of the row's lengths;
 the allocation its budget gives), ``match``; on GPU also ``graph us`` (a CUDA graph of 20 calls
 replayed, divided by 20: the kernel time without the host's launch overhead, where the event
 times of ``ours us`` are per call with the host running ahead), ``launches`` (device kernels and
-copies of one call of ours, counted with the profiler) and ``SPEC`` (at ``B = 256, G = 16`` the
-target of SPEC §4 for single-op rows: one launch and at most 10 µs by CUDA events).
+copies of one call of ours, counted with the profiler) and ``target`` (at ``B = 256, G = 16`` the
+target of docs/semantics.md §4 for single-op rows: one launch and at most 10 µs by CUDA events).
 
 Run from the repository root: ``python bench/bench_schedule.py [--quick] [--device D]
 [--json-only]`` (or ``python -m bench`` for every family).
@@ -75,9 +76,9 @@ BLOCKS = (7, 16)
 QUICK_BATCHES = (64, 256)
 QUICK_BLOCKS = (7,)
 
-# SPEC §4: "schedule / pack: launch-bound: one launch, <= 10 us", judged at this shape.
-SPEC_SHAPE = (256, 16)
-SPEC_US = 10.0
+# docs/semantics.md §4: scheduling ops launch-bound, one launch, <= 10 us; judged at this shape.
+TARGET_SHAPE = (256, 16)
+TARGET_US = 10.0
 GRAPH_CALLS = 20
 
 VOCAB = 151936
@@ -338,7 +339,7 @@ class Competitors:
     ours: Callable[[], object]
     eager: Callable[[], object]
     ref: Callable[[], object]
-    single_op: bool = True  # the SPEC target applies to one op call
+    single_op: bool = True  # the §4 target applies to one op call
 
 
 def _competitors(case: ScheduleCase, num_verify: torch.Tensor,
@@ -434,10 +435,10 @@ def bench_case(case: ScheduleCase, device: torch.device, timing: Timing) -> List
             row.extra["graph us"] = _try(
                 "graph", lambda: time_cuda_graph(comp.ours, device) * 1e6)
             row.extra["launches"] = _try("launches", lambda: count_launches(comp.ours, device))
-            row.extra["SPEC"] = None
-            if comp.single_op and (batch, block) == SPEC_SHAPE and row.ours_us is not None:
-                met = row.ours_us <= SPEC_US and row.extra["launches"] in (1, None)
-                row.extra["SPEC"] = "met" if met else "not met"
+            row.extra["target"] = None
+            if comp.single_op and (batch, block) == TARGET_SHAPE and row.ours_us is not None:
+                met = row.ours_us <= TARGET_US and row.extra["launches"] in (1, None)
+                row.extra["target"] = "met" if met else "not met"
         rows.append(row)
     return rows
 

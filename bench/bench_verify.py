@@ -1,4 +1,6 @@
-"""Benchmark of ``dspark_ops.verify`` (SPEC §3.1) against eager PyTorch and the public anchors.
+"""Benchmark of ``dspark_ops.verify`` against eager PyTorch and the public anchors.
+
+Semantics: docs/semantics.md §3.1; floors: §4.
 
 Every row times the same inputs with:
 
@@ -69,8 +71,8 @@ from bench.common import (
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
 VARIANTS = ("sampled", "greedy", "one-hot")
 
-# Default shape (SPEC §4) and sweeps. CPU sizes keep a full CPU run near a minute while keeping
-# the real vocabulary, which is what sets the cost.
+# Default shape (docs/semantics.md §4) and sweeps. CPU sizes keep a full CPU run near a minute
+# while keeping the real vocabulary, which is what sets the cost.
 GPU_PLAN = dict(batch=64, block=8, vocab=151936, batches=(1, 8, 256), acceptances=(0.3, 0.95))
 CPU_PLAN = dict(batch=4, block=8, vocab=151936, batches=(1, 16), acceptances=(0.3, 0.95))
 DEFAULT_ACCEPTANCE = 0.7

@@ -1,4 +1,5 @@
-"""CPU-vs-CUDA agreement of ``dspark_ops.verify`` on the same inputs and seeds (SPEC §2, §5).
+"""CPU-vs-CUDA agreement of ``dspark_ops.verify`` on the same inputs and seeds (docs/semantics.md
+§2, §5).
 
 Inputs are generated on the CPU, then the op runs on the CPU and on the GPU. Per request, the
 emitted tokens, ``num_accepted`` and ``valid`` must all be equal; the only allowed differences
@@ -7,10 +8,10 @@ last bit), which are vanishingly rare, so a config passes when at least ``--thre
 of its requests agree. Exits 1 when any config (or the total) falls below it, 0 otherwise, and
 0 with "skipped: no GPU" where there is no CUDA device.
 
-Drafting (SPEC §3.2-3.3): ``markov_draft`` and ``rnn_draft`` on the same inputs and seeds. The
-CUDA head accumulates in float32 (tensor cores for 16-bit weights), the CPU one in float64, so
-tokens agree except at near-ties, and a request's later slots diverge after a differing token.
-Per slot the section reports the fraction of identical tokens and the largest
+Drafting (docs/semantics.md §3.2-3.3): ``markov_draft`` and ``rnn_draft`` on the same inputs and
+seeds. The CUDA head accumulates in float32 (tensor cores for 16-bit weights), the CPU one in
+float64, so tokens agree except at near-ties, and a request's later slots diverge after a differing
+token. Per slot the section reports the fraction of identical tokens and the largest
 ``|draft_logits difference|`` over the requests whose drafted prefix (``x_0..x_j``) is
 identical, relative to the largest ``|draft_logit|`` of the slot; ``draft_confidence``: the
 largest difference of the confidences. A drafting config fails when slot 0's tokens agree on

@@ -308,7 +308,7 @@ def verify(
 
 
 # ------------------------------------------------------------------------------------------------
-# Sequential drafting (SPEC §1 step 3, §3.2, §3.3).
+# Sequential drafting (docs/semantics.md §1 step 3, §3.2, §3.3).
 #
 # Slot j drafts x_{j+1} from z_j = base_logits[:, j] + W2 . bias_input_j, where bias_input_j is
 # W1[x_j] (Markov head) or tanh(o_j) (RNN head), x_0 the anchor. The head's arithmetic runs in
@@ -377,8 +377,8 @@ def markov_draft(base_logits, anchor, w1, w2, temperature, seed, position, *, to
 
 def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed,
               position, *, top_k=None, top_p=None, min_p=None) -> DraftOutput:
-    """RNN head (SPEC §1 step 3): [g; c; o] = J [s_j; W1[x_j]; h_j] + b, bias W2 . tanh(o), then
-    s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), s_0 = 0."""
+    """RNN head (docs/semantics.md §1 step 3): [g; c; o] = J [s_j; W1[x_j]; h_j] + b, bias
+    W2 . tanh(o), then s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), s_0 = 0."""
     rank = w1.shape[1]
     weight, bias = joint_weight.double(), joint_bias.double()
     state = torch.zeros(base_logits.shape[0], rank, dtype=torch.float64, device=w1.device)
@@ -397,7 +397,7 @@ def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, tem
 
 def draft_confidence(hidden, prev_tokens, w1, weight, bias=None, calib_temperature=None):
     """c_j = sigmoid(logit_j / tau_j), logit_j = w . [h_j; W1[x_j]] + b in float64 rounded to
-    float32 (SPEC §3.3); float32 [B, G]."""
+    float32 (docs/semantics.md §3.3); float32 [B, G]."""
     features = torch.cat([hidden.double(), _embed(w1, prev_tokens)], -1)
     logit = features @ weight.double()
     if bias is not None:
@@ -409,7 +409,7 @@ def draft_confidence(hidden, prev_tokens, w1, weight, bias=None, calib_temperatu
 
 
 # ------------------------------------------------------------------------------------------------
-# Scheduling (SPEC §3.4): which draft tokens of each request are worth verifying.
+# Scheduling (docs/semantics.md §3.4): which draft tokens of each request are worth verifying.
 #
 # Survivals a[r, j] = c[r, 0] * ... * c[r, j] (multiplied left to right in float32) rank the
 # (request, position) pairs: survival descending, then position, then request ascending. A pair
@@ -456,8 +456,8 @@ def _theta(tau_fixed: int, step_rate: list, tokens: int) -> float:
 def schedule_verify(
     confidence: torch.Tensor, step_rate: torch.Tensor, *, max_verify: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Algorithm 1 (SPEC §3.4): admit pairs in rank order while Theta strictly improves, and stop
-    at the first admission that does not (or that would need M tokens)."""
+    """Algorithm 1 (docs/semantics.md §3.4): admit pairs in rank order while Theta strictly
+    improves, and stop at the first admission that does not (or that would need M tokens)."""
     batch = confidence.shape[0]
     rates = step_rate.double().cpu().tolist()
     num_verify = [0] * batch
@@ -529,8 +529,8 @@ def pack_verify_inputs(
 
 
 # ------------------------------------------------------------------------------------------------
-# Block drafting attention (SPEC §3.5): the G block slots attend, non-causally, to all G block keys
-# and to their request's context cache rows [max(0, p0 - window), p0).
+# Block drafting attention (docs/semantics.md §3.5): the G block slots attend, non-causally, to all
+# G block keys and to their request's context cache rows [max(0, p0 - window), p0).
 
 
 def block_draft_attention(

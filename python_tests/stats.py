@@ -1,4 +1,4 @@
-"""Statistical helpers shared by the losslessness tests (SPEC §5)."""
+"""Statistical helpers shared by the losslessness tests (docs/semantics.md §5)."""
 
 from __future__ import annotations
 

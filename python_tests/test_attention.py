@@ -1,7 +1,7 @@
-"""Attention family (SPEC §3.5): block_draft_attention against reference.py over context lengths
-(0 and L included), windows, GQA ratios, head dims, dtypes, cache-row indirection and strided
-layouts; semantics by construction; the block's K/V never touching the cache; append_context_kv
-against reference.py, its bounds and in-place behaviour; every argument check.
+"""Attention family (docs/semantics.md §3.5): block_draft_attention against reference.py over
+context lengths (0 and L included), windows, GQA ratios, head dims, dtypes, cache-row indirection
+and strided layouts; semantics by construction; the block's K/V never touching the cache;
+append_context_kv against reference.py, its bounds and in-place behaviour; every argument check.
 
 Tolerances: float32 matches the float32 reference to ~1e-5. For float16/bfloat16 the reference is
 computed in float32 from the same low-precision inputs, so what remains is the rounding of the
@@ -944,7 +944,7 @@ def test_device_mismatch_append(name):
 
 @cuda_only
 def test_float32_attention_rejected_on_cuda():
-    # The CUDA attention kernel takes float16/bfloat16 only (SPEC §3.5).
+    # The CUDA attention kernel takes float16/bfloat16 only (docs/semantics.md §3.5).
     args = {k: v.float() if v.is_floating_point() else v for k, v in valid_args("cuda").items()}
     with pytest.raises(TypeError, match=r"block_draft_attention\(\): .*'q' must have dtype "
                                         r"Half or BFloat16, got Float"):

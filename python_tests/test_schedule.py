@@ -1,6 +1,7 @@
-"""Scheduling ops (SPEC §3.4): schedule_verify, plan_verify_budget, allocate_verify and
-pack_verify_inputs against reference.py, hand-worked cases, properties, light and heavy load,
-scheduler losslessness (SPEC §5) through verify, profile_step_rate and every argument check.
+"""Scheduling ops (docs/semantics.md §3.4): schedule_verify, plan_verify_budget, allocate_verify
+and pack_verify_inputs against reference.py, hand-worked cases, properties, light and heavy load,
+scheduler losslessness (docs/semantics.md §5) through verify, profile_step_rate and every argument
+check.
 
 Indexing of ``step_rate`` used throughout: ``step_rate[n]`` is the rate of a verify batch of ``n``
 tokens *including the anchors*, so B requests verifying ℓ_r drafts each read
@@ -420,8 +421,8 @@ def eligible_lengths(confidence, max_verify=None) -> torch.Tensor:
 
 
 def rank_keys(confidence) -> torch.Tensor:
-    """int64 [B, G] that orders pairs as the SPEC does: survival descending, then position, then
-    request (non-negative float32 values order like their bit patterns)."""
+    """int64 [B, G] that orders pairs as docs/semantics.md §3.4 does: survival descending, then
+    position, then request (non-negative float32 values order like their bit patterns)."""
     a = reference.survivals(confidence.cpu()).clamp_min(0)
     batch, block = a.shape
     bits = a.view(torch.int32).long()
@@ -574,7 +575,7 @@ def test_heavy_load_linear_cost(device):
 
 
 # --------------------------------------------------------------------------------------------
-# Scheduler losslessness (SPEC §5)
+# Scheduler losslessness (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
 #
 # One request, G = 2, vocabulary {A = 0, B = 1}. Target p = (0.7, 0.3) at every position,
@@ -594,12 +595,12 @@ def test_heavy_load_linear_cost(device):
 TOKEN_A, TOKEN_B = 0, 1
 P_TARGET = torch.tensor([0.7, 0.3], dtype=torch.float64)
 Q_DRAFT = torch.tensor([0.5, 0.5], dtype=torch.float64)
-SPEC_STEP_RATE = [1.0, 1.0, 0.5, 0.45]
+EXAMPLE_STEP_RATE = [1.0, 1.0, 0.5, 0.45]
 BUSIER_STEP_RATE = [1.0, 1.0, 0.6, 0.45]  # Theta(ℓ=1) = 1.08 > 1: x1 is worth verifying
 LOSSLESS_TRIALS = 4000
 
 
-def spec_confidence(x1: torch.Tensor) -> torch.Tensor:
+def example_confidence(x1: torch.Tensor) -> torch.Tensor:
     c2 = torch.where(x1 == TOKEN_A, 0.9, 0.0)
     return torch.stack([torch.full_like(c2, 0.8), c2], 1).float()
 
@@ -629,13 +630,13 @@ def retrospective_schedule(step_rate: torch.Tensor):
     return schedule
 
 
-def run_spec_example(schedule, device, seed, trials=LOSSLESS_TRIALS):
+def run_two_token_example(schedule, device, seed, trials=LOSSLESS_TRIALS):
     """Draws x1, x2 ~ q per trial, schedules with ``schedule(confidence [T, 2])``, verifies all
     trials in one launch (per-request, independent streams). Returns (tokens, num_verify, x1)."""
     gen = generator(seed)
     drafts = torch.multinomial(Q_DRAFT, 2 * trials, replacement=True, generator=gen)
     drafts = drafts.reshape(trials, 2)
-    confidence = spec_confidence(drafts[:, 0]).to(device)
+    confidence = example_confidence(drafts[:, 0]).to(device)
     num_verify = schedule(confidence)
     assert num_verify.dtype == torch.int32 and num_verify.shape == (trials,)
     target = P_TARGET.log().float().expand(3, 2).contiguous()  # rows for ℓ = 0, 1, 2
@@ -660,14 +661,14 @@ def first_token_test(tokens):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rates", ["spec", "busier"])
+@pytest.mark.parametrize("rates", ["example", "busier"])
 def test_lossless_schedule_verify(device, rates):
-    rate = f32(*(SPEC_STEP_RATE if rates == "spec" else BUSIER_STEP_RATE), device=device)
-    tokens, accepted, nv, x1 = run_spec_example(per_trial(
+    rate = f32(*(EXAMPLE_STEP_RATE if rates == "example" else BUSIER_STEP_RATE), device=device)
+    tokens, accepted, nv, x1 = run_two_token_example(per_trial(
         lambda c: dspark_ops.schedule_verify(c, rate)), device, seed=201)
-    # The hand-worked lengths: spec: never verify; busier: x1 always (1.08 > 1), and x2 as
+    # The hand-worked lengths: example: never verify; busier: x1 always (1.08 > 1), and x2 as
     # well when x1 = A (Theta 1.134 > 1.08) -- a decision that depends on x1, not on x2.
-    expected = torch.zeros_like(nv) if rates == "spec" else 1 + (x1 == TOKEN_A).int()
+    expected = torch.zeros_like(nv) if rates == "example" else 1 + (x1 == TOKEN_A).int()
     assert torch.equal(nv, expected)
     passes, chi2, df, z, frac = first_token_test(tokens)
     assert passes and abs(z) < 5, (chi2, df, z, frac)
@@ -681,9 +682,9 @@ def test_lossless_schedule_verify(device, rates):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_retrospective_schedule_is_biased(device):
-    # The same harness with a global search over ℓ: biased exactly as SPEC §5 says.
-    rate = f32(*SPEC_STEP_RATE)
-    tokens, _, nv, x1 = run_spec_example(retrospective_schedule(rate), device, seed=201)
+    # The same harness with a global search over ℓ: biased as docs/semantics.md §5.2 says.
+    rate = f32(*EXAMPLE_STEP_RATE)
+    tokens, _, nv, x1 = run_two_token_example(retrospective_schedule(rate), device, seed=201)
     assert torch.equal(nv, 2 * (x1 == TOKEN_A).int())  # verifies x1 only when x1 = A
     passes, chi2, df, z, frac = first_token_test(tokens)
     assert not passes and z > 10, (chi2, df, z, frac)
@@ -694,11 +695,11 @@ def test_retrospective_schedule_is_biased(device):
 def test_lossless_plan_then_allocate(device):
     # Stage 1 on a confidence that does not depend on the current drafts (an older round's),
     # stage 2 on the fresh ones: lossless.
-    rate = f32(*SPEC_STEP_RATE, device=device)
+    rate = f32(*EXAMPLE_STEP_RATE, device=device)
     stale = f32([0.8, 0.9], device=device)
     budget = dspark_ops.plan_verify_budget(stale, rate)
     assert budget.tolist() == [3]  # Theta(K=3) = 1.134 beats Theta(1) = 1.0 and Theta(2) = 0.9
-    tokens, _, nv, x1 = run_spec_example(per_trial(
+    tokens, _, nv, x1 = run_two_token_example(per_trial(
         lambda c: dspark_ops.allocate_verify(c, budget)), device, seed=202)
     assert torch.equal(nv, 1 + (x1 == TOKEN_A).int())  # x1 always verified
     passes, chi2, df, z, frac = first_token_test(tokens)
@@ -709,12 +710,12 @@ def test_lossless_plan_then_allocate(device):
 def test_plan_on_current_confidence_is_biased(device):
     # The plan's global search fed with the *current* confidences is the retrospective search
     # again: K = 3 after A, 1 after B.
-    rate = f32(*SPEC_STEP_RATE, device=device)
+    rate = f32(*EXAMPLE_STEP_RATE, device=device)
 
     def plan_then_allocate(c):
         return dspark_ops.allocate_verify(c, dspark_ops.plan_verify_budget(c, rate))
 
-    tokens, _, nv, x1 = run_spec_example(per_trial(plan_then_allocate), device, seed=203)
+    tokens, _, nv, x1 = run_two_token_example(per_trial(plan_then_allocate), device, seed=203)
     assert torch.equal(nv, 2 * (x1 == TOKEN_A).int())
     passes, chi2, df, z, frac = first_token_test(tokens)
     assert not passes and z > 10, (chi2, df, z, frac)

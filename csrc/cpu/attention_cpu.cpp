@@ -1,4 +1,5 @@
-// CPU kernels of the attention family (SPEC §3.5): block_draft_attention and append_context_kv.
+// CPU kernels of the attention family (docs/semantics.md §3.5): block_draft_attention and
+// append_context_kv.
 //
 // block_draft_attention: one task per (request, KV head) (at::parallel_for). The G * Hq/Hkv query
 // rows that share the KV head are held as float32 and every key/value row is converted once and

@@ -1,4 +1,5 @@
-// CPU kernels of the drafting family (SPEC §3.2, §3.3): markov_draft, rnn_draft, draft_confidence.
+// CPU kernels of the drafting family (docs/semantics.md §3.2, §3.3): markov_draft, rnn_draft,
+// draft_confidence.
 //
 // A block is walked slot by slot; each slot is one pass over the vocabulary, split into chunks
 // that at::parallel_for spreads over the threads. A chunk converts four W2 rows at a time to

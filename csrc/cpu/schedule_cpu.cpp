@@ -1,5 +1,5 @@
-// CPU kernels of the scheduling family (SPEC §3.4): schedule_verify, plan_verify_budget,
-// allocate_verify and pack_verify_inputs. The ranking is a sort of one 64-bit key per eligible
+// CPU kernels of the scheduling family (docs/semantics.md §3.4): schedule_verify,
+// plan_verify_budget, allocate_verify and pack_verify_inputs. The ranking is a sort of one 64-bit key per eligible
 // pair and the admission walks are sequential; the math is kernels/schedule_math.h, shared with
 // the CUDA kernels, so both backends return identical lengths.
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// CUDA kernels of the attention family (SPEC §3.5), torch-free.
+// CUDA kernels of the attention family (docs/semantics.md §3.5), torch-free.
 //
 // block_draft_attention is decode-shaped: G slots x Hq/Hkv query heads per KV head against a long
 // context, so it is bound by reading K/V, and split-KV (flash-decoding) keeps the GPU full when

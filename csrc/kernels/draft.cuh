@@ -1,4 +1,4 @@
-// CUDA kernels of the drafting family (SPEC §3.2, §3.3), torch-free.
+// CUDA kernels of the drafting family (docs/semantics.md §3.2, §3.3), torch-free.
 //
 // Math: kernels/draft_math.h (shared with the CPU kernel). Input contract: DraftParams and
 // ConfidenceParams below; the ATen glue in cuda/draft_cuda.cu checks shapes, dtypes and devices.

@@ -1,4 +1,4 @@
-// CUDA kernels of the scheduling family (SPEC §3.4), torch-free.
+// CUDA kernels of the scheduling family (docs/semantics.md §3.4), torch-free.
 //
 // Math: kernels/schedule_math.h (shared with the CPU kernels). Each op is one launch of one block
 // of 1024 threads, which is all B <= 1024, G <= 32 needs; the cost is launch latency plus a few

@@ -1,5 +1,5 @@
-// Scalar math of the scheduling ops (SPEC §3.4), shared by the CPU and CUDA kernels (torch-free)
-// and spelled the same way in dspark_ops/reference.py.
+// Scalar math of the scheduling ops (docs/semantics.md §3.4), shared by the CPU and CUDA kernels
+// (torch-free) and spelled the same way in dspark_ops/reference.py.
 //
 // Pairs (r, j) are ranked by one 64-bit key, ascending = survival descending, then position j,
 // then request r: key = (bits(1.0f) - bits(a)) << 32 | (j * B + r). Non-negative floats order like

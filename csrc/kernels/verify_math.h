@@ -1,7 +1,7 @@
 // Scalar math of the verification rule, shared by the CPU and CUDA kernels (torch-free).
 //
-// One function per step of SPEC §3.1 so both backends (and dspark_ops/reference.py, which spells
-// the same formulas in PyTorch) round identically wherever they can:
+// One function per step of docs/semantics.md §3.1 so both backends (and dspark_ops/reference.py,
+// which spells the same formulas in PyTorch) round identically wherever they can:
 //   greedy  <=> !(T > 1e-5)               (covers 0, negative and NaN temperatures)
 //   w(x)    = exp((logit(x) - max) * (1/T)), non-finite logits count as -inf
 //   p(x)    = w(x) * (1/sum w)

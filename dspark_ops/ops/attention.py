@@ -1,4 +1,4 @@
-"""Block drafting attention with context K/V injection (SPEC §3.5).
+"""Block drafting attention with context K/V injection (docs/semantics.md §3.5).
 
 DSpark drafts a whole block in one forward pass of the draft backbone: in every draft layer the G
 block slots ``[x0, MASK, ...]`` attend, non-causally among themselves, to a context K/V cache built

@@ -1,4 +1,4 @@
-"""Confidence-scheduled, load-aware verification (SPEC §3.4).
+"""Confidence-scheduled, load-aware verification (docs/semantics.md §3.4).
 
 Which draft tokens are worth a target forward? Each op ranks all (request, position) pairs by
 survival ``a[r, j] = c[r, 0] * ... * c[r, j]`` (descending; ties to the smaller position, then the
