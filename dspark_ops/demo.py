@@ -87,16 +87,32 @@ def tiny_pair(vocab: int = 64, block_size: int = 7, *, context: float = 0.0, noi
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=7)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser = argparse.ArgumentParser(
+        prog="python -m dspark_ops.demo",
+        description="DSpark speculative decoding of a tiny target with a matching draft (built "
+                    "without training, see dspark_ops.demo.tiny_pair): calibrates the confidence "
+                    "head, decodes a few prompts, prints every round and compares with plain "
+                    "target decoding on the same seeds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the models and ops run (cpu or cuda)")
+    parser.add_argument("--batch", type=int, default=4, help="requests decoded together")
+    parser.add_argument("--block-size", type=int, default=7,
+                        help="G, drafts proposed per request and round (1..32)")
+    parser.add_argument("--max-new-tokens", type=int, default=48,
+                        help="tokens generated per request")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature of target and draft; 0 is greedy, and then "
+                             "the output is checked for identity with plain decoding")
     parser.add_argument("--context", type=float, default=0.1,
                         help="attention share of the target (0: a bigram target, drafted exactly)")
-    parser.add_argument("--noise", type=float, default=0.3, help="error of the draft's Markov head")
-    parser.add_argument("--scheduler", default="confidence", choices=("confidence", "budget", "fixed"))
+    parser.add_argument("--noise", type=float, default=0.3,
+                        help="error added to the draft's Markov head (0: the exact bigram table)")
+    parser.add_argument("--scheduler", default="confidence",
+                        choices=("confidence", "budget", "fixed"),
+                        help="how many drafts to verify: confidence = schedule_verify (Algorithm "
+                             "1), budget = plan_verify_budget on older confidences + "
+                             "allocate_verify, fixed = all G")
     args = parser.parse_args(argv)
 
     target, draft = tiny_pair(block_size=args.block_size, context=args.context, noise=args.noise,

@@ -1,8 +1,8 @@
-"""The drafting family (SPEC §1 steps 3-4, §3.2, §3.3): markov_draft, rnn_draft and
+"""The drafting family (docs/semantics.md §1 steps 3-4, §3.2, §3.3): markov_draft, rnn_draft and
 draft_confidence against the reference (exact on CPU, within float32 rounding on CUDA), literal
 outcomes of constructed heads, layouts, non-finite logits, batch invariance, seeds, statistical
-tests of the sampled drafts (SPEC §5), the lossless hand-off to verify, sequential temperature
-scaling and every argument check."""
+tests of the sampled drafts (docs/semantics.md §5), the lossless hand-off to verify, sequential
+temperature scaling and every argument check."""
 
 from __future__ import annotations
 
@@ -202,8 +202,8 @@ def previous_tokens(anchor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def teacher_forced_logits(case: DraftCase, tokens: torch.Tensor) -> torch.Tensor:
-    """z_j (SPEC §1 step 3) for the given drafts, in float64 rounded once to float32, on the CPU:
-    what draft_logits must be for these tokens."""
+    """z_j (docs/semantics.md §1 step 3) for the given drafts, in float64 rounded once to float32,
+    on the CPU: what draft_logits must be for these tokens."""
     case, tokens = case.to("cpu"), tokens.cpu()
     prev = previous_tokens(case.anchor, tokens)
     w2 = case.w2.double()
@@ -225,7 +225,7 @@ def teacher_forced_logits(case: DraftCase, tokens: torch.Tensor) -> torch.Tensor
 
 
 def check_output_contract(case: DraftCase, out) -> None:
-    """What every output must satisfy whatever the inputs (SPEC §3.2)."""
+    """What every output must satisfy whatever the inputs (docs/semantics.md §3.2)."""
     batch, block, vocab = case.base_logits.shape
     assert isinstance(out, dspark_ops.DraftOutput)
     assert out.tokens.dtype == torch.int64 and out.tokens.shape == (batch, block)
@@ -908,7 +908,7 @@ def test_seed_none_uses_generator(device, head):
 
 
 # --------------------------------------------------------------------------------------------
-# Statistical tests of the drafts (SPEC §5)
+# Statistical tests of the drafts (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
 
 STAT_VOCAB = 128
@@ -1089,7 +1089,7 @@ def make_confidence_case(batch, block, vocab, rank, hidden_size, *, seed,
 
 
 def confidence_logits(case: ConfidenceCase) -> torch.Tensor:
-    """w . [h_j; W1[x_j]] + b in float64, rounded to float32 (SPEC §1 step 4)."""
+    """w . [h_j; W1[x_j]] + b in float64, rounded to float32 (docs/semantics.md §1 step 4)."""
     case = case.to("cpu")
     features = torch.cat([case.hidden.double(), embed(case.w1, case.prev_tokens)], -1)
     logit = features @ case.weight.double()
@@ -1399,9 +1399,9 @@ COMMON_ERRORS = [
     ("w1-vocab", lambda d: dict(w1=torch.randn(V - 1, R)), ValueError,
      r"'w1' must have shape \[V, r\] = \[100, 8\], got \[99, 8\]"),
     ("w2-dtype", lambda d: dict(w2=torch.randn(V, R).bfloat16()), TypeError,
-     r"'w2' must have dtype Float, got BFloat16"),
+     r"'w2' must have dtype Float like 'w1', got BFloat16"),
     ("w2-dtype-like-w1", lambda d: dict(w1=torch.randn(V, R).half(), w2=torch.randn(V, R)),
-     TypeError, r"'w2' must have dtype Half, got Float"),
+     TypeError, r"'w2' must have dtype Half like 'w1', got Float"),
     ("w2-rank", lambda d: dict(w2=torch.randn(V, R + 1)), ValueError,
      r"'w2' must have shape \[V, r\] like 'w1' = \[100, 8\], got \[100, 9\]"),
     ("w2-transposed", lambda d: dict(w2=torch.randn(R, V)), ValueError,
@@ -1437,7 +1437,7 @@ RNN_ERRORS = [
     ("hidden-B", lambda d: dict(hidden=torch.randn(B - 1, G, D)), ValueError,
      r"'hidden' must have shape \[B, G, d\] = \[3, 4, 16\], got \[2, 4, 16\]"),
     ("joint_weight-dtype", lambda d: dict(joint_weight=torch.randn(3 * R, 2 * R + D).half()),
-     TypeError, r"'joint_weight' must have dtype Float, got Half"),
+     TypeError, r"'joint_weight' must have dtype Float like 'w1', got Half"),
     ("joint_weight-width", lambda d: dict(joint_weight=torch.randn(3 * R, 2 * R + D + 1)),
      ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[24, 33\]"),
     ("joint_weight-rows", lambda d: dict(joint_weight=torch.randn(4 * R, 2 * R + D)),
@@ -1445,7 +1445,7 @@ RNN_ERRORS = [
     ("joint_weight-transposed", lambda d: dict(joint_weight=torch.randn(2 * R + D, 3 * R)),
      ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[32, 24\]"),
     ("joint_bias-dtype", lambda d: dict(joint_bias=torch.randn(3 * R).bfloat16()), TypeError,
-     r"'joint_bias' must have dtype Float, got BFloat16"),
+     r"'joint_bias' must have dtype Float like 'w1', got BFloat16"),
     ("joint_bias-shape", lambda d: dict(joint_bias=torch.randn(3 * R - 1)), ValueError,
      r"'joint_bias' must have shape \[3r\] = \[24\], got \[23\]"),
     ("joint_bias-2d", lambda d: dict(joint_bias=torch.randn(3 * R, 1)), ValueError,
@@ -1710,3 +1710,63 @@ def test_cpu_and_cuda_agree(shape, weights, head):
     conf = make_confidence_case(shape[0], shape[1], shape[2], shape[3], 64,
                                 seed=stable_seed("agree-conf", shape))
     torch.testing.assert_close(conf.to("cuda").call().cpu(), conf.call(), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Python numbers for the per-request sampling arguments; the confidence logits
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["markov_draft", "rnn_draft"])
+def test_scalars_broadcast_like_tensors(device, op):
+    args = valid_draft_args(device)
+    args.pop("temperature")
+    common = [args["base_logits"], args["anchor"]]
+    if op == "rnn_draft":
+        common.append(args["hidden"])
+    common += [args["w1"], args["w2"]]
+    if op == "rnn_draft":
+        common += [args["joint_weight"], args["joint_bias"]]
+    run = getattr(dspark_ops, op)
+    for temperature, filters in ((0.7, {}), (0.0, {}), (1, dict(top_k=5, top_p=0.8, min_p=0.1))):
+        got = run(*common, temperature, args["seed"], args["position"], **filters)
+        want = run(*common, torch.full((B,), float(temperature), device=device), args["seed"],
+                   args["position"],
+                   **{k: torch.full((B,), v, device=device,
+                                    dtype=torch.int32 if k == "top_k" else torch.float32)
+                      for k, v in filters.items()})
+        assert torch.equal(got.tokens, want.tokens), (temperature, filters)
+        assert torch.equal(got.draft_logits, want.draft_logits)
+    with pytest.raises(TypeError, match=rf"{op}\(\): 'temperature' must be a tensor \[B\] or a "
+                                        r"float shared by every request, got str"):
+        run(*common, "0.7", args["seed"], args["position"])
+    with pytest.raises(TypeError, match=rf"{op}\(\): 'top_k' must be a tensor \[B\] or an int"):
+        run(*common, 0.7, args["seed"], args["position"], top_k=0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("calib", [False, True])
+def test_draft_confidence_return_logits(device, calib):
+    case = make_confidence_case(8, 5, 300, 16, 24, seed=stable_seed("conf-logits", calib),
+                                hidden_dtype=torch.bfloat16, bias=True, calib=calib).to(device)
+    # Saturate the sigmoid on some requests: torch.logit of the confidence cannot recover those.
+    case = case.replace(hidden=case.hidden * torch.tensor([1.0, 40.0], device=device).repeat(4)
+                        [:, None, None].to(case.hidden.dtype))
+    confidence, logits = dspark_ops.draft_confidence(
+        case.hidden, case.prev_tokens, case.w1, case.weight, case.bias, case.calib_temperature,
+        return_logits=True)
+    assert logits.dtype == torch.float32 and logits.shape == confidence.shape
+    assert logits.device == case.hidden.device
+    assert torch.equal(confidence, case.call())
+    exact = confidence_logits(case)
+    if device == "cpu":  # float64 dot product rounded once, as the CPU kernel's
+        assert torch.equal(logits, exact)
+    else:
+        torch.testing.assert_close(logits.cpu(), exact, rtol=1e-5, atol=1e-5)
+    assert exact.abs().max() > 30  # saturated rows exist, and their logits are still exact
+    tau = 1.0 if case.calib_temperature is None else case.calib_temperature.float()
+    torch.testing.assert_close(torch.sigmoid(logits / tau), confidence, rtol=1e-5, atol=1e-6)
+    # What fit_sequential_temperatures takes: the uncalibrated logits, whatever calibration ran.
+    plain = dspark_ops.draft_confidence(case.hidden, case.prev_tokens, case.w1, case.weight,
+                                        case.bias, return_logits=True)[1]
+    assert torch.equal(plain, logits)

@@ -89,7 +89,7 @@ def _seeds_and_positions(n: int, device: str):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("purpose", [0, 1, 2, MASK32])
+@pytest.mark.parametrize("purpose", [0, 1, 2])
 @pytest.mark.parametrize("count", [1, 3, 6, 13, 1001])
 def test_op_matches_reference(device, purpose, count):
     seed, position = _seeds_and_positions(24, device)
@@ -253,12 +253,18 @@ def _philox_call(args):
         (
             lambda d: dict(purpose=-1),
             ValueError,
-            r"philox_uniform\(\): 'purpose' must lie in \[0, 2\^32\), got -1",
+            r"philox_uniform\(\): 'purpose' must lie in \{0, 1, 2\} \(0 draft proposals, "
+            r"1 acceptance tests, 2 resampling\), got -1",
         ),
         (
-            lambda d: dict(purpose=2**32),
+            lambda d: dict(purpose=3),
             ValueError,
-            r"philox_uniform\(\): 'purpose' must lie in \[0, 2\^32\), got 4294967296",
+            r"philox_uniform\(\): 'purpose' must lie in \{0, 1, 2\} .*, got 3$",
+        ),
+        (
+            lambda d: dict(purpose=MASK32),
+            ValueError,
+            r"philox_uniform\(\): 'purpose' must lie in \{0, 1, 2\} .*, got 4294967295",
         ),
         (
             lambda d: dict(count=-1),
@@ -273,7 +279,8 @@ def _philox_call(args):
     ],
     ids=[
         "seed-2d", "seed-0d", "seed-int32", "seed-float", "position-int32", "position-length",
-        "position-2d", "purpose-negative", "purpose-too-large", "count-negative", "count-too-large",
+        "position-2d", "purpose-negative", "purpose-3", "purpose-2^32-1", "count-negative",
+        "count-too-large",
     ],
 )
 def test_argument_errors(device, override, error, message):
@@ -282,8 +289,10 @@ def test_argument_errors(device, override, error, message):
 
 
 def test_argument_limits_accepted(device):
-    # The largest purpose is legal.
-    assert _philox_call(_philox_args(device, purpose=MASK32)).shape == (3, 4)
+    # Every purpose an op draws from is legal, and so is the empty draw.
+    for purpose in (reference.PURPOSE_DRAFT, reference.PURPOSE_ACCEPT, reference.PURPOSE_RESAMPLE):
+        assert _philox_call(_philox_args(device, purpose=purpose)).shape == (3, 4)
+    assert _philox_call(_philox_args(device, count=0)).shape == (3, 0)
 
 
 @cuda_only

@@ -1,6 +1,6 @@
-"""verify (SPEC §3.1): exact agreement with reference.verify, literal outcomes of constructed
-cases, layouts, dtypes, non-finite logits, batch invariance, seeds, statistical losslessness
-(SPEC §5) and every argument check."""
+"""verify (docs/semantics.md §3.1): exact agreement with reference.verify, literal outcomes of
+constructed cases, layouts, dtypes, non-finite logits, batch invariance, seeds, statistical
+losslessness (docs/semantics.md §5) and every argument check."""
 
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def distinct_tokens(count: int, vocab: int, gen: torch.Generator, rows: int) -> 
 
 
 def check_output_contract(case: Case, out) -> None:
-    """What every output must satisfy whatever the inputs (SPEC §3.1)."""
+    """What every output must satisfy whatever the inputs (docs/semantics.md §3.1)."""
     batch, block = case.draft_tokens.shape
     tokens, accepted, valid = out[:3]
     assert tokens.dtype == torch.int64 and tokens.shape == (batch, block + 1)
@@ -258,8 +258,8 @@ def padded_rows(case: Case) -> torch.Tensor:
 # Exact agreement with the reference over shapes, modes and draft kinds
 # --------------------------------------------------------------------------------------------
 
-# (B, G, V): every V, G and B of SPEC §5 appears. The reference draws resampling noise over the
-# whole vocabulary of every request, so large B*V shapes run in fewer combinations.
+# (B, G, V): every V, G and B of docs/semantics.md §5 appears. The reference draws resampling noise
+# over the whole vocabulary of every request, so large B*V shapes run in fewer combinations.
 CHEAP_SHAPES = [(1, 1, 1), (3, 2, 2), (64, 7, 100), (3, 32, 100), (64, 32, 2), (3, 16, 8193),
                 (1, 7, 151936)]
 EXACT_CASES = [
@@ -1048,7 +1048,7 @@ def test_seed_none_uses_generator(device):
 
 
 # --------------------------------------------------------------------------------------------
-# Statistical losslessness (SPEC §5)
+# Statistical losslessness (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
 
 STAT_VOCAB = 4096
@@ -1264,8 +1264,8 @@ def i64(*values):
 
 
 def _huge_vocab(device):
-    # A stride-0 view: a 2^31 vocabulary without the memory (so built on the device directly).
-    return dict(target_logits=torch.randn(1, 1, device=device).expand(B * (G + 1), 2**31),
+    # A stride-0 view: a 2^31 - 1 vocabulary without the memory (so built on the device directly).
+    return dict(target_logits=torch.randn(1, 1, device=device).expand(B * (G + 1), 2**31 - 1),
                 draft_logits=None)
 
 
@@ -1295,11 +1295,29 @@ STRUCTURE_ERRORS = [
      r"'target_logits' must have dtype Float or BFloat16 or Half, got Int"),
     ("vocab-0",
      lambda d: dict(target_logits=torch.randn(B * (G + 1), 0), draft_logits=torch.randn(B, G, 0)),
-     ValueError, r"'target_logits' must have a vocabulary size in \[1, 2\^31\), got 0"),
-    ("vocab-2^31", _huge_vocab, ValueError,
-     r"'target_logits' must have a vocabulary size in \[1, 2\^31\), got 2147483648"),
+     ValueError, r"'target_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 0"),
+    # The bound (and its wording) of every op with a vocabulary (test_draft.py: the same).
+    ("vocab-2^31-1", _huge_vocab, ValueError,
+     r"'target_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 2147483647"),
     ("target-3d-wrong-G", lambda d: dict(target_logits=torch.randn(B, G, V)), ValueError,
      r"'target_logits' must have shape \[B, G\+1, V\] = \[3, 5, 100\], got \[3, 4, 100\]"),
+    # Drafts narrower or wider than the target's G + 1 rows: the drafts are blamed, unless
+    # draft_logits sides with them (then the target is the odd one out, as above).
+    ("draft_tokens-narrow", lambda d: dict(target_logits=torch.randn(B, G + 1, V),
+                                           draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64),
+                                           draft_logits=None), ValueError,
+     r"'draft_tokens' must have shape \[B, G\] = \[3, 4\] to match 'target_logits' "
+     r"\[B, G\+1, V\] = \[3, 5, 100\], got \[3, 3\]"),
+    ("draft_tokens-wide-with-draft_logits",
+     lambda d: dict(target_logits=torch.randn(B, G + 1, V),
+                    draft_tokens=torch.zeros(B, G + 2, dtype=torch.int64)), ValueError,
+     r"'draft_tokens' must have shape \[B, G\] = \[3, 4\] to match 'target_logits' "
+     r"\[B, G\+1, V\] = \[3, 5, 100\], got \[3, 6\]"),
+    ("target-3d-wrong-G-draft_logits-agrees",
+     lambda d: dict(target_logits=torch.randn(B, G + 1, V),
+                    draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64),
+                    draft_logits=torch.randn(B, G - 1, V)), ValueError,
+     r"'target_logits' must have shape \[B, G\+1, V\] = \[3, 4, 100\], got \[3, 5, 100\]"),
     ("target-3d-wrong-B", lambda d: dict(target_logits=torch.randn(B + 1, G + 1, V)), ValueError,
      r"'target_logits' must have shape \[B, G\+1, V\] = \[3, 5, 100\], got \[4, 5, 100\]"),
     ("num_draft-int64", lambda d: dict(num_draft=i64(0, 2, 4)), TypeError,
@@ -1345,11 +1363,16 @@ STRUCTURE_ERRORS = [
     ("rows-without-target_start",
      lambda d: dict(target_logits=torch.randn(B * (G + 1) - 1, V)), ValueError,
      r"without 'target_start', 'target_logits' must hold B\*\(G\+1\) = 15 rows "
-     r"\(the padded layout\), got 14"),
+     r"\(the padded layout; B and G from 'draft_tokens' of shape \[3, 4\]\), got 14"),
     ("ragged-rows-without-target_start", lambda d: {**_ragged(), "target_start": None},
      ValueError,
      r"without 'target_start', 'target_logits' must hold B\*\(G\+1\) = 15 rows "
-     r"\(the padded layout\), got 12"),
+     r"\(the padded layout; B and G from 'draft_tokens' of shape \[3, 4\]\), got 12"),
+    ("rows-without-target_start-narrow-drafts",
+     lambda d: dict(draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64), draft_logits=None),
+     ValueError,
+     r"without 'target_start', 'target_logits' must hold B\*\(G\+1\) = 12 rows "
+     r"\(the padded layout; B and G from 'draft_tokens' of shape \[3, 3\]\), got 15"),
 ]
 
 # Value checks: always on CPU; on CUDA only with DSPARK_OPS_DEBUG=1 (they cost a sync).
@@ -1527,3 +1550,48 @@ def test_single_candidate_with_extreme_resample_word(device, draft, position):
         out = check_against_reference(case)
         assert out.tokens.cpu().tolist() == ([[0, 0]] if emitting_row else [[0, -1]])
         assert bool(out.valid)
+
+
+# --------------------------------------------------------------------------------------------
+# Python numbers for the per-request arguments (broadcast to [B] by the wrapper)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalars_broadcast_like_tensors(device):
+    args = valid_args(device)
+    args.pop("target_start")
+    logits, drafts = args.pop("target_logits"), args.pop("draft_tokens")
+    num_draft, seed, position = args["num_draft"], args["seed"], args["position"]
+
+    def full(value, dtype):
+        return torch.full((B,), value, dtype=dtype, device=device)
+
+    for temperature, draft_temperature in ((0.8, 0.5), (0.0, 0.0), (1, 2)):
+        for filters in ({}, dict(top_k=7, top_p=0.9, min_p=0.05)):
+            got = dspark_ops.verify(logits, drafts, num_draft, temperature, seed, position,
+                                    draft_logits=args["draft_logits"],
+                                    draft_temperature=draft_temperature, **filters)
+            want = dspark_ops.verify(
+                logits, drafts, num_draft, full(temperature, torch.float32), seed, position,
+                draft_logits=args["draft_logits"],
+                draft_temperature=full(draft_temperature, torch.float32),
+                **{k: full(v, torch.int32 if k == "top_k" else torch.float32)
+                   for k, v in filters.items()})
+            assert torch.equal(got.tokens, want.tokens), (temperature, filters)
+            assert torch.equal(got.num_accepted, want.num_accepted)
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("temperature", "1.0", r"'temperature' must be a tensor \[B\] or a float shared by every "
+                           r"request, got str"),
+    ("temperature", True, r"'temperature' must be a tensor \[B\] or a float .*, got bool"),
+    ("top_k", 2.5, r"'top_k' must be a tensor \[B\] or an int shared by every request, got float"),
+    ("top_p", [0.9, 0.9, 0.9], r"'top_p' must be a tensor \[B\] or a float .*, got list"),
+])
+def test_scalar_of_the_wrong_kind_is_named(name, value, message):
+    args = valid_args("cpu")
+    args[name] = value
+    with pytest.raises(TypeError, match=r"verify\(\): " + message):
+        dspark_ops.verify(args.pop("target_logits"), args.pop("draft_tokens"),
+                          args.pop("num_draft"), args.pop("temperature"), args.pop("seed"),
+                          args.pop("position"), **args)

@@ -15,6 +15,14 @@ at::Tensor unit_stride_last(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
+// The dtype of `t` must be that of `reference` (named in the message).
+void check_dtype_like(const char* op, const char* name, const at::Tensor& t,
+                      const at::Tensor& reference, const char* reference_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, "(): '", name,
+                   "' must have dtype ", reference.scalar_type(), " like '", reference_name,
+                   "', got ", t.scalar_type());
+}
+
 at::Tensor check_per_request(const char* op, const char* name, const at::Tensor& t,
                              std::initializer_list<at::ScalarType> dtypes,
                              const at::Tensor& reference, int64_t batch) {
@@ -37,7 +45,7 @@ int64_t check_markov_weights(const char* op, const at::Tensor& w1, const at::Ten
   check_shape(op, "w1", w1, {vocab, rank}, "[V, r]");
   if (w2.defined()) {
     check_device(op, "w2", w2, reference, reference_name);
-    check_dtype(op, "w2", w2, {w1.scalar_type()});
+    check_dtype_like(op, "w2", w2, w1, "w1");
     check_shape(op, "w2", w2, {vocab, rank}, "[V, r] like 'w1'");
   }
   return rank;
@@ -108,12 +116,12 @@ DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& 
   check_shape(kOp, "hidden", hidden, {a.batch, a.block, a.hidden_size}, "[B, G, d]");
   a.hidden = unit_stride_last(hidden);
   check_device(kOp, "joint_weight", joint_weight, base_logits, "base_logits");
-  check_dtype(kOp, "joint_weight", joint_weight, {w1.scalar_type()});
+  check_dtype_like(kOp, "joint_weight", joint_weight, w1, "w1");
   check_shape(kOp, "joint_weight", joint_weight, {3 * a.rank, 2 * a.rank + a.hidden_size},
               "[3r, 2r + d]");
   a.joint_weight = unit_stride_last(joint_weight);
   check_device(kOp, "joint_bias", joint_bias, base_logits, "base_logits");
-  check_dtype(kOp, "joint_bias", joint_bias, {w1.scalar_type()});
+  check_dtype_like(kOp, "joint_bias", joint_bias, w1, "w1");
   check_shape(kOp, "joint_bias", joint_bias, {3 * a.rank}, "[3r]");
   a.joint_bias = joint_bias.contiguous();
   return a;

@@ -15,8 +15,10 @@ inline void check_philox_uniform_args(const at::Tensor& seed, const at::Tensor& 
   check_device(op, "position", position, seed, "seed");
   check_dtype(op, "position", position, {at::kLong});
   check_shape(op, "position", position, {seed.size(0)}, "[N]");
-  TORCH_CHECK_VALUE(purpose >= 0 && purpose <= UINT32_MAX, op,
-                    "(): 'purpose' must lie in [0, 2^32), got ", purpose);
+  // The streams the ops draw from; any other purpose is a stream no op uses.
+  TORCH_CHECK_VALUE(purpose >= 0 && purpose <= 2, op,
+                    "(): 'purpose' must lie in {0, 1, 2} (0 draft proposals, 1 acceptance tests, "
+                    "2 resampling), got ", purpose);
   TORCH_CHECK_VALUE(count >= 0 && count <= (int64_t{1} << 32), op,
                     "(): 'count' must lie in [0, 2^32], got ", count);
 }

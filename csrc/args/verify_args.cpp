@@ -47,9 +47,21 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
   check_dim(kOp, "target_logits", target_logits, {2, 3}, "2-D [R, V] or 3-D [B, G+1, V]");
   check_dtype(kOp, "target_logits", target_logits, float_types);
   a.vocab = target_logits.size(-1);
-  TORCH_CHECK_VALUE(a.vocab >= 1 && a.vocab <= INT32_MAX, kOp,
-                    "(): 'target_logits' must have a vocabulary size in [1, 2^31), got ", a.vocab);
+  TORCH_CHECK_VALUE(a.vocab >= 1 && a.vocab < INT32_MAX, kOp,
+                    "(): 'target_logits' must have a vocabulary size in [1, 2^31 - 1), got ",
+                    a.vocab);
   if (target_logits.dim() == 3) {
+    // A padded target of the right batch whose row count disagrees with the drafts' width:
+    // blame the drafts unless draft_logits (when given) sides with them.
+    if (target_logits.size(0) == a.batch && target_logits.size(1) != a.block + 1) {
+      const bool drafts_are_odd =
+          !draft_logits.has_value() ||
+          (draft_logits->dim() == 3 && draft_logits->size(1) + 1 == target_logits.size(1));
+      TORCH_CHECK_VALUE(!drafts_are_odd, kOp, "(): 'draft_tokens' must have shape [B, G] = [",
+                        a.batch, ", ", target_logits.size(1) - 1,
+                        "] to match 'target_logits' [B, G+1, V] = ", target_logits.sizes(),
+                        ", got ", draft_tokens.sizes());
+    }
     check_shape(kOp, "target_logits", target_logits, {a.batch, a.block + 1, a.vocab},
                 "[B, G+1, V]");
   }
@@ -78,7 +90,8 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
   } else {
     TORCH_CHECK_VALUE(a.rows == a.batch * (a.block + 1), kOp,
                       "(): without 'target_start', 'target_logits' must hold B*(G+1) = ",
-                      a.batch * (a.block + 1), " rows (the padded layout), got ", a.rows);
+                      a.batch * (a.block + 1), " rows (the padded layout; B and G from "
+                      "'draft_tokens' of shape ", draft_tokens.sizes(), "), got ", a.rows);
   }
 
   a.filters = check_filter_args(kOp, top_k, top_p, min_p, a.batch, target_logits, "target_logits");

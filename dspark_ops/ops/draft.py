@@ -1,4 +1,6 @@
-"""Semi-autoregressive drafting: the Markov and RNN heads and the confidence head (SPEC §3.2-3.3).
+"""Semi-autoregressive drafting: the Markov and RNN heads and the confidence head.
+
+Semantics: docs/semantics.md §3.2-3.3.
 
 The parallel backbone gives base logits for all G block slots in one pass; a thin sequential head
 then walks the slots, adding to slot j's logits a low-rank bias that depends on the token just
@@ -9,11 +11,12 @@ the proposal distribution. :func:`fit_sequential_temperatures` calibrates the co
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 
 from ..reference import DraftOutput
+from ._scalars import per_request
 
 __all__ = [
     "DraftOutput",
@@ -32,16 +35,17 @@ _SHARED_PARAMETERS = """
         int64 or int32 ``[B]``: ``x_0``, the last token the target emitted, in ``[0, V)``."""
 
 _SHARED_SAMPLING = """
-    temperature : torch.Tensor
+    temperature : torch.Tensor or float
         float32 ``[B]``: draft temperature, finite and ``>= 0``; ``<= 1e-5`` is greedy (argmax,
-        ties to the lowest id). Greedy and sampled requests mix in one call.
+        ties to the lowest id). Greedy and sampled requests mix in one call. A Python number is
+        shared by every request (as for ``top_k``, ``top_p`` and ``min_p``).
     seed : torch.Tensor or None
         int64 ``[B]``: per-request seeds; ``None`` draws them from ``generator``.
     position : torch.Tensor
         int64 ``[B]``: absolute position ``p0`` of each anchor, in ``[0, 2**62]``. Slot ``j``
         draws from the draft stream of position ``p0 + 1 + j`` only (the acceptance and
         resampling streams :func:`verify` uses at that position are independent of it).
-    top_k, top_p, min_p : torch.Tensor, optional
+    top_k, top_p, min_p : torch.Tensor or number, optional
         Per-request sampling filters (int32 ``[B]`` >= 0, float32 ``[B]`` in ``(0, 1]``, float32
         ``[B]`` in ``[0, 1]``; 0, 1 and 0 are off), as :func:`verify` takes them: each slot's
         token is sampled from the filtered ``softmax(z_j / T)`` and ``draft_logits`` holds -inf
@@ -75,20 +79,31 @@ def _seed_or_draw(seed, batch, device, generator):
     return torch.randint(0, 2**62, (batch,), generator=generator, device=device, dtype=torch.int64)
 
 
+def _sampling_args(op, base_logits, temperature, top_k, top_p, min_p):
+    """Python numbers among the per-request sampling arguments, broadcast to [B]."""
+    batch, device = base_logits.shape[0], base_logits.device
+    return (per_request(op, "temperature", temperature, batch, torch.float32, device),
+            per_request(op, "top_k", top_k, batch, torch.int32, device),
+            per_request(op, "top_p", top_p, batch, torch.float32, device),
+            per_request(op, "min_p", min_p, batch, torch.float32, device))
+
+
 def markov_draft(
     base_logits: torch.Tensor,
     anchor: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: Union[torch.Tensor, float],
     seed: Optional[torch.Tensor],
     position: torch.Tensor,
     *,
-    top_k: Optional[torch.Tensor] = None,
-    top_p: Optional[torch.Tensor] = None,
-    min_p: Optional[torch.Tensor] = None,
+    top_k: Union[torch.Tensor, int, None] = None,
+    top_p: Union[torch.Tensor, float, None] = None,
+    min_p: Union[torch.Tensor, float, None] = None,
     generator: Optional[torch.Generator] = None,
 ) -> DraftOutput:
+    temperature, top_k, top_p, min_p = _sampling_args("markov_draft", base_logits, temperature,
+                                                      top_k, top_p, min_p)
     seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
     tokens, draft_logits = torch.ops.dspark_ops.markov_draft(
         base_logits, anchor, w1, w2, temperature, seed, position, top_k, top_p, min_p
@@ -96,10 +111,10 @@ def markov_draft(
     return DraftOutput(tokens, draft_logits)
 
 
-markov_draft.__doc__ = f"""Drafts a whole block with the Markov head in one call (SPEC §3.2).
+markov_draft.__doc__ = f"""Drafts a whole block with the Markov head in one call.
 
     For slot ``j = 0..G-1``: ``z_j = base_logits[:, j] + W2 . W1[x_j]`` (``x_0`` = anchor, so
-    even slot 0 is biased) and ``x_{{j+1}} ~ softmax(z_j / T)``.
+    even slot 0 is biased) and ``x_{{j+1}} ~ softmax(z_j / T)`` (docs/semantics.md §3.2).
 
     Parameters
     ----------{_SHARED_PARAMETERS}
@@ -122,15 +137,17 @@ def rnn_draft(
     w2: torch.Tensor,
     joint_weight: torch.Tensor,
     joint_bias: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: Union[torch.Tensor, float],
     seed: Optional[torch.Tensor],
     position: torch.Tensor,
     *,
-    top_k: Optional[torch.Tensor] = None,
-    top_p: Optional[torch.Tensor] = None,
-    min_p: Optional[torch.Tensor] = None,
+    top_k: Union[torch.Tensor, int, None] = None,
+    top_p: Union[torch.Tensor, float, None] = None,
+    min_p: Union[torch.Tensor, float, None] = None,
     generator: Optional[torch.Generator] = None,
 ) -> DraftOutput:
+    temperature, top_k, top_p, min_p = _sampling_args("rnn_draft", base_logits, temperature,
+                                                      top_k, top_p, min_p)
     seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
     tokens, draft_logits = torch.ops.dspark_ops.rnn_draft(
         base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position,
@@ -139,7 +156,7 @@ def rnn_draft(
     return DraftOutput(tokens, draft_logits)
 
 
-rnn_draft.__doc__ = f"""Drafts a whole block with the RNN head in one call (SPEC §1 step 3).
+rnn_draft.__doc__ = f"""Drafts a block with the RNN head in one call (docs/semantics.md §3.2).
 
     For slot ``j``: ``[g; c; o] = J [s_j; W1[x_j]; h_j] + b`` (``J = joint_weight``, rows split
     as gate, candidate, output), ``z_j = base_logits[:, j] + W2 . tanh(o)``,
@@ -169,8 +186,10 @@ def draft_confidence(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     calib_temperature: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Conditional confidences of the drafts (SPEC §3.3).
+    *,
+    return_logits: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Conditional confidences of the drafts (docs/semantics.md §3.3).
 
     ``c_j = sigmoid((w . [h_j; W1[x_j]] + b) / tau_j)``: the probability that draft ``x_{j+1}``
     survives verification given that ``x_1..x_j`` did. The survival of the first ``j + 1`` drafts
@@ -191,16 +210,37 @@ def draft_confidence(
     calib_temperature : torch.Tensor, optional
         float32 ``[G]``, finite and ``> 0``: per-slot calibration temperatures (see
         :func:`fit_sequential_temperatures`); default 1.
+    return_logits : bool
+        Also return the uncalibrated logits ``w . [h_j; W1[x_j]] + b`` (float32 ``[B, G]``, the
+        dot product in float64, rounded once): what :func:`fit_sequential_temperatures` fits.
+        Unlike ``torch.logit`` of the confidences they stay exact where the sigmoid saturates.
 
     Returns
     -------
-    torch.Tensor
-        float32 ``[B, G]`` confidences in ``[0, 1]``. The dot product is float64 on CPU (float32
-        on CUDA); the logit is rounded to float32 before the temperature and sigmoid.
+    torch.Tensor or (torch.Tensor, torch.Tensor)
+        float32 ``[B, G]`` confidences in ``[0, 1]`` (and the logits with ``return_logits``).
+        The dot product is float64 on CPU (float32 on CUDA); the logit is rounded to float32
+        before the temperature and sigmoid.
     """
-    return torch.ops.dspark_ops.draft_confidence(
+    confidence = torch.ops.dspark_ops.draft_confidence(
         hidden, prev_tokens, w1, weight, bias, calib_temperature
     )
+    if not return_logits:
+        return confidence
+    return confidence, _confidence_logits(hidden, prev_tokens, w1, weight, bias)
+
+
+def _confidence_logits(hidden, prev_tokens, w1, weight, bias):
+    """w . [h_j; W1[x_j]] + b in float64, rounded to float32; the op has checked the arguments
+    (ids outside [0, V), possible on CUDA without value checks, embed as zero rows, as in the
+    kernels)."""
+    in_range = (prev_tokens >= 0) & (prev_tokens < w1.shape[0])
+    rows = w1[prev_tokens.long().clamp(0, w1.shape[0] - 1)].double()
+    features = torch.cat([hidden.double(), torch.where(in_range[..., None], rows, 0.0)], -1)
+    logits = features @ weight.double()
+    if bias is not None:
+        logits = logits + bias.double().reshape(())
+    return logits.float()
 
 
 def expected_calibration_error(

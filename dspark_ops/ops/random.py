@@ -18,7 +18,8 @@ def philox_uniform(seed: torch.Tensor, position: torch.Tensor, purpose: int, cou
         int64 ``[N]``: stream keys (a request's seed and an absolute token position).
     purpose : int
         Which stream: ``PURPOSE_DRAFT`` (0, proposals), ``PURPOSE_ACCEPT`` (1, acceptance tests)
-        or ``PURPOSE_RESAMPLE`` (2, correction and bonus tokens).
+        or ``PURPOSE_RESAMPLE`` (2, correction and bonus tokens); any other value is a
+        ``ValueError`` (no op draws from it). Layout: docs/semantics.md §2.1.
     count : int
         Elements per stream.
 

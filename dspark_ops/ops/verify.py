@@ -1,12 +1,13 @@
-"""verify: fused, lossless verification of a block of draft tokens (SPEC §3.1)."""
+"""verify: fused, lossless verification of a block of draft tokens (docs/semantics.md §3.1)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..reference import VerifyOutput
+from ._scalars import per_request
 
 __all__ = ["VerifyOutput", "verify"]
 
@@ -15,16 +16,16 @@ def verify(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     num_draft: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: Union[torch.Tensor, float],
     seed: Optional[torch.Tensor],
     position: torch.Tensor,
     *,
     draft_logits: Optional[torch.Tensor] = None,
     target_start: Optional[torch.Tensor] = None,
-    draft_temperature: Optional[torch.Tensor] = None,
-    top_k: Optional[torch.Tensor] = None,
-    top_p: Optional[torch.Tensor] = None,
-    min_p: Optional[torch.Tensor] = None,
+    draft_temperature: Union[torch.Tensor, float, None] = None,
+    top_k: Union[torch.Tensor, int, None] = None,
+    top_p: Union[torch.Tensor, float, None] = None,
+    min_p: Union[torch.Tensor, float, None] = None,
     allowed_token_mask: Optional[torch.Tensor] = None,
     return_logprobs: bool = False,
     generator: Optional[torch.Generator] = None,
@@ -55,8 +56,10 @@ def verify(
         int64 or int32 ``[B, G]``; entries past ``num_draft[b]`` are ignored.
     num_draft : torch.Tensor
         int32 ``[B]``, each in ``[0, G]``.
-    temperature : torch.Tensor
+    temperature : torch.Tensor or float
         float32 ``[B]``: target sampling temperature, finite and ``>= 0``; ``<= 1e-5`` is greedy.
+        A Python number is shared by every request (as for ``draft_temperature``, ``top_k``,
+        ``top_p`` and ``min_p``).
     seed : torch.Tensor or None
         int64 ``[B]``: per-request seeds. ``None`` draws them from ``generator`` (or torch's
         default generator for the device).
@@ -72,17 +75,17 @@ def verify(
     target_start : torch.Tensor, optional
         int32 ``[B]``: first row of each request in a ragged ``target_logits``; default
         ``b * (G + 1)`` (then ``target_logits`` must have ``B * (G + 1)`` rows).
-    draft_temperature : torch.Tensor, optional
+    draft_temperature : torch.Tensor or float, optional
         float32 ``[B]``: the temperature ``T_d`` the drafts were sampled at; default
         ``temperature``.
-    top_k : torch.Tensor, optional
+    top_k : torch.Tensor or int, optional
         int32 ``[B]``, ``>= 0``: keep the tokens with fewer than ``k`` larger logits (ties at the
         boundary are kept); 0 (or ``>= V``) is off.
-    top_p : torch.Tensor, optional
+    top_p : torch.Tensor or float, optional
         float32 ``[B]`` in ``(0, 1]``: keep a token iff the probability of the (top-k kept)
         tokens with a larger logit is ``< top_p`` (ties at the boundary kept); 1 is off. Sums
         are taken in float64.
-    min_p : torch.Tensor, optional
+    min_p : torch.Tensor or float, optional
         float32 ``[B]`` in ``[0, 1]``: keep a token iff ``p >= min_p * max p``; 0 is off.
     allowed_token_mask : torch.Tensor, optional
         int32 ``[R, ceil(V / 32)]``, one row per ``target_logits`` row (the layout grammar engines
@@ -110,11 +113,16 @@ def verify(
     in a CUDA graph. Value checks (ids in range, lengths <= G, temperatures) always run on CPU
     and on CUDA only with ``DSPARK_OPS_DEBUG=1``, because they need a sync.
     """
+    batch, device = draft_tokens.shape[0], draft_tokens.device
+    temperature = per_request("verify", "temperature", temperature, batch, torch.float32, device)
+    draft_temperature = per_request("verify", "draft_temperature", draft_temperature, batch,
+                                    torch.float32, device)
+    top_k = per_request("verify", "top_k", top_k, batch, torch.int32, device)
+    top_p = per_request("verify", "top_p", top_p, batch, torch.float32, device)
+    min_p = per_request("verify", "min_p", min_p, batch, torch.float32, device)
     if seed is None:
-        seed = torch.randint(
-            0, 2**62, (draft_tokens.shape[0],), generator=generator,
-            device=draft_tokens.device, dtype=torch.int64,
-        )
+        seed = torch.randint(0, 2**62, (batch,), generator=generator, device=device,
+                             dtype=torch.int64)
     tokens, num_accepted, valid, logprobs = torch.ops.dspark_ops.verify(
         target_logits, draft_tokens, num_draft, temperature, seed, position,
         draft_logits, target_start, draft_temperature, top_k, top_p, min_p, allowed_token_mask,
