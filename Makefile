@@ -1,6 +1,7 @@
 # The two commands of README.md, each doing all set-up on a fresh machine:
 #   make bench   build, then run the microbenchmark suite on the default shapes (GPU if present)
 #   make test    build (the extension and the SIMT emulator), then run the test suite
+# (both install dspark_ops into the environment, editable: see `build`)
 # and, for kernel work without a GPU:
 #   make test-sim  the emulated CUDA tests again under the race checker and AddressSanitizer+UBSan
 #   make sim-coverage  which lines of the kernels and CUDA glue the emulated tests execute
@@ -34,9 +35,13 @@ sim-coverage: build
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=coverage $(PYTHON) -m pytest python_tests -m sim -q
 	$(PYTHON) -m gcovr -r . --filter 'csrc/kernels/' --filter 'csrc/cuda/' build/sim/coverage
 
-# Incremental in-place build (ninja keeps objects under build/); setup.py picks the flavour.
+# Incremental in-place build (ninja keeps objects under build/; setup.py picks the flavour), then
+# an editable install into this Python's environment, so that `import dspark_ops` works from
+# anywhere. No build isolation: the extension compiles against the torch installed here; the
+# install reuses the objects of the in-place build and only relinks.
 build: deps
 	$(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PYTHON) -m dspark_ops.info
 
 # The SIMT emulator library the emulated CUDA tests load (build/sim/plain).
@@ -45,7 +50,7 @@ sim: deps
 
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch>=2.4"
-	$(PYTHON) -m pip install -q pytest numpy ninja
+	$(PYTHON) -m pip install -q pytest numpy ninja "setuptools>=64"
 
 info:
 	$(PYTHON) -m dspark_ops.info

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -132,13 +133,27 @@ def extension():
     )
 
 
+class BuildExt(BuildExtension):
+    """torch's BuildExtension, keeping the compiled objects under build/ for editable installs.
+
+    ``pip install -e .`` otherwise compiles in a fresh temporary directory: a second full CUDA
+    build after ``python setup.py build_ext --inplace`` (``make build``). With the objects where
+    the in-place build keeps them, ninja recompiles only what changed and the install relinks."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if getattr(self, "editable_mode", False):
+            tag = f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(ROOT, "build", tag)
+
+
 setup(
     name="dspark_ops",
     version="0.1.0",
     description="Fused CUDA/CPU kernels for DSpark-style speculative decoding",
     packages=find_packages(include=["dspark_ops", "dspark_ops.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExt},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
     # dspark_ops.hf and the generate / eval commands (transformers models and tokenizers)
