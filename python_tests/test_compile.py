@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) and CUDA-graph capture over the ops (SPEC §5, registration)."""
+"""torch.compile(fullgraph=True) and CUDA-graph capture over the ops (docs/semantics.md §5,
+registration)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,45 @@ def test_compiled_verify_dynamic_batch(device):
         _assert_equal(got, fn(*args))
         expected = reference.verify(*args[:6], draft_logits=args[6], target_start=start)
         _assert_equal(got, tuple(expected)[:3])
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_compiled_verify_with_filters_and_logprobs(device, backend):
+    # The new keyword arguments (top_k, top_p, min_p, the allowed-token bitmask) and
+    # return_logprobs in one full graph: the logprobs output comes through the fake kernel's
+    # [B, G+1] shape and every output equals the eager call's and the reference's.
+    torch._dynamo.reset()
+
+    def fn(target_logits, draft_tokens, num_draft, temperature, seed, position, draft_logits,
+           top_k, top_p, min_p, mask):
+        out = dspark_ops.verify(target_logits, draft_tokens, num_draft, temperature, seed,
+                                position, draft_logits=draft_logits, top_k=top_k, top_p=top_p,
+                                min_p=min_p, allowed_token_mask=mask, return_logprobs=True)
+        return out.tokens, out.num_accepted, out.valid, out.logprobs
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    for seed in range(2):  # second call: new values, same shapes
+        inputs = _round_inputs(device, seed=30 + seed)
+        gen = torch.Generator().manual_seed(40 + seed)
+        batch, block = inputs["draft_tokens"].shape
+        vocab = inputs["lm_head"].shape[0]
+        target = inputs["hidden"] @ inputs["lm_head"].T
+        filters = (torch.tensor([0, 3, 20, 1], dtype=torch.int32),
+                   torch.tensor([0.9, 1.0, 0.5, 0.8]),
+                   torch.tensor([0.0, 0.05, 0.1, 0.0]),
+                   torch.randint(-(2**31), 2**31, (batch * (block + 1), -(-vocab // 32)),
+                                 generator=gen, dtype=torch.int32))
+        args = (target, inputs["draft_tokens"], inputs["num_draft"], inputs["temperature"],
+                inputs["seed"], inputs["position"], inputs["draft_logits"],
+                *(t.to(device) for t in filters))
+        got = compiled(*args)
+        _assert_equal(got, fn(*args))
+        assert got[3].shape == (batch, block + 1)
+        expected = reference.verify(*args[:6], draft_logits=args[6], top_k=args[7],
+                                    top_p=args[8], min_p=args[9], allowed_token_mask=args[10],
+                                    return_logprobs=True)
+        _assert_equal(got[:3], tuple(expected)[:3])
+        torch.testing.assert_close(got[3], expected.logprobs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)

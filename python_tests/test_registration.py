@@ -11,7 +11,8 @@ from conftest import DEVICES
 
 
 def _verify_args(device, *, draft_logits=False, target_start=False, draft_temperature=False,
-                 dtype=torch.float32, token_dtype=torch.int64):
+                 dtype=torch.float32, token_dtype=torch.int64, filters=False, mask=False,
+                 logprobs=False):
     gen = torch.Generator().manual_seed(7)
     batch, block, vocab = 3, 4, 37
     n = torch.tensor([0, 2, 4], dtype=torch.int32)
@@ -31,8 +32,14 @@ def _verify_args(device, *, draft_logits=False, target_start=False, draft_temper
         torch.randn(batch, block, vocab, generator=gen).to(dtype) if draft_logits else None,
         start,
         torch.tensor([0.5, 0.0, 2.0]) if draft_temperature else None,
+        # top_k, top_p, min_p (one request with each filter off), the allowed-token bitmask.
+        torch.tensor([0, 5, 40], dtype=torch.int32) if filters else None,
+        torch.tensor([0.9, 1.0, 0.5]) if filters else None,
+        torch.tensor([0.05, 0.1, 0.0]) if filters else None,
+        torch.randint(-(2**31), 2**31, (target.reshape(-1, vocab).shape[0], 2), generator=gen,
+                      dtype=torch.int32) if mask else None,
     )
-    return tuple(None if a is None else a.to(device) for a in args)
+    return (*(None if a is None else a.to(device) for a in args), logprobs)
 
 
 VERIFY_COMBOS = {
@@ -43,6 +50,11 @@ VERIFY_COMBOS = {
     "draft-temperature-only": dict(draft_temperature=True),
     "bf16": dict(draft_logits=True, dtype=torch.bfloat16),
     "f16-int32-ids": dict(draft_logits=True, dtype=torch.float16, token_dtype=torch.int32),
+    "filters": dict(draft_logits=True, filters=True),
+    "mask-ragged": dict(target_start=True, mask=True),
+    "logprobs": dict(logprobs=True),
+    "filters-mask-logprobs": dict(draft_logits=True, target_start=True, filters=True, mask=True,
+                                  logprobs=True, dtype=torch.bfloat16),
 }
 
 
@@ -272,13 +284,16 @@ def test_fake_shapes_match_real(device):
     # The fake kernels give the real outputs' shapes, dtypes and devices.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    args = _verify_args(device, draft_logits=True, target_start=True, draft_temperature=True)
-    real = torch.ops.dspark_ops.verify(*args)
-    with FakeTensorMode() as mode:
-        fake_args = [None if a is None else mode.from_tensor(a) for a in args]
-        fake = torch.ops.dspark_ops.verify(*fake_args)
-    for r, f in zip(real, fake):
-        assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
+    for logprobs in (False, True):  # logprobs: [B, 0] unless asked for, then [B, G+1]
+        args = _verify_args(device, draft_logits=True, target_start=True, draft_temperature=True,
+                            filters=True, mask=True, logprobs=logprobs)
+        real = torch.ops.dspark_ops.verify(*args)
+        with FakeTensorMode() as mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = torch.ops.dspark_ops.verify(*fake_args)
+        assert len(real) == len(fake) == 4 and real[3].shape == (3, 5 if logprobs else 0)
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
 
     seed, position = args[4], args[5]
     real = torch.ops.dspark_ops.philox_uniform(seed, position, 1, 11)

@@ -581,6 +581,28 @@ def test_filtered_drafts_match_cpu(sim, head, vocab):
                                want.draft_logits[same][finite[same]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("filters", [dict(top_p=[0.5, 0.97]), dict(top_k=[3000, 8000]),
+                                     dict(top_k=[2600, 40], top_p=[0.9, 0.9])],
+                         ids=["top-p", "top-k", "both"])
+def test_filters_beyond_the_on_chip_candidates(sim, filters):
+    # Near-flat logits: more tokens qualify after the first digit than the block keeps on chip
+    # (kFilterCandidates), so the descent goes on over the row; results as on the CPU.
+    batch, vocab = 2, 8193
+    gen = generator(219)
+    case = make_case(batch, 2, vocab, 8, seed=219, weights="bf16", temperature="sampled")
+    case = case.replace(base_logits=torch.randn(batch, 2, vocab, generator=gen) * 0.05,
+                        w2=torch.zeros_like(case.w2))
+    kwargs = filter_case(batch, vocab, filters, 0)
+    got = dspark_ops.DraftOutput(*case.call(sim, **kwargs))
+    want = case.call(**kwargs)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(torch.isfinite(got.draft_logits), torch.isfinite(want.draft_logits))
+    # A request gathered more candidates than fit: at least top_k, or every token it keeps.
+    kept = torch.isfinite(got.draft_logits).sum(-1).amax(-1)
+    top_k = kwargs.get("top_k", torch.zeros(batch, dtype=torch.int32))
+    assert (torch.maximum(kept, top_k) > 2560).any()
+
+
 def test_unchecked_filter_values_stay_in_bounds(sim):
     # What the CUDA entry point does not check (value checks need DSPARK_OPS_DEBUG=1): negative
     # or huge top_k, top_p outside (0, 1] or NaN, min_p outside [0, 1] or NaN. The kernel treats

@@ -20,6 +20,17 @@ residual-mass fallback (race over p), and the emulated A100 and L4 with grid pla
 H200's (checked through the workspace size the glue allocates). Planted faults (a dropped
 barrier in block_reduce, shuffle_off_by_one) are shown to be caught.
 
+Sampling filters and logprobs (kernels/filter.cuh): top_k, top_p, min_p per request (some off)
+and allowed-token masks, alone and together, at V = 17, 100, 300, 8193 (masks ending inside a
+32-bit word; 9 chunks per request at B <= 3, so the decider block's radix descent runs over the
+whole row), B = 1 and odd, G = 1 and 7, every logit dtype, int32 and int64 draft ids, one-hot
+drafts and draft logits, padded and ragged layouts with the mask rows following the target rows,
+rows one element past a 16-byte boundary, logprobs (within 1e-5 of the CPU kernel and the
+reference) including greedy requests (T = 1), literal outcomes (a draft the mask excludes,
+a row that allows nothing, one-token rows, top_k = 1, unneeded NaN rows and zero mask rows
+after a rejection), the unchecked garbage filter values (negative or huge top_k, NaN / +-inf /
+out-of-range top_p and min_p) and a dropped barrier in the descent shown to be caught.
+
 Values the CUDA glue does not check (out-of-range draft ids, num_draft outside [0, G],
 target_start outside the rows) reach the kernels as on CUDA without DSPARK_OPS_DEBUG.
 
@@ -119,10 +130,11 @@ def expected_chunks(device: str, batch: int, vocab: int) -> int:
 
 
 def workspace_bytes(batch: int, block: int, chunks: int) -> int:
-    """RowPartial (24 bytes) [B, G+1, C], RowResult (28) [B, G+1], RacePartial (12) [B, C]."""
+    """RowPartial (24 bytes) [B, G+1, C], RowResult (40: two SoftmaxStats, the decision and the
+    FilterResult) [B, G+1], RacePartial (12) [B, C]."""
     r16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
     rows = batch * (block + 1)
-    return r16(24 * rows * chunks) + r16(28 * rows) + r16(12 * batch * chunks)
+    return r16(24 * rows * chunks) + r16(40 * rows) + r16(12 * batch * chunks)
 
 
 def observed_workspace(run) -> int:
@@ -628,3 +640,213 @@ def test_planted_faults_are_caught(sim, fault):
         how = emulator.caught(lambda: check(sim, case))
     assert how, f"{plant} was not caught"
 
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling filters and logprobs (kernels/filter.cuh: the decider block's radix descent)
+# --------------------------------------------------------------------------------------------
+
+from test_verify_filters import (  # noqa: E402
+    KINDS,
+    LOGPROB_TOLERANCE,
+    NO_FILTERS,
+    Filters,
+    check_logprob_contract,
+    pack_mask,
+    random_filters,
+)
+
+
+def _filtered(op):
+    """``op`` (a torch.ops verify) called with the full positional schema."""
+    def call(target, drafts, n, temperature, seed, position, *, draft_logits=None,
+             target_start=None, draft_temperature=None, top_k=None, top_p=None, min_p=None,
+             allowed_token_mask=None, return_logprobs=False):
+        tokens, accepted, valid, logprobs = op(
+            target, drafts, n, temperature, seed, position, draft_logits, target_start,
+            draft_temperature, top_k, top_p, min_p, allowed_token_mask, return_logprobs)
+        assert logprobs.shape == (drafts.shape[0], drafts.shape[1] + 1 if return_logprobs else 0)
+        return reference.VerifyOutput(tokens, accepted, valid,
+                                      logprobs if return_logprobs else None)
+    return call
+
+
+def check_filtered(sim, case: Case, filters: Filters, *, cpu: bool = True):
+    """The emulated op with filters and logprobs: output contracts, exact tokens, num_accepted
+    and valid against the reference and (unless ``cpu`` is False) the CPU kernel, logprobs
+    within 1e-5 of both and of the processed distribution spelt out."""
+    call = lambda fn: case.call(fn, **filters.kwargs(), return_logprobs=True)  # noqa: E731
+    got = call(_filtered(sim.verify))
+    check_output_contract(case, got)
+    expected = call(reference.verify)
+    assert_same_outputs(got, expected, case)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, **LOGPROB_TOLERANCE)
+    check_logprob_contract(case, filters, got)
+    if cpu:
+        on_cpu = call(_filtered(torch.ops.dspark_ops.verify))
+        assert_same_outputs(got, on_cpu, case)
+        torch.testing.assert_close(got.logprobs, on_cpu.logprobs, **LOGPROB_TOLERANCE)
+    return got
+
+
+# (id, B, G, V, temperature, draft, target dtype, filter kinds, ids dtype). V = 8193 at B <= 3:
+# 9 chunks per request, so the decider block's filter passes run over the whole row, past its
+# own chunk; V = 17 / 100 / 300 / 8193 end inside a mask word.
+FILTER_SHAPES = [
+    ("B1-G7-V17-all-mask", 1, 7, 17, "sampled", "logits", F32, "all-mask", I64),
+    ("B3-G1-V100-top_k-i32", 3, 1, 100, "mixed", "onehot", F32, "top_k", I32),
+    ("B5-G7-V300-top_p-bf16", 5, 7, 300, "mixed", "logits", BF16, "top_p", I64),
+    ("B7-G7-V300-min_p-mask-f16", 7, 7, 300, "mixed", "onehot", F16, "all-mask", I32),
+    ("B1-G7-V8193-all-mask", 1, 7, 8193, "sampled", "logits", F32, "all-mask", I64),
+    ("B3-G1-V8193-all-bf16", 3, 1, 8193, "mixed", "logits", BF16, "all", I32),
+]
+
+
+@pytest.mark.parametrize("params", FILTER_SHAPES, ids=[s[0] for s in FILTER_SHAPES])
+def test_filters_match_cpu_and_reference(sim, params):
+    """Per-request filter settings (some off) and masks: the emulated kernels equal the CPU
+    kernel and the reference, logprobs included."""
+    name, batch, block, vocab, temperature, draft, dtype, kind, ids = params
+    case = make_case(batch, block, vocab, seed=stable_seed("sim-filter", name),
+                     temperature=temperature, draft=draft, dtype=dtype, token_dtype=ids)
+    filters = random_filters(case, KINDS[kind], generator(stable_seed("sim-settings", name)))
+    if batch == 1:  # one request: make sure its filters are on
+        filters = filters.replace(**{k: v for k, v in dict(
+            top_k=torch.tensor([vocab // 3 + 1], dtype=I32), top_p=torch.tensor([0.9]),
+            min_p=torch.tensor([0.02])).items() if getattr(filters, k) is not None})
+    check_filtered(sim, case, filters)
+
+
+def test_filter_candidate_counts(sim):
+    """Over 9 chunks, thresholds whose candidates fit on chip (top_k = 50, min-p alone) and
+    ones that do not (top_k = 4000, top-p alone over flat logits: thousands of tokens qualify,
+    so the descent goes on over the row), side by side in one call."""
+    batch, block, vocab = 4, 2, 8193
+    gen = generator(561)
+    case = make_case(batch, block, vocab, seed=562, temperature=1.0, num_draft=block)
+    case.target_logits = torch.where(torch.arange(batch)[:, None, None] % 2 == 1,
+                                     0.1 * torch.randn(batch, block + 1, vocab, generator=gen),
+                                     case.target_logits)
+    filters = Filters(top_k=torch.tensor([50, 0, 4000, 0], dtype=I32),
+                      top_p=torch.tensor([1.0, 0.999, 0.9, 0.5]),
+                      min_p=torch.tensor([0.0, 0.0, 0.0, 0.0]))
+    check_filtered(sim, case, filters)
+    check_filtered(sim, case, filters.replace(top_k=None, top_p=None,
+                                              min_p=torch.tensor([0.3, 0.9, 0.01, 0.5])))
+
+
+def test_filters_with_literal_outcomes(sim):
+    """One call over 9 chunks: a request whose draft at row 2 the mask excludes (rejected there
+    with the row after it NaN and its mask row zero: unneeded), one whose row 1 allows nothing
+    (token 0, valid False, logprob -inf), one whose rows each allow a single token (every token
+    it emits is that one, logprob 0), a greedy one with filters (the masked argmax), and one with
+    top_k = 1 (its draft is accepted iff it is the argmax)."""
+    batch, block, vocab = 5, 4, 8193
+    gen = generator(501)
+    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    allowed = torch.ones(batch, block + 1, vocab, dtype=torch.bool)
+    target[0, 2] = peaky_logits((), vocab, gen)
+    allowed[0, 2, drafts[0, 2]] = False
+    target[0, 3:] = NAN
+    allowed[0, 3:] = False
+    allowed[1, 1] = False
+    target[2] = peaky_logits((block + 1,), vocab, gen)
+    only = torch.randint(0, vocab, (block + 1,), generator=gen)
+    allowed[2] = torch.nn.functional.one_hot(only, vocab).bool()
+    drafts[2] = torch.tensor([only[0], only[1], (only[2] + 1) % vocab, only[3]])
+    draft_logits[2] = one_hot_logits(drafts[2], vocab, gen=gen)
+    target[3] = peaky_logits((block + 1,), vocab, gen)
+    target[4, 1] = peaky_logits((), vocab, gen)
+    case = Case(target, drafts, torch.full((batch,), block, dtype=I32),
+                torch.tensor([0.9, 1.0, 0.7, 0.0, 1.2]), *randoms(batch, gen),
+                draft_logits=draft_logits)
+    filters = Filters(top_k=torch.tensor([50, 0, 3, 20, 1], dtype=I32),
+                      top_p=torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0]),
+                      min_p=torch.tensor([0.01, 0.0, 0.0, 0.1, 0.0]),
+                      allowed_token_mask=pack_mask(allowed.reshape(-1, vocab), gen))
+    out = check_filtered(sim, case, filters)
+    assert out.num_accepted[:3].tolist() == [2, 1, 2] and out.valid.tolist() == [
+        True, False, True, True, True]
+    assert out.tokens[1, 1] == 0 and out.logprobs[1, 1] == -INF
+    assert out.tokens[2, :3].tolist() == only[:3].tolist() and (out.logprobs[2, :3] == 0).all()
+    greedy_accepted, greedy_token = greedy_expectation(target[3:4], drafts[3:4],
+                                                       torch.tensor([block]))
+    assert out.num_accepted[3] == greedy_accepted[0]
+    assert out.tokens[3, greedy_accepted[0]] == greedy_token[0]
+    argmax = finite_or_neg_inf(target[4, 1]).argmax()
+    assert (out.num_accepted[4] > 1) == (drafts[4, 1] == argmax)
+    assert out.tokens[4, 1] == argmax  # top_k = 1: the only token row 1 can emit
+
+
+def test_filters_ragged_and_unaligned_masked_rows(sim):
+    """A ragged layout (shuffled requests, junk rows with random mask words between them) and
+    target rows that start one element past a 16-byte boundary (the scalar loads, and the mask
+    words read for elements that are not at the row's start) give the padded results."""
+    from test_verify_filters import to_ragged_with_mask
+
+    batch, block, vocab = 5, 4, 1000
+    case = make_case(batch, block, vocab, seed=511, temperature="mixed", dtype=BF16)
+    filters = random_filters(case, KINDS["all-mask"], generator(512))
+    out = check_filtered(sim, case, filters)
+    ragged, ragged_mask = to_ragged_with_mask(case, filters.allowed_token_mask, generator(513))
+    got = check_filtered(sim, ragged, filters.replace(allowed_token_mask=ragged_mask))
+    assert_same_outputs(got, out, ragged)
+    assert torch.equal(got.logprobs, out.logprobs)
+    shifted = case.replace(target_logits=offset_rows(case.target_logits))
+    assert shifted.target_logits[0, 0].data_ptr() % 16 != 0
+    got = check_filtered(sim, shifted, filters)
+    assert_same_outputs(got, out, shifted)
+    assert torch.equal(got.logprobs, out.logprobs)
+
+
+def test_greedy_with_logprobs(sim):
+    """Greedy requests, with and without filters: the tokens are the argmax rule's, the filters
+    change only the logprobs (of the processed distribution at T = 1)."""
+    batch, block, vocab = 3, 7, 3000
+    case = make_case(batch, block, vocab, seed=521, temperature="greedy", num_draft=block)
+    plain = check_filtered(sim, case, NO_FILTERS)
+    filters = Filters(top_k=torch.tensor([5, 0, 40], dtype=I32),
+                      top_p=torch.tensor([1.0, 0.6, 0.9]))
+    filtered = check_filtered(sim, case, filters)
+    assert_same_outputs(filtered, plain, case)
+    emitted = plain.logprobs > -INF
+    assert (filtered.logprobs[emitted] > plain.logprobs[emitted]).all()
+
+
+def test_unchecked_filter_values(sim):
+    """Without DSPARK_OPS_DEBUG the CUDA glue does not check the filter values; garbage is read
+    as the reference reads it: top_k < 0 or >= V off, top_p NaN or >= 1 off, <= 0 the top tokens
+    only, min_p NaN or <= 0 off, > 1 as 1. Nothing is read out of bounds (the emulator checks)."""
+    if os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0"):
+        pytest.skip("DSPARK_OPS_DEBUG=1 turns the value checks on")
+    batch, block, vocab = 9, 2, 300
+    case = make_case(batch, block, vocab, seed=531, temperature="sampled", num_draft=block)
+    filters = Filters(top_k=torch.tensor([-1, -(2**31), 300, 2**31 - 1, 0, 7, 1, -7, 299],
+                                         dtype=I32),
+                      top_p=torch.tensor([NAN, 1.5, -1.0, 0.0, INF, -INF, 1.0, 1e-30, 2.0]),
+                      min_p=torch.tensor([NAN, -2.0, 3.0, INF, -INF, 0.0, 1.0, 1.5, -0.0]))
+    out = check_filtered(sim, case, filters, cpu=False)
+    # The top_k = 300 (= V) and INT32_MAX requests ran unfiltered top-k, as top_k = 0 does.
+    same = check_filtered(sim, case, filters.replace(
+        top_k=torch.where((filters.top_k < 0) | (filters.top_k >= vocab), 0, filters.top_k)),
+        cpu=False)
+    assert_same_outputs(same, out, case)
+
+
+def test_planted_filter_fault_is_caught(sim):
+    """The filter comparison can fail: with the barrier after the histogram clearing of the
+    radix descent dropped (threads count into buckets other threads have not cleared yet), the
+    same all-filters case over 9 chunks no longer matches. Whether the race bites depends on the
+    thread interleaving, so four scheduling seeds are tried; the clean kernel passes under each."""
+    batch = 3
+    case = make_case(batch, 7, 8193, seed=543, temperature="sampled", num_draft=7)
+    filters = Filters(top_k=torch.full((batch,), 2000, dtype=I32), top_p=torch.full((batch,), 0.9),
+                      min_p=torch.full((batch,), 0.02))
+    site = emulator.barrier_site("filter.cuh", "sh.weight[")  # after clearing the histogram
+    caught = []
+    for schedule in range(4):
+        sim.set_seed(550 + schedule)
+        check_filtered(sim, case, filters, cpu=False)
+        with emulator.planted("drop_barrier:" + site):
+            caught.append(emulator.caught(lambda: check_filtered(sim, case, filters, cpu=False)))
+    assert any(caught), f"drop_barrier:{site} was not caught"

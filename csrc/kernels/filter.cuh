@@ -5,9 +5,15 @@
 // memory (count with 32-bit atomics, weight with float64 atomics), then picks the lowest non-empty
 // bucket whose aggregate above is below the bound: thread t owns the buckets
 // [B - (t + 1) * B / blockDim, B - t * B / blockDim), an exclusive scan over the threads gives
-// each the aggregate above its buckets, and a min-reduction the chosen bucket. A row costs at most
-// seven passes (three digits for top-k, three for top-p, one for the kept weight), each reading
-// the row through L2: the caller's streaming pass has just read it.
+// each the aggregate above its buckets, and a min-reduction the chosen bucket.
+//
+// Row reads. The first digit of the first threshold (top-k, or top-p without top-k) is taken over
+// the row; every token a filter can keep then has a key at or above that digit's bucket, so the
+// second pass gathers those candidates (key and weight) into shared memory, and the remaining
+// digits, top-p's three digits and the kept weight all run on chip. A typical top-k / top-p row
+// is read twice (through L2: the caller's streaming pass has just read it). When more than
+// kFilterCandidates tokens qualify (top-p alone over a flat distribution), the descent goes on
+// over the row instead: at most seven reads. Min-p alone needs one (the kept weight).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,105 +26,149 @@
 
 namespace dspark_ops::kernels {
 
-constexpr int kFilterValues = 8;  // elements per load8 call
+constexpr int kFilterValues = 8;         // elements per load8 call
+constexpr int kFilterCandidates = 2560;  // on-chip candidates (8 bytes each)
 
-// Shared memory of one block's filter work (dynamic shared memory of the caller).
+// Shared memory of one block's filter work (dynamic shared memory of the caller, < 48 KB).
 struct FilterShared {
   uint32_t count[kFilterBuckets];
   double weight[kFilterBuckets];
+  uint32_t candidate_key[kFilterCandidates];
+  float candidate_weight[kFilterCandidates];
   double sum_scratch[32];
   int bucket_scratch[32];
   double above;
+  uint32_t candidates;  // gathered (may exceed kFilterCandidates: then none are used)
 };
 
-// One digit's histogram and chosen bucket; see select_threshold in filter_math.h. Every thread
-// of the block calls it with the same arguments; load8(x, v) yields elements [x, x + 8) of the
-// row, dropped ones (non-finite, disallowed, past the end) as -inf.
-template <typename Load8>
-__device__ uint32_t block_select_threshold(const Load8& load8, int64_t n, float row_max,
-                                           float inv_t, uint32_t lower, bool by_weight,
-                                           double limit, FilterShared& sh) {
+// Where a threshold's descent stands: the digits chosen so far and the aggregate above them.
+struct Descent {
   uint32_t prefix = 0;
-  double above = 0.0, bound = limit;
+  int level = 0;
+  double above = 0.0, bound = 0.0;
+};
+
+// One digit of a descent over the candidates `source` visits (source(visit) calls visit(key, w)
+// for this thread's share of them): the candidates with key >= lower that share d.prefix are
+// histogrammed by count (or, by_weight, by weight), and d moves to the chosen bucket. `limit` is
+// the count bound, or the fraction of the level-0 total weight. Every thread calls it alike.
+template <typename Source>
+__device__ void descend_digit(const Source& source, uint32_t lower, bool by_weight, double limit,
+                              Descent& d, FilterShared& sh) {
+  const int shift = filter_digit_shift(d.level);
+  const uint32_t mask = filter_digit_mask(d.level), high = filter_fixed_bits(d.level);
+  for (int b = threadIdx.x; b < kFilterBuckets; b += blockDim.x) {
+    sh.count[b] = 0;
+    sh.weight[b] = 0.0;
+  }
+  __syncthreads();
+  const uint32_t prefix = d.prefix;
+  source([&](uint32_t key, float w) {
+    if (key < lower || (key & high) != prefix) return;
+    const uint32_t b = (key >> shift) & mask;
+    atomicAdd(&sh.count[b], 1u);
+    if (by_weight) atomicAdd(&sh.weight[b], static_cast<double>(w));
+  });
+  __syncthreads();
+
   const int per_thread = kFilterBuckets / blockDim.x;
-  for (int level = 0; level < kFilterDigits; ++level) {
-    const int shift = filter_digit_shift(level);
-    const uint32_t mask = filter_digit_mask(level), high = filter_fixed_bits(level);
-    for (int d = threadIdx.x; d < kFilterBuckets; d += blockDim.x) {
-      sh.count[d] = 0;
-      sh.weight[d] = 0.0;
-    }
-    __syncthreads();
+  const int top = kFilterBuckets - 1 - static_cast<int>(threadIdx.x) * per_thread;
+  const auto aggregate = [&](int b) {
+    return by_weight ? sh.weight[b] : static_cast<double>(sh.count[b]);
+  };
+  double mine = 0.0;
+  for (int i = 0; i < per_thread; ++i) mine += aggregate(top - i);
+  double level_total = 0.0;
+  double running = d.above + block_exclusive_scan(mine, sh.sum_scratch, level_total);
+  if (d.level == 0) d.bound = by_weight ? limit * level_total : limit;
+  int chosen = INT_MAX;
+  double at_chosen = 0.0;
+  for (int i = 0; i < per_thread; ++i) {
+    const int b = top - i;
+    if (sh.count[b] == 0) continue;
+    if (!(running < d.bound)) break;
+    chosen = b;
+    at_chosen = running;
+    running += aggregate(b);
+  }
+  const auto lowest = [](int a, int b) { return a < b ? a : b; };
+  const int bucket = block_reduce(chosen, lowest, INT_MAX, sh.bucket_scratch);
+  if (chosen == bucket) sh.above = at_chosen;  // one owner
+  __syncthreads();
+  d.above = sh.above;
+  d.prefix |= static_cast<uint32_t>(bucket) << shift;
+  ++d.level;
+  __syncthreads();  // the next digit clears the histogram
+}
+
+// The filters of one row (row_max its max; spec.active()) by the whole block; every thread gets
+// the result. load8(x, v) yields elements [x, x + 8) of the row, dropped ones (non-finite,
+// disallowed, past the end) as -inf.
+template <typename Load8>
+__device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float row_max,
+                                         float inv_t, const FilterSpec& spec, FilterShared& sh) {
+  const auto row = [&](const auto& visit) {
     for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < n;
          x += int64_t{blockDim.x} * kFilterValues) {
       float v[kFilterValues];
       load8(x, v);
 #pragma unroll
       for (int k = 0; k < kFilterValues; ++k) {
-        if (v[k] == -INFINITY) continue;
-        const uint32_t key = logit_key(v[k]);
-        if (key < lower || (key & high) != prefix) continue;
-        const uint32_t d = (key >> shift) & mask;
-        atomicAdd(&sh.count[d], 1u);
-        if (by_weight) {
-          atomicAdd(&sh.weight[d], static_cast<double>(softmax_weight(v[k], row_max, inv_t)));
-        }
+        if (v[k] != -INFINITY) visit(logit_key(v[k]), softmax_weight(v[k], row_max, inv_t));
       }
     }
-    __syncthreads();
-
-    const int top = kFilterBuckets - 1 - static_cast<int>(threadIdx.x) * per_thread;
-    double mine = 0.0;
-    for (int i = 0; i < per_thread; ++i) {
-      mine += by_weight ? sh.weight[top - i] : static_cast<double>(sh.count[top - i]);
+  };
+  const auto on_chip = [&](const auto& visit) {
+    for (uint32_t i = threadIdx.x; i < sh.candidates; i += blockDim.x) {
+      visit(sh.candidate_key[i], sh.candidate_weight[i]);
     }
-    double level_total = 0.0;
-    double running = above + block_exclusive_scan(mine, sh.sum_scratch, level_total);
-    if (level == 0 && by_weight) bound = limit * level_total;
-    int chosen = INT_MAX;
-    double at_chosen = 0.0;
-    for (int i = 0; i < per_thread; ++i) {
-      const int d = top - i;
-      if (sh.count[d] == 0) continue;
-      if (!(running < bound)) break;
-      chosen = d;
-      at_chosen = running;
-      running += by_weight ? sh.weight[d] : static_cast<double>(sh.count[d]);
+  };
+  bool gathered = false;
+  const auto digit = [&](uint32_t lower, bool by_weight, double limit, Descent& d) {
+    if (gathered) {
+      descend_digit(on_chip, lower, by_weight, limit, d, sh);
+    } else {
+      descend_digit(row, lower, by_weight, limit, d, sh);
     }
-    const auto lowest = [](int a, int b) { return a < b ? a : b; };
-    const int bucket = block_reduce(chosen, lowest, INT_MAX, sh.bucket_scratch);
-    if (chosen == bucket) sh.above = at_chosen;  // one owner
-    __syncthreads();
-    above = sh.above;
-    prefix |= static_cast<uint32_t>(bucket) << shift;
-    __syncthreads();  // the next digit clears the histogram
-  }
-  return prefix;
-}
+  };
 
-// The filters of one row (row_max its max; spec.active()) by the whole block; every thread gets
-// the result.
-template <typename Load8>
-__device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float row_max,
-                                         float inv_t, const FilterSpec& spec, FilterShared& sh) {
   uint32_t threshold = logit_key(-INFINITY);  // every finite logit is above it
-  if (spec.top_k > 0) {
-    threshold = block_select_threshold(load8, n, row_max, inv_t, threshold, false, spec.top_k, sh);
-  }
-  if (spec.top_p < 1.f) {
-    threshold = block_select_threshold(load8, n, row_max, inv_t, threshold, true, spec.top_p, sh);
+  if (spec.top_k > 0 || spec.top_p < 1.f) {
+    const bool top_k = spec.top_k > 0;
+    const double limit = top_k ? static_cast<double>(spec.top_k) : static_cast<double>(spec.top_p);
+    Descent first;
+    digit(threshold, !top_k, limit, first);
+    // Gather the candidates at or above the chosen first-digit bucket.
+    if (threadIdx.x == 0) sh.candidates = 0;
+    __syncthreads();
+    const uint32_t low = first.prefix;
+    row([&](uint32_t key, float w) {
+      if (key < low) return;
+      const uint32_t i = atomicAdd(&sh.candidates, 1u);
+      if (i < kFilterCandidates) {
+        sh.candidate_key[i] = key;
+        sh.candidate_weight[i] = w;
+      }
+    });
+    __syncthreads();
+    gathered = sh.candidates <= kFilterCandidates;
+    while (first.level < kFilterDigits) digit(threshold, !top_k, limit, first);
+    threshold = first.prefix;
+    if (top_k && spec.top_p < 1.f) {
+      Descent second;
+      while (second.level < kFilterDigits) digit(threshold, true, spec.top_p, second);
+      threshold = second.prefix;
+    }
   }
   FilterResult f{key_logit(threshold), spec.min_p, 0.f};
   double kept = 0.0;
-  for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < n;
-       x += int64_t{blockDim.x} * kFilterValues) {
-    float v[kFilterValues];
-    load8(x, v);
-#pragma unroll
-    for (int k = 0; k < kFilterValues; ++k) {
-      const float w = v[k] == -INFINITY ? 0.f : softmax_weight(v[k], row_max, inv_t);
-      if (filter_keeps(f, v[k], w)) kept += w;
-    }
+  const auto add_kept = [&](uint32_t key, float w) {
+    if (key >= threshold && w >= f.min_weight) kept += w;
+  };
+  if (gathered) {
+    on_chip(add_kept);
+  } else {
+    row(add_kept);
   }
   const auto add = [](double a, double b) { return a + b; };
   f.kept_sum = static_cast<float>(block_reduce(kept, add, 0.0, sh.sum_scratch));

@@ -1,4 +1,4 @@
-// CUDA kernels of verify (SPEC §3.1), torch-free.
+// CUDA kernels of verify (docs/semantics.md §3.1), torch-free.
 //
 // Math: kernels/verify_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
 // the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
@@ -348,7 +348,7 @@ struct Proposal {
 // This thread's part of the exponential race over row[x0, x1).
 template <typename TT, typename DT>
 __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
-                            const int32_t* mrow, const FilterResult* filter,
+                            const int32_t* mrow, bool filtered, FilterResult filter,
                             const SoftmaxStats& t, float inv_t, const Proposal& q, int64_t seed,
                             int64_t position, float& mass, RaceCandidate& best) {
   const bool t_aligned = is_aligned16(trow), d_aligned = drow && is_aligned16(drow);
@@ -359,7 +359,7 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
     float v[kElementsPerThread], w[kElementsPerThread], u[kElementsPerThread];
     load8(trow, x, x1, t_aligned, v);
     drop_disallowed8(mrow, x, x1, v);
-    if (filter) drop_filtered8(*filter, t.max, inv_t, v);
+    if (filtered) drop_filtered8(filter, t.max, inv_t, v);
     if (q.kind == Proposal::kDistribution) load8(drow, x, x1, d_aligned, w);
 #pragma unroll
     for (int g = 0; g < kElementsPerThread / 4; ++g) {
@@ -390,8 +390,10 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
   }
 }
 
+// At least three resident blocks per SM: the decider's filter code must not cost the streaming
+// loop its occupancy (registers capped at 85).
 template <typename TT, typename DT>
-__global__ void __launch_bounds__(kVerifyThreads)
+__global__ void __launch_bounds__(kVerifyThreads, 3)
     verify_row_stats_kernel(const VerifyParams p) {
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);
@@ -405,7 +407,7 @@ __global__ void __launch_bounds__(kVerifyThreads)
   __shared__ bool stop, last;
   // Dynamic shared memory: sizeof(FilterShared) when the call has filters, else none.
   DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
-  FilterShared& filter_shared = *reinterpret_cast<FilterShared*>(filter_shared_raw);
+  auto* const filter_shared = reinterpret_cast<FilterShared*>(filter_shared_raw);  // null: none
 
   for (int j = 0; j <= r.n; ++j) {
     const int64_t row = r.start + j;
@@ -461,11 +463,12 @@ __global__ void __launch_bounds__(kVerifyThreads)
       const SoftmaxStats md = merged.draft;
       FilterResult filter{-INFINITY, 0.f, mt.sum};
       if (r.filtered && row_ok && mt.max != -INFINITY) {
+        const bool aligned = is_aligned16(trow);
         const auto masked8 = [&](int64_t at, float (&v)[kElementsPerThread]) {
-          load8(trow, at, p.vocab, false, v);
+          load8(trow, at, p.vocab, aligned, v);
           drop_disallowed8(mrow, at, p.vocab, v);
         };
-        filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, filter_shared);
+        filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared);
         mt.sum = filter.kept_sum;
       }
       if (threadIdx.x == 0) {
@@ -555,7 +558,6 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
   }
   const TT* trow = target_row<TT>(p, r.start + j);
   const int32_t* mrow = mask_row(p, r.start + j);
-  const FilterResult* filter = r.filtered ? &res.filter : nullptr;
   const DT* drow = q.kind == Proposal::kDistribution ? draft_row<DT>(p, b, j) : nullptr;
   const int64_t position = r.position + 1 + j;
   const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
@@ -568,7 +570,8 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
 
   float mass = 0.f;
   RaceCandidate best = empty_candidate();
-  thread_race(trow, drow, x0, x1, mrow, filter, t, r.inv_t, q, r.seed, position, mass, best);
+  thread_race(trow, drow, x0, x1, mrow, r.filtered, res.filter, t, r.inv_t, q, r.seed, position,
+              mass, best);
   mass = block_reduce(mass, add, 0.f, mass_scratch);
   best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
   if (threadIdx.x == 0) {
@@ -593,8 +596,8 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
     const Proposal none{Proposal::kNone, -1, res.draft, r.inv_td};
     float unused = 0.f;
     best = empty_candidate();
-    thread_race(trow, static_cast<const DT*>(nullptr), 0, p.vocab, mrow, filter, t, r.inv_t,
-                none, r.seed, position, unused, best);
+    thread_race(trow, static_cast<const DT*>(nullptr), 0, p.vocab, mrow, r.filtered, res.filter,
+                t, r.inv_t, none, r.seed, position, unused, best);
     best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
   }
   if (threadIdx.x == 0) {
