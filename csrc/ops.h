@@ -13,28 +13,18 @@ namespace dspark_ops {
 // tokens, num_accepted, valid, logprobs
 using VerifyResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-VerifyResult verify_cpu(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-                        const at::Tensor& num_draft, const at::Tensor& temperature,
-                        const at::Tensor& seed, const at::Tensor& position,
-                        const std::optional<at::Tensor>& draft_logits,
-                        const std::optional<at::Tensor>& target_start,
-                        const std::optional<at::Tensor>& draft_temperature,
-                        const std::optional<at::Tensor>& top_k,
-                        const std::optional<at::Tensor>& top_p,
-                        const std::optional<at::Tensor>& min_p,
-                        const std::optional<at::Tensor>& allowed_token_mask,
-                        bool return_logprobs);
-VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-                         const at::Tensor& num_draft, const at::Tensor& temperature,
-                         const at::Tensor& seed, const at::Tensor& position,
-                         const std::optional<at::Tensor>& draft_logits,
-                         const std::optional<at::Tensor>& target_start,
-                         const std::optional<at::Tensor>& draft_temperature,
-                         const std::optional<at::Tensor>& top_k,
-                         const std::optional<at::Tensor>& top_p,
-                         const std::optional<at::Tensor>& min_p,
-                         const std::optional<at::Tensor>& allowed_token_mask,
-                         bool return_logprobs);
+#define DSPARK_OPS_DECLARE_VERIFY(backend)                                                      \
+  VerifyResult verify_##backend(                                                                \
+      const at::Tensor& target_logits, const at::Tensor& draft_tokens,                          \
+      const at::Tensor& num_draft, const at::Tensor& temperature, const at::Tensor& seed,       \
+      const at::Tensor& position, const std::optional<at::Tensor>& draft_logits,                \
+      const std::optional<at::Tensor>& target_start,                                            \
+      const std::optional<at::Tensor>& draft_temperature, const std::optional<at::Tensor>& top_k, \
+      const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,           \
+      const std::optional<at::Tensor>& allowed_token_mask, bool return_logprobs);
+DSPARK_OPS_DECLARE_VERIFY(cpu)
+DSPARK_OPS_DECLARE_VERIFY(cuda)
+#undef DSPARK_OPS_DECLARE_VERIFY
 
 // Drafting family; a "backend" suffix per entry point.
 using DraftResult = std::tuple<at::Tensor, at::Tensor>;  // tokens, draft_logits

@@ -13,6 +13,16 @@ struct FilterArgs {
   at::Tensor top_p;  // undefined (off), or float32 [B], contiguous
   at::Tensor min_p;  // undefined (off), or float32 [B], contiguous
   bool any() const { return top_k.defined() || top_p.defined() || min_p.defined(); }
+  // Data of each, null when off (what make_filter_spec and the CUDA kernels take).
+  const int32_t* top_k_data() const {
+    return top_k.defined() ? top_k.const_data_ptr<int32_t>() : nullptr;
+  }
+  const float* top_p_data() const {
+    return top_p.defined() ? top_p.const_data_ptr<float>() : nullptr;
+  }
+  const float* min_p_data() const {
+    return min_p.defined() ? min_p.const_data_ptr<float>() : nullptr;
+  }
 };
 
 // Checks device (that of `reference`, named `reference_name`), dtype and shape [batch] of each

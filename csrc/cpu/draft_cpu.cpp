@@ -127,21 +127,18 @@ RaceCandidate best_key(const float* z, int64_t x0, int64_t x1, const SlotSamplin
   return best;
 }
 
-// Filters request b's row z[0, vocab) in place (dropped tokens -inf) and returns its token.
+// Filters request b's row z[0, vocab) in place (non-finite and dropped tokens -inf, as the filtered
+// draft_logits are stored) and returns its token.
 int64_t filtered_token(float* z, int64_t vocab, const SlotSampling& s, int64_t b) {
   float row_max = -INFINITY;
   for (int64_t x = 0; x < vocab; ++x) {
-    if (std::isfinite(z[x])) row_max = std::max(row_max, z[x]);
+    if (!std::isfinite(z[x])) z[x] = -INFINITY;
+    row_max = std::max(row_max, z[x]);
   }
   if (row_max == -INFINITY) return 0;
-  std::vector<float> row(vocab), weights(vocab);
+  std::vector<float> weights(vocab);
   std::vector<uint32_t> keys(vocab);
-  for (int64_t x = 0; x < vocab; ++x) row[x] = std::isfinite(z[x]) ? z[x] : -INFINITY;
-  const FilterResult f = filter_row(row.data(), vocab, row_max, s.inv_temperature[b],
-                                    s.filter[b], keys.data(), weights.data());
-  for (int64_t x = 0; x < vocab; ++x) {
-    if (!filter_keeps(f, row[x], weights[x])) z[x] = -INFINITY;
-  }
+  filter_row(z, vocab, row_max, s.inv_temperature[b], s.filter[b], keys.data(), weights.data());
   const RaceCandidate best = best_key(z, 0, vocab, s, b);
   return best.index < 0 ? 0 : best.index;
 }
@@ -203,10 +200,8 @@ SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
     s.seed.push_back(a.seed.const_data_ptr<int64_t>()[b]);
     s.position.push_back(a.position.const_data_ptr<int64_t>()[b] + 1 + j);
     const auto& f = a.filters;
-    s.filter.push_back(make_filter_spec(
-        f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>()[b] : 0,
-        f.top_p.defined() ? f.top_p.const_data_ptr<float>()[b] : 1.f,
-        f.min_p.defined() ? f.min_p.const_data_ptr<float>()[b] : 0.f, a.vocab));
+    s.filter.push_back(
+        make_filter_spec(f.top_k_data(), f.top_p_data(), f.min_p_data(), b, a.vocab));
   }
   return s;
 }

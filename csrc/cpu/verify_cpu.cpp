@@ -172,25 +172,14 @@ struct RequestVerifier {
                                        : t.const_data_ptr<int64_t>()[offset];
   }
 
-  FilterSpec filter_spec(int64_t b) const {
-    const auto& f = a.filters;
-    return make_filter_spec(f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>()[b] : 0,
-                            f.top_p.defined() ? f.top_p.const_data_ptr<float>()[b] : 1.f,
-                            f.min_p.defined() ? f.min_p.const_data_ptr<float>()[b] : 0.f, a.vocab);
-  }
-
   // Applies the request's filters to the scratch target row; t.sum becomes the kept weight.
   void filter_target_row(const FilterSpec& spec, float inv_t, SoftmaxStats& t) {
     if (keys.empty()) {
       keys.resize(a.vocab);
       weights.resize(a.vocab);
     }
-    const FilterResult f =
-        filter_row(target_row.data(), a.vocab, t.max, inv_t, spec, keys.data(), weights.data());
-    for (int64_t x = 0; x < a.vocab; ++x) {
-      if (!filter_keeps(f, target_row[x], weights[x])) target_row[x] = -INFINITY;
-    }
-    t.sum = f.kept_sum;
+    t.sum = filter_row(target_row.data(), a.vocab, t.max, inv_t, spec, keys.data(), weights.data())
+                .kept_sum;
   }
 
   void operator()(int64_t b) {
@@ -209,7 +198,9 @@ struct RequestVerifier {
     const int64_t start = a.target_start.defined() ? a.target_start.const_data_ptr<int32_t>()[b]
                                                    : b * (a.block + 1);
     const int64_t vocab = a.vocab;
-    const FilterSpec spec = filter_spec(b);
+    const auto& f = a.filters;
+    const FilterSpec spec =
+        make_filter_spec(f.top_k_data(), f.top_p_data(), f.min_p_data(), b, vocab);
     const bool with_logprobs = logprobs != nullptr;
     // Greedy rows need the distribution only for logprobs (at T = 1).
     const bool need_distribution = !greedy || with_logprobs;

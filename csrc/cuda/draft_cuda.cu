@@ -47,9 +47,9 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
   p.seed = a.seed.const_data_ptr<int64_t>();
   p.position = a.position.const_data_ptr<int64_t>();
   const auto& f = a.filters;
-  p.top_k = f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>() : nullptr;
-  p.top_p = f.top_p.defined() ? f.top_p.const_data_ptr<float>() : nullptr;
-  p.min_p = f.min_p.defined() ? f.min_p.const_data_ptr<float>() : nullptr;
+  p.top_k = f.top_k_data();
+  p.top_p = f.top_p_data();
+  p.min_p = f.min_p_data();
   p.tokens = tokens.data_ptr<int64_t>();
   p.draft_logits = logits.data_ptr<float>();
   p.batch = static_cast<int>(a.batch);

@@ -66,9 +66,9 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.position = a.position.const_data_ptr<int64_t>();
   p.target_start = a.target_start.defined() ? a.target_start.const_data_ptr<int32_t>() : nullptr;
   const auto& f = a.filters;
-  p.top_k = f.top_k.defined() ? f.top_k.const_data_ptr<int32_t>() : nullptr;
-  p.top_p = f.top_p.defined() ? f.top_p.const_data_ptr<float>() : nullptr;
-  p.min_p = f.min_p.defined() ? f.min_p.const_data_ptr<float>() : nullptr;
+  p.top_k = f.top_k_data();
+  p.top_p = f.top_p_data();
+  p.min_p = f.min_p_data();
   if (a.allowed_token_mask.defined()) {
     p.allowed_token_mask = a.allowed_token_mask.const_data_ptr<int32_t>();
     p.mask_words = a.allowed_token_mask.size(1);

@@ -481,8 +481,7 @@ __host__ __device__ inline bool has_filters(const DraftParams& p) {
 // place and redraws its token. Dynamic shared memory: FilterShared.
 __global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const DraftParams p) {
   const int b = blockIdx.x;
-  const FilterSpec spec = make_filter_spec(p.top_k ? p.top_k[b] : 0, p.top_p ? p.top_p[b] : 1.f,
-                                           p.min_p ? p.min_p[b] : 0.f, p.vocab);
+  const FilterSpec spec = make_filter_spec(p.top_k, p.top_p, p.min_p, b, p.vocab);
   if (!spec.active()) return;
   const float t = p.temperature[b];
   const bool greedy = is_greedy(t);

@@ -59,8 +59,11 @@ struct FilterSpec {
   DSPARK_HOST_DEVICE bool active() const { return top_k > 0 || top_p < 1.f || min_p > 0.f; }
 };
 
-DSPARK_HOST_DEVICE FilterSpec make_filter_spec(int32_t top_k, float top_p, float min_p,
-                                               int64_t vocab) {
+// Request b's settings from the per-request arrays (null: that filter is off for every request).
+DSPARK_HOST_DEVICE FilterSpec make_filter_spec(const int32_t* top_k_of, const float* top_p_of,
+                                               const float* min_p_of, int64_t b, int64_t vocab) {
+  const int32_t top_k = top_k_of ? top_k_of[b] : 0;
+  const float top_p = top_p_of ? top_p_of[b] : 1.f, min_p = min_p_of ? min_p_of[b] : 0.f;
   FilterSpec f;
   f.top_k = top_k > 0 && top_k < vocab ? top_k : 0;
   f.top_p = top_p < 1.f ? fmaxf(top_p, 1e-30f) : 1.f;
@@ -135,9 +138,9 @@ inline uint32_t select_threshold(const uint32_t* keys, const float* weights, int
   return prefix;
 }
 
-// The filters of one row of logits z[0, n) (non-finite entries -inf), max row_max, on the CPU;
-// keys and weights are scratch rows of n entries.
-inline FilterResult filter_row(const float* z, int64_t n, float row_max, float inv_temperature,
+// The filters of one row of logits z[0, n) (non-finite entries -inf), max row_max, on the CPU:
+// the tokens they drop are set to -inf in z. keys and weights are scratch rows of n entries.
+inline FilterResult filter_row(float* z, int64_t n, float row_max, float inv_temperature,
                                const FilterSpec& spec, uint32_t* keys, float* weights) {
   for (int64_t x = 0; x < n; ++x) {
     keys[x] = z[x] == -INFINITY ? kNoCandidate : logit_key(z[x]);
@@ -152,7 +155,11 @@ inline FilterResult filter_row(const float* z, int64_t n, float row_max, float i
   FilterResult f{key_logit(threshold), spec.min_p, 0.f};
   double kept = 0.0;
   for (int64_t x = 0; x < n; ++x) {
-    if (filter_keeps(f, z[x], weights[x])) kept += weights[x];
+    if (filter_keeps(f, z[x], weights[x])) {
+      kept += weights[x];
+    } else {
+      z[x] = -INFINITY;
+    }
   }
   f.kept_sum = static_cast<float>(kept);
   return f;

@@ -196,8 +196,7 @@ __device__ __forceinline__ Request load_request(const VerifyParams& p, int b) {
   r.inv_td = r.draft_greedy ? 1.f : 1.f / td;
   r.start = p.target_start ? p.target_start[b] : int64_t{b} * (p.block + 1);
   r.need_distribution = !r.greedy || p.logprobs != nullptr;
-  r.spec = make_filter_spec(p.top_k ? p.top_k[b] : 0, p.top_p ? p.top_p[b] : 1.f,
-                            p.min_p ? p.min_p[b] : 0.f, p.vocab);
+  r.spec = make_filter_spec(p.top_k, p.top_p, p.min_p, b, p.vocab);
   r.filtered = r.need_distribution && r.spec.active();
   r.seed = p.seed[b];
   r.position = p.position[b];
