@@ -1,14 +1,16 @@
 """dspark_ops: fused CUDA/CPU kernels for DSpark-style speculative decoding.
 
 Every op is a PyTorch custom op (``torch.ops.dspark_ops.*``) with a CPU and a CUDA kernel, a fake
-implementation for ``torch.compile`` and a pure-PyTorch reference in :mod:`dspark_ops.reference`.
+implementation for ``torch.compile`` and a pure-PyTorch reference in :mod:`dspark_ops.reference`
+(imported on first use: ``import dspark_ops.reference`` or ``dspark_ops.reference``).
 """
+
+import importlib
 
 from ._library import OPS, load_library
 
 load_library()
 
-from . import reference  # noqa: E402
 from .ops.attention import append_context_kv, block_draft_attention  # noqa: E402
 from .ops.draft import (  # noqa: E402
     DraftOutput,
@@ -28,6 +30,7 @@ from .ops.schedule import (  # noqa: E402
     schedule_verify,
 )
 from .ops.verify import VerifyOutput, verify  # noqa: E402
+from . import sampling  # noqa: E402
 from .models import DSparkConfig, DSparkDraft  # noqa: E402,I001
 from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder, generate_target_only  # noqa: E402,I001
 
@@ -55,7 +58,15 @@ __all__ = [
     "profile_step_rate",
     "reference",
     "rnn_draft",
+    "sampling",
     "schedule_verify",
     "verify",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The references are for tests, benchmarks and whoever asks: importing dspark_ops stays light.
+    if name == "reference":
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(f"module 'dspark_ops' has no attribute {name!r}")

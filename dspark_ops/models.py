@@ -32,7 +32,7 @@ from torch import nn
 from .modules import DraftAttention, DraftBackbone, DraftConfig, DraftMLP, RMSNorm
 from .ops.attention import append_context_kv
 from .ops.draft import DraftOutput, draft_confidence, markov_draft, rnn_draft
-from .reference import filter_logits
+from .sampling import filter_logits
 from .ops.random import philox_uniform
 
 __all__ = [

@@ -8,9 +8,19 @@ argument checks.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
+
+from .outputs import DraftOutput, VerifyBatch, VerifyOutput
+from .sampling import (
+    GREEDY_TEMPERATURE,
+    PURPOSE_ACCEPT,
+    PURPOSE_DRAFT,
+    PURPOSE_RESAMPLE,
+    allowed_tokens,
+    filter_logits,
+)
 
 __all__ = [
     "PURPOSE_DRAFT",
@@ -38,13 +48,6 @@ __all__ = [
     "pack_verify_inputs",
 ]
 
-# Random streams (csrc/common/philox.h): a token's proposal, acceptance test and resampling never
-# share random numbers.
-PURPOSE_DRAFT = 0
-PURPOSE_ACCEPT = 1
-PURPOSE_RESAMPLE = 2
-
-GREEDY_TEMPERATURE = 1e-5
 MIN_RESIDUAL_MASS = 1e-12
 
 _MASK32 = 0xFFFFFFFF
@@ -110,67 +113,6 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.to(torch.float32) * 2.0**-32 + 2.0**-33).clamp_max(1.0 - 2.0**-24)
 
 
-class VerifyOutput(NamedTuple):
-    tokens: torch.Tensor  # int64 [B, G+1]: emitted tokens, then -1
-    num_accepted: torch.Tensor  # int32 [B]: accepted draft tokens (one more token is emitted)
-    valid: torch.Tensor  # bool [B]: False where a needed row had no finite logit or a draft id was out of range
-    logprobs: Optional[torch.Tensor] = None  # float32 [B, G+1] when asked for: log p of each emitted token, then -inf
-
-
-# ------------------------------------------------------------------------------------------------
-# Sampling filters (csrc/kernels/filter_math.h). On a row of logits z (non-finite = -inf) with max
-# m and weights w = exp((z - m) / T) (T = 1 for greedy rows), in this order: top-k keeps the
-# tokens with fewer than k larger logits (boundary ties kept); top-p keeps those whose top-k-kept
-# tokens with a larger logit weigh < top_p x the top-k-kept total (float64 sums); min-p keeps
-# w >= min_p. Off: top_k outside [1, V), top_p >= 1, min_p <= 0.
-
-
-def filter_logits(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    *,
-    top_k: Optional[torch.Tensor] = None,
-    top_p: Optional[torch.Tensor] = None,
-    min_p: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """float32 ``logits [..., V]`` with -inf where a filter (or a non-finite logit) drops a token.
-
-    ``temperature``, ``top_k``, ``top_p`` and ``min_p`` have the leading shape ``[...]``.
-    """
-    z = logits.float()
-    z = torch.where(torch.isfinite(z), z, float("-inf"))
-    vocab = z.shape[-1]
-    greedy = ~(temperature > GREEDY_TEMPERATURE)
-    inv_t = torch.where(greedy, 1.0, 1.0 / temperature).float()
-    row_max = z.amax(-1, keepdim=True)
-    shifted = torch.where(row_max == float("-inf"), float("-inf"), z - row_max)
-    weight = torch.exp(shifted * inv_t[..., None])
-    keep = torch.isfinite(z)
-    if top_k is not None:
-        k = top_k.long()
-        kth = z.sort(-1, descending=True).values.gather(-1, (k.clamp(1, vocab) - 1)[..., None])
-        keep &= ((k <= 0) | (k >= vocab))[..., None] | (z >= kth)
-    if top_p is not None:
-        kept_weight = torch.where(keep, weight, 0.0).double()
-        order = torch.where(keep, z, float("-inf")).sort(dim=-1, descending=True, stable=True)
-        sorted_weight = kept_weight.gather(-1, order.indices)
-        before = torch.cat([torch.zeros_like(sorted_weight[..., :1]),
-                            sorted_weight.cumsum(-1)[..., :-1]], -1)
-        # The weight strictly above a token is the running sum at the first token of its tie group.
-        descending = (-order.values).contiguous()
-        group_start = torch.searchsorted(descending, descending, side="left").clamp_max(vocab - 1)
-        above = torch.empty_like(before).scatter_(-1, order.indices, before.gather(-1, group_start))
-        bound = top_p.double().clamp_min(1e-30)[..., None] * kept_weight.sum(-1, keepdim=True)
-        keep &= ~(top_p < 1.0)[..., None] | (above < bound)
-    if min_p is not None:
-        keep &= ~(min_p > 0.0)[..., None] | (weight >= min_p.clamp_max(1.0)[..., None])
-    return torch.where(keep, z, float("-inf"))
-
-
-def allowed_tokens(mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool ``[R, V]`` from an int32 bitmask ``[R, ceil(V / 32)]``: bit v % 32 of word v // 32."""
-    v = torch.arange(vocab, device=mask.device)
-    return ((mask.long()[:, v // 32] >> (v % 32)) & 1).bool()
 
 
 def _softmax_parts(logits: torch.Tensor, inv_temperature: torch.Tensor):
@@ -318,11 +260,6 @@ def verify(
 # u_v element v of the draft stream at position p0 + 1 + j (greedy, T <= 1e-5: argmax z_j, ties to
 # the lowest id). Non-finite z never wins; a row without a finite z yields token 0. An id outside
 # [0, V) (only on CUDA without value checks) embeds as a zero row.
-
-
-class DraftOutput(NamedTuple):
-    tokens: torch.Tensor  # int64 [B, G]: x_1..x_G
-    draft_logits: torch.Tensor  # float32 [B, G, V]: z_0..z_{G-1}, pre-temperature
 
 
 def _embed(w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -502,12 +439,6 @@ def allocate_verify(
     for r, j, _ in list(zip(*_ranked_pairs(confidence, max_verify)))[:admit]:
         num_verify[r] = j + 1
     return torch.tensor(num_verify, dtype=torch.int32, device=confidence.device)
-
-
-class VerifyBatch(NamedTuple):
-    input_ids: torch.Tensor  # int64 [B*(G+1)]: [x0, x_1..x_l] of every request, then padding 0
-    positions: torch.Tensor  # int64 [B*(G+1)]: p0..p0+l of every request, then padding 0
-    cu_seqlens: torch.Tensor  # int32 [B+1]: exclusive prefix sums of l + 1
 
 
 def pack_verify_inputs(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -438,3 +442,14 @@ def test_public_api():
         assert name in dspark_ops.__all__ and callable(getattr(dspark_ops, name)), name
     assert (dspark_ops.reference.PURPOSE_DRAFT, dspark_ops.reference.PURPOSE_ACCEPT,
             dspark_ops.reference.PURPOSE_RESAMPLE) == (0, 1, 2)
+
+
+def test_import_leaves_the_reference_alone():
+    # The output types have their own module: the ops never import the reference implementations.
+    code = ("import sys, dspark_ops; "
+            "assert 'dspark_ops.reference' not in sys.modules, 'imported by dspark_ops'; "
+            "assert dspark_ops.reference.VerifyOutput is dspark_ops.VerifyOutput; "
+            "assert dspark_ops.sampling.filter_logits is dspark_ops.reference.filter_logits")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    with pytest.raises(AttributeError, match="no attribute 'not_an_op'"):
+        dspark_ops.not_an_op

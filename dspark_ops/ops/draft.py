@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..reference import DraftOutput
+from ..outputs import DraftOutput
 from ._scalars import per_request
 
 __all__ = [

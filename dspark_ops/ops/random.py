@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_RESAMPLE
+from ..sampling import PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_RESAMPLE
 
 __all__ = ["philox_uniform", "PURPOSE_DRAFT", "PURPOSE_ACCEPT", "PURPOSE_RESAMPLE"]
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..reference import VerifyBatch
+from ..outputs import VerifyBatch
 
 __all__ = [
     "schedule_verify",

@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..reference import VerifyOutput
+from ..outputs import VerifyOutput
 from ._scalars import per_request
 
 __all__ = ["VerifyOutput", "verify"]
