@@ -1,9 +1,9 @@
 """``python -m bench``: runs every ``bench/bench_*.py`` family and prints one combined table.
 
 Each family module provides ``main(argv, emit=False) -> list[Row]`` and accepts ``--quick``,
-``--device`` and ``--no-anchors``; adding a family is adding a file. Runs on CUDA when
-available, else on CPU, and writes ``bench/results/all_<device>.json/.csv`` next to each
-family's own files.
+``--device``, ``--no-anchors`` and ``--results-dir``; adding a family is adding a file. Runs on
+CUDA when available, else on CPU, and writes ``all_<device>.json/.csv`` next to each family's own
+files (by default under build/bench-results/, which git ignores).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import traceback
 from pathlib import Path
 
 from bench.common import (
-    environment, log, measure_copy_bandwidth, print_table, resolve_device, write_results,
+    add_output_args, environment, log, measure_copy_bandwidth, print_table, resolve_device,
+    write_results,
 )
 
 
@@ -36,10 +37,11 @@ def main(argv=None) -> int:
                         help="print the results as JSON on stdout instead of the table")
     parser.add_argument("--no-anchors", action="store_true",
                         help="skip third-party anchors (FlashInfer, vLLM)")
+    add_output_args(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     forwarded = ["--device", str(device)] + (["--quick"] if args.quick else []) \
-        + (["--no-anchors"] if args.no_anchors else [])
+        + (["--no-anchors"] if args.no_anchors else []) + ["--results-dir", str(args.results_dir)]
 
     started = time.perf_counter()
     rows, failed = [], []
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     meta["families"] = families()
     meta["failed"] = failed
     meta["elapsed_s"] = elapsed
-    paths = write_results(rows, "all", device, meta)
+    paths = write_results(rows, "all", device, meta, results_dir=args.results_dir)
     log("wrote " + ", ".join(str(p) for p in paths))
 
     if args.json_only:
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
                 f"{meta['threads']} threads)"
         if copy_gbps:
             title += f", copy bandwidth {copy_gbps:.0f} GB/s"
-        print_table(rows, title=title)
+        print_table(rows, title=title, wide=args.wide)
         print(f"{len(rows)} rows in {elapsed:.1f} s" + (f"; FAILED: {', '.join(failed)}"
                                                          if failed else ""))
     return 1 if failed else 0

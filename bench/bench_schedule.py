@@ -67,8 +67,8 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.common import (
-    Row, Timing, count_launches, family_arg_parser, family_main, format_us, log, report_once,
-    synchronize, try_time,
+    Row, Timing, count_launches, family_arg_parser, family_main, format_us, log, measure,
+    report_once, synchronize,
 )
 
 BATCHES = (64, 256, 1024)
@@ -427,9 +427,8 @@ def bench_case(case: ScheduleCase, device: torch.device, timing: Timing) -> List
         row.extra["mean l"] = lengths.float().mean().item()
         row.extra["match"] = f"{int(same_ref.sum())}/{batch}"
 
-        row.ours_us = try_time("ours", comp.ours, device, **timing.ours)
-        row.reference_us = try_time("ref", comp.ref, device, **_reference_timing(device))
-        row.anchors["eager-torch"] = try_time("eager-torch", comp.eager, device, **timing.others)
+        measure(row, {"ours": comp.ours, "ref": comp.ref, "eager-torch": comp.eager}, device,
+                timing, budgets={"ref": _reference_timing(device)})
 
         if device.type == "cuda":
             row.extra["graph us"] = _try(

@@ -65,7 +65,7 @@ import dspark_ops
 from dspark_ops import reference
 from bench.common import (
     Row, Timing, family_arg_parser, family_main, finish_row, format_us, log,
-    measure_copy_bandwidth, report_once, synchronize, try_time,
+    measure, measure_copy_bandwidth, report_once, synchronize,
 )
 
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
@@ -548,18 +548,16 @@ def bench_case(case: VerifyCase, device: torch.device, timing: Timing,
     else:
         row.extra["match"] = None
 
-    row.ours_us = try_time("ours", ours, device, **timing.ours)
-    row.reference_us = try_time("ref", ref, device, **timing.others)
     eager_name = "eager-filter+verify" if case.filters is not None else "eager-torch"
-    row.anchors[eager_name] = try_time(eager_name, eager, device, **timing.others)
+    competitors = {"ours": ours, "ref": ref, eager_name: eager}
     for name, factory in anchors.items():
-        fn = None
+        competitors[name] = None
         if factory is not None:
             try:
-                fn = factory(case)
+                competitors[name] = factory(case)
             except Exception as error:
                 log(f"  {name}: not run ({type(error).__name__}: {error})")
-        row.anchors[name] = try_time(name, fn, device, **timing.others)
+    measure(row, competitors, device, timing)
 
     if device.type == "cuda":
         needed, every = bytes_moved(case, num_accepted)

@@ -202,7 +202,7 @@ def run_draft_section(devices, args) -> Dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON summary path (default bench/results/"
+                        help="JSON summary path (default build/bench-results/"
                              "cpu_cuda_agreement_<gpu>.json)")
     parser.add_argument("--batch", type=int, default=None,
                         help="requests per config (default 256; 16 with --cpu-only)")

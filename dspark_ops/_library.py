@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -49,6 +50,16 @@ def _check_cpu_isa(info: dict) -> None:
         )
 
 
+def _warn_if_cpu_only(info: dict, cuda_available: bool) -> None:
+    # pip hides the build's "building the CPU flavour" banner; say it where it matters.
+    if info.get("flavour") == "cpu" and cuda_available:
+        warnings.warn(
+            f"dspark_ops was built without CUDA kernels ({info.get('reason', 'reason unknown')}), "
+            "so its ops reject CUDA tensors although a GPU is present; rebuild with a CUDA "
+            "toolkit (DSPARK_OPS_CUDA=1 makes a missing toolkit an error)",
+            RuntimeWarning, stacklevel=3)
+
+
 def load_library() -> None:
     """Loads _C once, which registers every op with the PyTorch dispatcher."""
     if hasattr(torch.ops.dspark_ops, OPS[0]):
@@ -58,6 +69,7 @@ def load_library() -> None:
         raise ImportError(f"dspark_ops: the compiled library dspark_ops._C is missing; {_BUILD_HINT}")
     info = build_info()
     _check_cpu_isa(info)
+    _warn_if_cpu_only(info, torch.cuda.is_available())
     try:
         torch.ops.load_library(spec.origin)
     except OSError as error:

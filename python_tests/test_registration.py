@@ -453,3 +453,15 @@ def test_import_leaves_the_reference_alone():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
     with pytest.raises(AttributeError, match="no attribute 'not_an_op'"):
         dspark_ops.not_an_op
+
+
+def test_cpu_only_build_on_a_gpu_machine_warns():
+    info = {"flavour": "cpu", "reason": "DSPARK_OPS_CUDA=0"}
+    with pytest.warns(RuntimeWarning, match=r"without CUDA kernels \(DSPARK_OPS_CUDA=0\)"):
+        _library._warn_if_cpu_only(info, cuda_available=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _library._warn_if_cpu_only(info, cuda_available=False)
+        _library._warn_if_cpu_only({"flavour": "cuda"}, cuda_available=True)
