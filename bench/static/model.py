@@ -122,12 +122,13 @@ class LaunchResult:
 def launch_time(*, blocks: int, threads: int, occ: Occupancy, terms: List[Term],
                 dram_bytes: float, latency_s: Optional[float], imbalance: float = 1.0,
                 serial_round_trips: float = 0, barrier_stages: float = 0,
-                hw: Hardware = H200):
+                load_bytes: Optional[float] = None, hw: Hardware = H200):
     """(memory, issue, latency, overhead) seconds of one launch.
 
     memory: dram_bytes / bandwidth. issue: the busiest SM's warp-instructions of the costed
-    loops at 4 per clock. latency: Little's law, the busiest SM's share of the bytes over the
-    bytes its resident threads keep in flight times the latency of where the data lives.
+    loops at 4 per clock. latency: Little's law, the busiest SM's share of the loaded bytes
+    (load_bytes, default dram_bytes) over the bytes its resident threads keep in flight, times
+    the latency of where the data lives.
     overhead: the launch, plus round trips and barrier stages a block waits on in series.
     """
     per_sm_blocks = math.ceil(blocks / hw.sms) if blocks else 0
@@ -140,7 +141,8 @@ def launch_time(*, blocks: int, threads: int, occ: Occupancy, terms: List[Term],
     in_flight_sm = resident * threads * flight
     latency = 0.0
     if latency_s and in_flight_sm > 0:
-        latency = dram_bytes * share * latency_s / in_flight_sm
+        waited = dram_bytes if load_bytes is None else load_bytes
+        latency = waited * share * latency_s / in_flight_sm
     overhead = hw.launch_s + serial_round_trips * hw.round_trip_s \
         + barrier_stages * hw.barrier_stage_s
     return memory, issue, latency, overhead, in_flight_sm
