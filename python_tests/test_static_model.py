@@ -130,7 +130,7 @@ def test_predicted_time_picks_the_right_bound():
     assert bound_of(m, i, l, o) == "latency"
     # Almost nothing to do: the launch dominates.
     m, i, l, o, _ = launch_time(terms=[_term(2, 1e3, 16)], dram_bytes=1e3, **args)
-    assert bound_of(m, i, l, o) == "launch"
+    assert bound_of(m, i, l, o) == "overhead"
 
 
 def test_missing_expected_loop_raises():
@@ -183,7 +183,7 @@ def test_real_binary_end_to_end(tmp_path):
     assert stats["regs"] > 0 and stats["local_bytes"] == 0
     assert stats["loops"][0]["elems_per_iter"] % 16 == 0
     for row in data["rows"]:
-        assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "launch")
+        assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "overhead")
     assert (tmp_path / "static_sm90.csv").read_text().startswith("kind,op,shape")
 
 

@@ -4,6 +4,15 @@ the compiled sm_90 code, not a measurement). See docs/performance-model.md.
 For every kernel at the benchmark/floor shapes of docs/semantics.md §4: registers, spills, shared
 memory, occupancy, SASS instructions per element of the hot loop, bytes moved and in flight, and
 a predicted time max(memory, issue, latency) + overheads next to the floor (bytes / 4.3 TB/s).
+
+Assumptions (all in bench/static/model.py's Hardware and docs/performance-model.md): H200 with
+132 SMs, 64K registers and 228 KB shared memory per SM, 64 warps and 32 blocks per SM, registers
+in 256-register units over four partitions; 4 warp-instructions per SM per clock at 1.98 GHz;
+4.3 TB/s HBM, 700 ns HBM and 150 ns L2 latency (Little's law over the bytes in flight read from
+the hot loop's SASS path); 2 us per launch, 0.5 us per fence + atomic a block waits on, 50 ns
+per barrier stage of the scheduling sort. Per-iteration instructions are counted along the
+cheapest path through the loop body that still has the expected work; caches, dependency stalls,
+bank conflicts, tensor-core throughput and host-side dispatch are not modelled.
 """
 
 from __future__ import annotations
@@ -118,8 +127,9 @@ def print_table(result: dict, out=sys.stdout) -> None:
                   f"{k['dram_bytes'] * k['launches'] / 1e6:>9.1f}{'':>9}{k['total_us']:>9.1f}"
                   f"{'':>8}  {k['bound']}", file=out)
     print("instr/el: SASS instructions per element of each costed loop (per thread; '/' "
-          "separates loops); occ: resident blocks per SM and warp occupancy. MODEL output.",
-          file=out)
+          "separates loops); occ: resident blocks per SM and warp occupancy; bound: the largest "
+          "of memory, issue, latency, or overhead (launch + work a block does in series). "
+          "MODEL output, not measured.", file=out)
 
 
 def write_results(result: dict, folder: Path) -> List[Path]:
@@ -154,7 +164,7 @@ def write_results(result: dict, folder: Path) -> List[Path]:
 
 def compare(old: dict, new: dict, out=sys.stdout) -> None:
     """Before/after ratios per row (new / old) of the model's times and key kernel numbers."""
-    print(f"MODEL before/after: {Path(old['binary']).name} -> {Path(new['binary']).name} "
+    print(f"MODEL before/after: {old['binary']} -> {new['binary']} "
           "(ratios new/old; < 1 is faster)", file=out)
     index = {(r["op"], r["shape"], r["variant"]): r for r in old["rows"]}
     print(f"{'op / kernel':<58}{'old us':>9}{'new us':>9}{'new/old':>8}  regs old->new, "

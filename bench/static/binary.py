@@ -93,7 +93,12 @@ class Binary:
         self.resources = parse_resource_usage(res)
         text = subprocess.run([tool, "-sass", "-arch", arch, str(self.path)],
                               capture_output=True, text=True, check=True).stdout
-        self.functions = sass.parse_functions(text)
+        # Split per function now, parse only the kernels the model asks for.
+        self._chunks: Dict[str, str] = {}
+        starts = [m for m in re.finditer(r"^\s*Function : (\S+)", text, re.M)]
+        for k, m in enumerate(starts):
+            end = starts[k + 1].start() if k + 1 < len(starts) else len(text)
+            self._chunks[m.group(1)] = text[m.start():end]
         self._cfgs: Dict[str, sass.CFG] = {}
 
     def find(self, pattern: str) -> KernelInfo:
@@ -107,7 +112,7 @@ class Binary:
 
     def cfg(self, name: str) -> sass.CFG:
         if name not in self._cfgs:
-            if name not in self.functions:
+            if name not in self._chunks:
                 raise sass.StructureError(f"no SASS for {name}")
-            self._cfgs[name] = sass.CFG(self.functions[name])
+            self._cfgs[name] = sass.CFG(sass.parse_functions(self._chunks[name])[name])
         return self._cfgs[name]

@@ -99,6 +99,7 @@ class Launch:
     barrier_stages: float = 0
     note: str = ""
     load_bytes: Optional[float] = None  # bytes the latency bound waits for (default: dram_bytes)
+    serial_s: float = 0.0   # work one block does alone on the critical path (verify's filters)
 
 
 def occ_of(kernel: KernelInfo, threads: int, dynamic_smem: int):
@@ -111,7 +112,7 @@ def evaluate(launch: Launch) -> LaunchResult:
     memory, issue, latency, overhead, flight = launch_time(
         blocks=launch.blocks, threads=launch.threads, occ=occ, terms=launch.terms,
         dram_bytes=launch.dram_bytes, latency_s=launch.latency_s, imbalance=launch.imbalance,
-        load_bytes=launch.load_bytes,
+        load_bytes=launch.load_bytes, serial_s=launch.serial_s,
         serial_round_trips=launch.serial_round_trips, barrier_stages=launch.barrier_stages)
     return LaunchResult(k.name, launch.label, launch.count, k.regs, k.local, k.static_smem,
                         launch.dynamic_smem, launch.threads, launch.blocks, occ, launch.terms,
@@ -156,13 +157,23 @@ def filter_shared_bytes() -> int:
     return (size + 7) // 8 * 8
 
 
+def one_block_pass_s(t: Term, threads: int) -> float:
+    """One block alone over a loop of t.elements elements: issue of its warps on the four
+    schedulers, or one L2 round trip per iteration when each iteration waits for its loads."""
+    iterations = math.ceil(t.elements / (threads * t.elems_per_iter))
+    warps_per_scheduler = math.ceil(threads / 32 / H200.partitions)
+    issue = iterations * t.path_instrs * warps_per_scheduler / H200.clock_hz
+    latency = iterations * H200.l2_latency_s if t.in_flight else 0.0
+    return max(issue, latency)
+
+
 def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
-              alpha: float = 0.7) -> Op:
+              alpha: float = 0.7, filtered: bool = False) -> Op:
     """variant: greedy or sampled, with acceptance alpha (alpha = 1: every row is read, the
     floor's first case)."""
     stats = binary.find(r"verify_row_stats_kernelI13__nv_bfloat16fE")
     emit = binary.find(r"verify_emit_kernelI13__nv_bfloat16fE")
-    chunks, _ = verify_grid(binary, stats, batch, vocab, False)
+    chunks, _ = verify_grid(binary, stats, batch, vocab, filtered)
     blocks = chunks * batch
     greedy = variant == "greedy"
     rows = block + 1
@@ -177,10 +188,22 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
                           {r"^LDG\.E\.128": 6, BF16_HIGH: 8, r"^FSETP\.GT": 32,
                            r"^MUFU\.EX2": 32}, 16, (BF16_HIGH, 8))
     stats_bytes = batch * vocab * (t_rows * BF16 + d_rows * F32)
-    launches = [Launch(stats, "row statistics + decide", VERIFY_THREADS, blocks, 0,
+    serial_s, note = 0.0, "one fence+atomic per row a block walks"
+    if filtered:
+        # top-k + top-p (kernels/filter.cuh): the deciding block passes over the row twice (first
+        # digit by count, then the gather), from L2, before the next row can be decided.
+        hist = LoopSpec("filter: first-digit histogram", {r"^LDG\.E\.128": 1,
+                                                          r"^ATOMS\.POPC\.INC": 8}, 8,
+                        (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
+        visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
+                         (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
+        passes = [term(binary, stats, hist, vocab), term(binary, stats, visit, vocab)]
+        serial_s = t_rows * sum(one_block_pass_s(t, VERIFY_THREADS) for t in passes)
+        note = f"filters: {serial_s * 1e6:.0f} us of one-block row passes on the critical path"
+    launches = [Launch(stats, "row statistics + decide" + (" + filters" if filtered else ""),
+                       VERIFY_THREADS, blocks, filter_shared_bytes() if filtered else 0,
                        [term(binary, stats, stream, batch * vocab * t_rows)], stats_bytes,
-                       serial_round_trips=t_rows,
-                       note="one fence+atomic per row a block walks")]
+                       serial_round_trips=t_rows, serial_s=serial_s, note=note)]
     if greedy:
         launches.append(Launch(emit, "emit (greedy: argmax of step 1)", VERIFY_THREADS, blocks,
                                0, [], batch * rows * 8 + batch * 16))
@@ -198,9 +221,10 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
                                emit_bytes, serial_round_trips=1))
     shape = f"B={batch} G={block} V={vocab}"
     label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
-        (" (every row)" if alpha == 1 else "")
+        (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")
     bench = dict(op="verify", params=dict(B=batch, G=block, V=vocab),
-                 variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}")
+                 variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}"
+                 + (" top-k" if filtered else ""))
     return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench)
 
 
@@ -242,7 +266,7 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                    loads=r"^LDG\.E\.128")
     need = {r"^STG\.E$": 4 * ct}
     if sampled:
-        need[PHILOX] = PHILOX_PER_BLOCK * ct
+        need[PHILOX] = PHILOX_PER_BLOCK * ct  # one Philox block per lane and column tile
     epi = LoopSpec("epilogue: store z, Gumbel keys", need, 16 * 8 * ct / 32, (r"^STG\.E$", 4 * ct),
                    innermost=False)
     w2 = vocab * rank * BF16 * groups
@@ -414,6 +438,7 @@ def all_ops(binary: Binary) -> List[Op]:
         verify_op(binary, B, G, V, "greedy", alpha=0.7),
         verify_op(binary, B, G, V, "sampled", alpha=0.7),
         verify_op(binary, B, G, V, "sampled", alpha=1.0),
+        verify_op(binary, B, G, V, "sampled", alpha=0.7, filtered=True),
         draft_op(binary, B, G, V, R, rnn=False),
         draft_op(binary, B, 7, V, R, rnn=False),
         draft_op(binary, B, 7, V, R, rnn=False, sampled=False),

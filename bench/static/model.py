@@ -122,14 +122,16 @@ class LaunchResult:
 def launch_time(*, blocks: int, threads: int, occ: Occupancy, terms: List[Term],
                 dram_bytes: float, latency_s: Optional[float], imbalance: float = 1.0,
                 serial_round_trips: float = 0, barrier_stages: float = 0,
-                load_bytes: Optional[float] = None, hw: Hardware = H200):
+                load_bytes: Optional[float] = None, serial_s: float = 0.0,
+                hw: Hardware = H200):
     """(memory, issue, latency, overhead) seconds of one launch.
 
     memory: dram_bytes / bandwidth. issue: the busiest SM's warp-instructions of the costed
     loops at 4 per clock. latency: Little's law, the busiest SM's share of the loaded bytes
     (load_bytes, default dram_bytes) over the bytes its resident threads keep in flight, times
     the latency of where the data lives.
-    overhead: the launch, plus round trips and barrier stages a block waits on in series.
+    overhead: the launch, plus round trips, barrier stages and one-block work (serial_s) a block
+    waits on in series.
     """
     per_sm_blocks = math.ceil(blocks / hw.sms) if blocks else 0
     share = (per_sm_blocks / blocks if blocks else 0.0) * imbalance  # busiest SM's fraction
@@ -144,14 +146,14 @@ def launch_time(*, blocks: int, threads: int, occ: Occupancy, terms: List[Term],
         waited = dram_bytes if load_bytes is None else load_bytes
         latency = waited * share * latency_s / in_flight_sm
     overhead = hw.launch_s + serial_round_trips * hw.round_trip_s \
-        + barrier_stages * hw.barrier_stage_s
+        + barrier_stages * hw.barrier_stage_s + serial_s
     return memory, issue, latency, overhead, in_flight_sm
 
 
 def bound_of(memory: float, issue: float, latency: float, overhead: float) -> str:
     worst = max(memory, issue, latency)
     if overhead >= worst:
-        return "launch"
+        return "overhead"  # the launch and the work a block does in series
     if worst == memory:
         return "memory"
     return "issue" if worst == issue else "latency"
