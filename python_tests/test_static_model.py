@@ -177,7 +177,7 @@ def test_real_binary_end_to_end(tmp_path):
     data = json.loads((tmp_path / "static_sm90.json").read_text())
     assert data["kind"].startswith("MODEL")
     rows = {(r["op"], r["variant"]): r for r in data["rows"]}
-    greedy = rows[("verify", "greedy (every row)")]
+    greedy = rows[("verify", "greedy a=1 (every row)")]
     assert greedy["floor_us"] == pytest.approx(64 * 9 * 151936 * 2 / 4.3e12 * 1e6)
     stats = greedy["kernels"][0]
     assert stats["regs"] > 0 and stats["local_bytes"] == 0
