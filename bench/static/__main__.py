@@ -54,6 +54,14 @@ def _demangle(names: List[str]) -> Dict[str, str]:
     return short
 
 
+def _shown(path: Path) -> str:
+    """The binary's path relative to the working directory when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def run_model(so: Path) -> dict:
     started = time.perf_counter()
     binary = Binary(so)
@@ -95,7 +103,7 @@ def run_model(so: Path) -> dict:
         })
     return {
         "kind": "MODEL (static estimate, not a measurement)",
-        "binary": str(so), "arch": binary.arch,
+        "binary": _shown(so), "arch": binary.arch,
         "hardware": {k: getattr(H200, k) for k in H200.__dataclass_fields__},
         "elapsed_s": time.perf_counter() - started,
         "rows": rows,

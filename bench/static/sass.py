@@ -17,6 +17,7 @@ cost: each loop is costed on its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -30,21 +31,21 @@ class Instr:
     addr: int
     text: str  # without the trailing ';', predicate included
 
-    @property
+    @functools.cached_property
     def pred(self) -> Optional[str]:
         m = re.match(r"@(!?U?P\w+)\s", self.text)
         return m.group(1) if m else None
 
-    @property
+    @functools.cached_property
     def body(self) -> str:
         return re.sub(r"^@!?U?P\w+\s+", "", self.text)
 
-    @property
+    @functools.cached_property
     def opcode(self) -> str:
         """Full opcode with modifiers, e.g. ``LDG.E.128.CONSTANT``."""
         return self.body.split()[0] if self.body.split() else ""
 
-    @property
+    @functools.cached_property
     def base_op(self) -> str:
         return self.opcode.split(".")[0]
 
@@ -314,11 +315,16 @@ def iteration_path(cfg: CFG, loop: Loop, need: Dict[str, int]) -> Path:
         if count(own, p) < cap:  # not even the whole body has that work
             raise StructureError(f"the loop body has fewer than {cap} x {p}")
 
+    weights: Dict[object, Tuple[int, tuple]] = {}
+
     def weight(n):
-        if isinstance(n, tuple):
-            return 0, (0,) * len(patterns)
-        ins = cfg.blocks[n].instrs
-        return len(ins), tuple(count(ins, p) for p in patterns)
+        if n not in weights:
+            if isinstance(n, tuple):
+                weights[n] = 0, (0,) * len(patterns)
+            else:
+                ins = cfg.blocks[n].instrs
+                weights[n] = len(ins), tuple(count(ins, p) for p in patterns)
+        return weights[n]
 
     # Topological order of the acyclic body (back edges to the header were dropped).
     indeg = {n: 0 for n in nodes}
