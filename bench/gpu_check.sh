@@ -9,6 +9,8 @@
 #   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included)
 #   6. with --with-sim (about 2 more minutes; needs g++ and ninja): the SIMT emulator (csrc/sim/)
 #      against this GPU on the same inputs
+#   7. the static performance MODEL of the built kernels (python -m bench.static, seconds; no GPU
+#      needed), printed in the summary next to the measured times of step 5
 # and print a summary table last. Logs, ptxas report and JSON results go to OUTDIR.
 #
 # Usage: bash bench/gpu_check.sh OUTDIR [--dry-run] [--with-sim]
@@ -89,6 +91,10 @@ if ((build_ok == 0)); then
     run_step bench 130 $PY -m bench
   fi
   cp bench/results/*.json bench/results/*.csv "$OUT/" 2>/dev/null
+  rm -f "$OUT/static_sm90.json" "$OUT/static_sm90.csv"  # the committed snapshot, not this build
+  # 7. The static model of this build's sm_90 code (its own folder: a failed run leaves nothing).
+  rm -rf "$OUT/static_model"
+  run_step static_model 120 $PY -m bench.static --results-dir "$OUT/static_model"
   # The emulator's mma.sync, shuffles and launch plans against the hardware's (tensor-core paths
   # within float32 summation order, verify tokens exactly).
   if ((WITH_SIM)); then
@@ -132,4 +138,8 @@ for path in sorted(out.glob("verify_*.json")) + sorted(out.glob("draft_*.json"))
               f"ref {fmt(row['speedup'], 2)}x  {fmt(row['gbps'], 0)} GB/s "
               f"({fmt(row['pct_copy'], 0)}% copy)  {anchors}")
 EOF
+if [[ -f "$OUT/static_model/static_sm90.json" ]]; then
+  echo
+  $PY -m bench.model_vs_measured --model "$OUT/static_model/static_sm90.json" --bench "$OUT"/all_*.json
+fi
 ! grep -qv $'\tok\t' "$OUT/steps.tsv"

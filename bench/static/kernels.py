@@ -1,0 +1,454 @@
+"""Per-kernel knowledge the model needs, read from csrc/kernels/*.cuh and csrc/cuda/*.cu: launch
+configuration, which loop is hot and what one iteration of it does, and the bytes each launch
+moves at a given shape. If the compiled code no longer has the expected loop (no loop of the
+kernel has the expected work on one path), the model raises StructureError instead of reporting
+numbers for the wrong code: update the selector here together with the kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+from bench.static import sass
+from bench.static.binary import Binary, KernelInfo
+from bench.static.model import (H200, LaunchResult, Term, bound_of, launch_time, occupancy)
+
+BF16, F32 = 2, 4
+# Philox-4x32 round multiplies (0xD2511F53, 0xCD9E8D57): 20 per block, a few hoisted out of loops.
+PHILOX = r"re:IMAD\.(WIDE|HI)\.U32.*-0x(2daee0ad|326172a9)"
+PHILOX_PER_BLOCK = 16
+BF16_HIGH = r"re:PRMT.*0x7632"                  # upper bf16 of a 32-bit word -> float
+
+
+@dataclasses.dataclass
+class LoopSpec:
+    """Selects the hot loop and says what one source-level iteration of it does.
+
+    need: minimum count per anchor (see sass.matches) on one path through the loop body.
+    elems: elements one thread handles per source-level iteration.
+    unroll: (anchor, count per source-level iteration): the compiler's unrolling is the count
+    on the chosen path divided by this, and must be a whole number.
+    """
+    name: str
+    need: Dict[str, int]
+    elems: float
+    unroll: Tuple[str, int]
+    innermost: bool = True
+    loads: Optional[str] = None   # which global loads carry the data (default: all)
+
+
+def select_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec):
+    key = (kernel.name, spec.name, tuple(sorted(spec.need.items())), spec.unroll, spec.innermost)
+    cache = binary.__dict__.setdefault("_loop_cache", {})
+    if key not in cache:
+        cache[key] = _select_loop(binary, kernel, spec)
+    return cache[key]
+
+
+def _select_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec):
+    cfg = binary.cfg(kernel.name)
+    found = []
+    for loop in cfg.loops:
+        try:
+            found.append((loop, sass.iteration_path(cfg, loop, spec.need)))
+        except sass.StructureError:
+            continue
+    if spec.innermost:
+        ids = {id(l) for l, _ in found}
+
+        def has_inner(loop):
+            return any(id(c) in ids or has_inner(c) for c in loop.children)
+        found = [(l, p) for l, p in found if not has_inner(l)]
+    if not found:
+        raise sass.StructureError(
+            f"{kernel.name}: no loop with the expected work for '{spec.name}' {spec.need}; "
+            "the kernel changed: update bench/static/kernels.py")
+    loop, path = min(found, key=lambda lp: len(lp[1]))
+    anchor, per_iter = spec.unroll
+    got = sass.count(path.instrs, anchor)
+    if got == 0 or got % per_iter:
+        raise sass.StructureError(
+            f"{kernel.name}: '{spec.name}' path has {got} x {anchor}, not a multiple of "
+            f"{per_iter}; the loop structure changed")
+    unroll = got // per_iter
+    return loop, path, unroll, len(found)
+
+
+def term(binary: Binary, kernel: KernelInfo, spec: LoopSpec, elements: float) -> Term:
+    _, path, unroll, candidates = select_loop(binary, kernel, spec)
+    return Term(spec.name, len(path), spec.elems * unroll, elements,
+                sass.bytes_in_flight(path, spec.loads), sass.loaded_bytes(path, spec.loads),
+                candidates)
+
+
+@dataclasses.dataclass
+class Launch:
+    """What a builder says about one launch; evaluated against the binary by `evaluate`."""
+    kernel: KernelInfo
+    label: str
+    threads: int
+    blocks: int
+    dynamic_smem: int
+    terms: List[Term]
+    dram_bytes: float
+    count: int = 1
+    latency_s: Optional[float] = H200.dram_latency_s
+    imbalance: float = 1.0
+    serial_round_trips: float = 0
+    barrier_stages: float = 0
+    note: str = ""
+    load_bytes: Optional[float] = None  # bytes the latency bound waits for (default: dram_bytes)
+    serial_s: float = 0.0   # work one block does alone on the critical path (verify's filters)
+
+
+def occ_of(kernel: KernelInfo, threads: int, dynamic_smem: int):
+    return occupancy(kernel.regs, threads, kernel.shared + dynamic_smem)
+
+
+def evaluate(launch: Launch) -> LaunchResult:
+    k = launch.kernel
+    occ = occ_of(k, launch.threads, launch.dynamic_smem)
+    memory, issue, latency, overhead, flight = launch_time(
+        blocks=launch.blocks, threads=launch.threads, occ=occ, terms=launch.terms,
+        dram_bytes=launch.dram_bytes, latency_s=launch.latency_s, imbalance=launch.imbalance,
+        load_bytes=launch.load_bytes, serial_s=launch.serial_s,
+        serial_round_trips=launch.serial_round_trips, barrier_stages=launch.barrier_stages)
+    return LaunchResult(k.name, launch.label, launch.count, k.regs, k.local, k.static_smem,
+                        launch.dynamic_smem, launch.threads, launch.blocks, occ, launch.terms,
+                        launch.dram_bytes, memory, issue, latency, overhead,
+                        bound_of(memory, issue, latency, overhead), flight, launch.note)
+
+
+@dataclasses.dataclass
+class Op:
+    """One benchmark/floor shape: its launches and its floor."""
+    op: str
+    shape: str
+    variant: str
+    floor_bytes: float
+    launches: List[Launch]
+    launch_bound: bool = False   # docs/semantics.md §4: "launch-bound: one launch"
+    match: Optional[dict] = None  # how to find the benchmark's row: op, shape params, variant
+
+
+# ------------------------------------------------------------------------------------------------
+# verify (csrc/kernels/verify.cuh, csrc/cuda/verify_cuda.cu)
+
+VERIFY_THREADS = 256
+
+
+def verify_grid(binary: Binary, stats: KernelInfo, batch: int, vocab: int, filters: bool):
+    from bench.static.model import H200 as hw
+    dyn = filter_shared_bytes() if filters else 0
+    bps = occ_of(stats, VERIFY_THREADS, dyn).blocks_per_sm
+    resident = bps * hw.sms
+    chunks = min(max(resident // batch, 1), (vocab + 1023) // 1024)
+    chunk = ((vocab + chunks - 1) // chunks + 15) // 16 * 16
+    return (vocab + chunk - 1) // chunk, chunk
+
+
+def filter_shared_bytes() -> int:
+    # FilterShared (kernels/filter.cuh): count[2048]*4 + weight[2048]*8 + 2560*(4+4) + 32*8 +
+    # 32*4 + 8 + 4, padded to 8.
+    buckets = 2048
+    size = buckets * 4 + buckets * 8 + 2560 * 4 + 2560 * 4 + 32 * 8 + 32 * 4
+    size = (size + 7) // 8 * 8 + 8 + 4
+    return (size + 7) // 8 * 8
+
+
+def one_block_pass_s(t: Term, threads: int) -> float:
+    """One block alone over a loop of t.elements elements: issue of its warps on the four
+    schedulers, or one L2 round trip per iteration when each iteration waits for its loads."""
+    iterations = math.ceil(t.elements / (threads * t.elems_per_iter))
+    warps_per_scheduler = math.ceil(threads / 32 / H200.partitions)
+    issue = iterations * t.path_instrs * warps_per_scheduler / H200.clock_hz
+    latency = iterations * H200.l2_latency_s if t.in_flight else 0.0
+    return max(issue, latency)
+
+
+def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
+              alpha: float = 0.7, filtered: bool = False) -> Op:
+    """variant: greedy or sampled, with acceptance alpha (alpha = 1: every row is read, the
+    floor's first case)."""
+    stats = binary.find(r"verify_row_stats_kernelI13__nv_bfloat16fE")
+    emit = binary.find(r"verify_emit_kernelI13__nv_bfloat16fE")
+    chunks, _ = verify_grid(binary, stats, batch, vocab, filtered)
+    blocks = chunks * batch
+    greedy = variant == "greedy"
+    rows = block + 1
+    t_rows = sum(alpha ** i for i in range(rows))        # rows up to the first rejection
+    d_rows = 0.0 if greedy else sum(alpha ** i for i in range(block))
+    floor = batch * vocab * (t_rows * BF16 + d_rows * F32)
+    if greedy:
+        stream = LoopSpec("stream target row", {r"^LDG\.E\.128": 2, BF16_HIGH: 8,
+                                                r"^FSETP\.GT": 16}, 16, (BF16_HIGH, 8))
+    else:
+        stream = LoopSpec("stream target+draft rows",
+                          {r"^LDG\.E\.128": 6, BF16_HIGH: 8, r"^FSETP\.GT": 32,
+                           r"^MUFU\.EX2": 32}, 16, (BF16_HIGH, 8))
+    stats_bytes = batch * vocab * (t_rows * BF16 + d_rows * F32)
+    serial_s, note = 0.0, "one fence+atomic per row a block walks"
+    if filtered:
+        # top-k + top-p (kernels/filter.cuh): the deciding block passes over the row twice (first
+        # digit by count, then the gather), from L2, before the next row can be decided.
+        hist = LoopSpec("filter: first-digit histogram", {r"^LDG\.E\.128": 1,
+                                                          r"^ATOMS\.POPC\.INC": 8}, 8,
+                        (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
+        visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
+                         (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
+        passes = [term(binary, stats, hist, vocab), term(binary, stats, visit, vocab)]
+        serial_s = t_rows * sum(one_block_pass_s(t, VERIFY_THREADS) for t in passes)
+        note = f"filters: {serial_s * 1e6:.0f} us of one-block row passes on the critical path"
+    launches = [Launch(stats, "row statistics + decide" + (" + filters" if filtered else ""),
+                       VERIFY_THREADS, blocks, filter_shared_bytes() if filtered else 0,
+                       [term(binary, stats, stream, batch * vocab * t_rows)], stats_bytes,
+                       serial_round_trips=t_rows, serial_s=serial_s, note=note)]
+    if greedy:
+        launches.append(Launch(emit, "emit (greedy: argmax of step 1)", VERIFY_THREADS, blocks,
+                               0, [], batch * rows * 8 + batch * 16))
+    else:
+        p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
+        with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
+                                                   PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^LDG\.E\.128", 3))
+        no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
+                                               PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
+                        (r"^LDG\.E\.128", 1))
+        emit_bytes = batch * vocab * (BF16 + p_draft * F32)
+        launches.append(Launch(emit, "emit (race on row j*)", VERIFY_THREADS, blocks, 0,
+                               [term(binary, emit, with_q, batch * vocab * p_draft),
+                                term(binary, emit, no_q, batch * vocab * (1 - p_draft))],
+                               emit_bytes, serial_round_trips=1))
+    shape = f"B={batch} G={block} V={vocab}"
+    label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
+        (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")
+    bench = dict(op="verify", params=dict(B=batch, G=block, V=vocab),
+                 variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}"
+                 + (" top-k" if filtered else ""))
+    return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench)
+
+
+# ------------------------------------------------------------------------------------------------
+# markov_draft / rnn_draft (csrc/kernels/draft.cuh, csrc/cuda/draft_cuda.cu)
+
+DRAFT_THREADS, TILE_ROWS, MAX_GROUP, K_CHUNK = 256, 128, 64, 32
+
+
+def draft_shared(group: int, rank: int, passes: int) -> int:
+    padded = (rank + K_CHUNK - 1) // K_CHUNK * K_CHUNK
+    stride = (padded + 63) // 64 * 64 + 32   # 16-bit weights
+    return passes * group * stride * BF16
+
+
+def draft_group(batch: int, rank: int, passes: int) -> int:
+    size = MAX_GROUP
+    while size > 8 and draft_shared(size, rank, passes) > 44 * 1024:
+        size //= 2
+    return min(size, max(8, (batch + 7) // 8 * 8))
+
+
+def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn: bool,
+             sampled: bool = True, hidden: int = 2560, filtered: bool = False) -> Op:
+    passes = 2 if rnn else 1
+    slot = binary.find(r"draft_slot_kernelI13__nv_bfloat16Lb%dE" % int(rnn))
+    group = draft_group(batch, rank, passes)
+    groups = (batch + group - 1) // group
+    dyn = draft_shared(group, rank, passes)
+    bps = occ_of(slot, DRAFT_THREADS, dyn).blocks_per_sm
+    tiles = (vocab + TILE_ROWS - 1) // TILE_ROWS
+    grid_tiles = min(max(bps * H200.sms // groups, 1), tiles)
+    imbalance = math.ceil(tiles / grid_tiles) / (tiles / grid_tiles)
+    ct = (min(group, batch) + 7) // 8                    # MMA column tiles per block
+    chunks = (rank + K_CHUNK - 1) // K_CHUNK
+    mma = LoopSpec("W2 x inputs (mma.sync)",
+                   {r"^HMMA": 2 * min(4, chunks) * ct * passes, r"^LDG\.E\.128": 2 * min(4, chunks)},
+                   16 * K_CHUNK * min(4, chunks) / 32, (r"^LDG\.E\.128", 2 * min(4, chunks)),
+                   loads=r"^LDG\.E\.128")
+    need = {r"^STG\.E$": 4 * ct}
+    if sampled:
+        need[PHILOX] = PHILOX_PER_BLOCK * ct  # one Philox block per lane and column tile
+    epi = LoopSpec("epilogue: store z, Gumbel keys", need, 16 * 8 * ct / 32, (r"^STG\.E$", 4 * ct),
+                   innermost=False)
+    w2 = vocab * rank * BF16 * groups
+    slot_bytes = w2 + batch * vocab * BF16 + batch * vocab * F32 + batch * rank * BF16
+    terms = [term(binary, slot, mma, vocab * rank * groups),
+             term(binary, slot, epi, vocab * batch)]
+    launches = []
+    if rnn:
+        head = binary.find(r"rnn_head_kernelI13__nv_bfloat16E")
+        rows = 3 * rank
+        width = 2 * rank + hidden
+        head_blocks = ((rows + 31) // 32) * ((batch + 7) // 8)
+        macs = LoopSpec("J x [s; W1[x]; h] (FMA)", {r"^FFMA": 32}, 32, (r"^FFMA", 32))
+        head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
+            + batch * rows * F32
+        launches.append(Launch(head, "rnn head [g;c;o]", DRAFT_THREADS, head_blocks, 0,
+                               [term(binary, head, macs, rows * width * batch)], head_bytes,
+                               count=block, note="J read once from HBM, L2 serves the batch blocks"))
+    launches.append(Launch(slot, f"slot: W2 mma + sample ({groups} group(s) of {group})",
+                           DRAFT_THREADS, grid_tiles * groups, dyn, terms, slot_bytes, count=block,
+                           imbalance=imbalance, serial_round_trips=1,
+                           load_bytes=w2 + batch * vocab * BF16))
+    if filtered:
+        filt = binary.find(r"draft_filter_kernel")
+        scan = LoopSpec("row max", {r"^LDG\.E$": 8}, 8, (r"^LDG\.E$", 8))
+        hist = LoopSpec("first-digit histogram", {r"^LDG\.E$": 8, r"^ATOMS\.ADD": 8}, 8,
+                        (r"^ATOMS\.ADD", 8))
+        redraw = LoopSpec("drop + redraw", {r"^LDG\.E$": 8, r"^STG\.E$": 8,
+                                            PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^STG\.E$", 8))
+        n = batch * vocab
+        launches.append(Launch(filt, "top-k filter + redraw (block per request)", DRAFT_THREADS,
+                               batch, filter_shared_bytes(),
+                               [term(binary, filt, scan, n), term(binary, filt, hist, n),
+                                term(binary, filt, redraw, n)],
+                               batch * vocab * F32, count=block, latency_s=H200.l2_latency_s,
+                               load_bytes=4 * batch * vocab * F32,
+                               note="the slot's rows (B*V*4, below the 50 MB L2) are read 4 times "
+                                    "from L2 and rewritten; gather pass not costed"))
+    floor = block * vocab * rank * BF16 + batch * block * vocab * (BF16 + F32)
+    op = "rnn_draft" if rnn else "markov_draft"
+    shape = f"B={batch} G={block} V={vocab} r={rank}" + (f" d={hidden}" if rnn else "")
+    variant = ("sampled" if sampled else "greedy") + (" top-k" if filtered else "")
+    return Op(op, shape, variant, floor, launches,
+              match=None if filtered else dict(op=op, params=dict(B=batch, G=block, V=vocab,
+                                                                    r=rank),
+                                               variant="sampled" if sampled else "greedy"))
+
+
+def confidence_op(binary: Binary, batch: int, block: int, hidden: int, rank: int) -> Op:
+    k = binary.find(r"draft_confidence_kernelI13__nv_bfloat16E")
+    rows = batch * block
+    dot = LoopSpec("hidden . weight", {r"^LDG\.E\.U16": 2, r"^FFMA": 1}, 1, (r"^FFMA", 1))
+    nbytes = rows * hidden * BF16 + rows * rank * BF16 + (hidden + rank) * BF16 + rows * 12
+    launches = [Launch(k, "dot + sigmoid (warp per row)", DRAFT_THREADS, (rows + 7) // 8, 0,
+                       [term(binary, k, dot, rows * (hidden + rank))], nbytes)]
+    return Op("draft_confidence", f"B={batch} G={block} d={hidden} r={rank}", "calibrated",
+              nbytes, launches, launch_bound=True,
+              match=dict(op="draft_confidence", params=dict(B=batch, G=block, d=hidden, r=rank),
+                         variant=""))
+
+
+# ------------------------------------------------------------------------------------------------
+# block_draft_attention, append_context_kv (csrc/kernels/attention.cuh, cuda/attention_cuda.cu)
+
+ATTN_THREADS, ATTN_ROWS, ATTN_KEYS = 128, 16, 64
+
+
+def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: int, dim: int,
+                 length: int) -> Op:
+    split = binary.find(r"block_attention_split_kernelI13__nv_bfloat16Li%dE" % dim)
+    merge = binary.find(r"block_attention_merge_kernelI13__nv_bfloat16Li%dE" % dim)
+    smem = BF16 * (ATTN_ROWS + 2 * ATTN_KEYS) * (dim + 8)
+    bps = occ_of(split, ATTN_THREADS, smem).blocks_per_sm
+    rows = block * (heads // kv_heads)
+    groups = (rows + ATTN_ROWS - 1) // ATTN_ROWS
+    base = batch * kv_heads * groups
+    max_splits = max(1, (length + 255) // 256)
+    splits = min(max((bps * H200.sms + base - 1) // base, 1), max_splits)
+    split_len = max(ATTN_KEYS, ((length + splits - 1) // splits + ATTN_KEYS - 1) // ATTN_KEYS
+                    * ATTN_KEYS)
+    splits = max(1, (length + split_len - 1) // split_len)
+    kv = 2 * batch * length * kv_heads * dim * BF16
+    partial = batch * kv_heads * rows * splits * (dim + 2) * F32
+    q = batch * block * heads * dim * BF16
+    tile = LoopSpec("K/V tile: S=QK^T, softmax, O+=PV",
+                    {r"^HMMA": dim // 16 * 2 + dim // 8, r"^LDG\.E\.128": dim // 8},
+                    ATTN_KEYS * dim * 2 / ATTN_THREADS, (r"^HMMA", dim // 16 * 2 + dim // 8),
+                    loads=r"^LDG\.E\.128")  # the scalar loads are the unaligned fallback
+    split_elems = batch * kv_heads * groups * length * dim * 2
+    launches = [Launch(split, f"split-KV ({splits} split(s), {groups} row group(s)/head)",
+                       ATTN_THREADS, splits * kv_heads * groups * batch, smem,
+                       [term(binary, split, tile, split_elems)], kv + partial + q,
+                       load_bytes=kv + q,
+                       note="row groups of one head share K/V through L2 (HBM once)")]
+    out_rows = batch * block * heads
+    keys = LoopSpec("block keys: q.k, fold v", {r"^SHFL\.BFLY": 5, r"^MUFU\.EX2": 2}, 2 * dim / 32,
+                    (r"^SHFL\.BFLY", 5))
+    merge_bytes = partial + out_rows * dim * BF16 + q + 2 * batch * block * kv_heads * dim * BF16
+    launches.append(Launch(merge, "merge splits + block keys (warp per row)", ATTN_THREADS,
+                           (out_rows + 3) // 4, 0,
+                           [term(binary, merge, keys, out_rows * block * 2 * dim)], merge_bytes))
+    return Op("block_draft_attention",
+              f"B={batch} G={block} Hq={heads} Hkv={kv_heads} D={dim} ctx={length}", "bf16", kv,
+              launches, match=dict(op="block_draft_attention",
+                                   params=dict(B=batch, G=block, Hq=heads, Hkv=kv_heads, D=dim,
+                                               ctx=length), variant="bf16"))
+
+
+def append_op(binary: Binary, batch: int, rows: int, kv_heads: int, dim: int, context: int) -> Op:
+    k = binary.find(r"append_context_kv_kernelItE")
+    copy = LoopSpec("copy one K and one V element", {r"^LDG\.E\.U16": 2, r"^STG\.E\.U16": 2}, 2,
+                    (r"^STG\.E\.U16", 2))
+    elems = 2 * batch * rows * kv_heads * dim
+    nbytes = 2 * elems * BF16 + batch * 12
+    launches = [Launch(k, "copy kept rows (block per request)", ATTN_THREADS, batch, 0,
+                       [term(binary, k, copy, elems)], nbytes, load_bytes=elems * BF16)]
+    return Op("append_context_kv", f"B={batch} n<={rows} Hkv={kv_heads} D={dim} ctx={context}",
+              "bf16", nbytes, launches, launch_bound=True,
+              match=dict(op="append_context_kv", params=dict(B=batch, Hkv=kv_heads, D=dim,
+                                                            ctx=context), variant="bf16"))
+
+
+# ------------------------------------------------------------------------------------------------
+# scheduling (csrc/kernels/schedule.cuh, csrc/cuda/schedule_cuda.cu)
+
+SCHEDULE_THREADS, SHARED_KEYS = 1024, 16384
+H200_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on an H200 (227 KB)
+
+
+def schedule_op(binary: Binary, batch: int, block: int) -> Op:
+    pairs = batch * block
+    size = 1
+    while size < pairs:
+        size <<= 1
+    shared = size <= SHARED_KEYS and size * 8 + 2048 <= H200_OPTIN
+    k = binary.find(r"schedule_kernelILi0ELb%dE" % int(shared))
+    load = r"^LDS\.64" if shared else r"^LDG\.E\.64"
+    cmp = LoopSpec("bitonic compare-exchange", {load: 2}, 1, (load, 2))
+    stage = LoopSpec("bitonic stage (barrier)", {r"^BAR": 1}, 1, (r"^BAR", 1), innermost=False)
+    log = size.bit_length() - 1
+    stages = log * (log + 1) // 2
+    per_thread = math.ceil(size // 2 / SCHEDULE_THREADS)
+    nbytes = pairs * F32 + (pairs + 1) * F32 + batch * 8
+    key_traffic = stages * size * 8 * 2          # every stage reads and writes every key
+    launches = [Launch(k, "rank keys, bitonic sort, scan, lengths (one block)", SCHEDULE_THREADS,
+                       1, size * 8 if shared else 0,
+                       [term(binary, k, cmp, stages * per_thread * SCHEDULE_THREADS),
+                        term(binary, k, stage, stages * SCHEDULE_THREADS)],
+                       0 if shared else key_traffic / 2,
+                       load_bytes=None if shared else key_traffic / 2,
+                       latency_s=None if shared else H200.l2_latency_s,
+                       barrier_stages=stages,
+                       note=f"{size} keys in {'shared memory' if shared else 'global (L2)'}, "
+                            f"{stages} stages")]
+    if not shared:
+        launches[0].note += "; key traffic L2-resident, its reads costed at L2 latency"
+    return Op("schedule_verify", f"B={batch} G={block}", "one-stage", nbytes, launches,
+              launch_bound=True,
+              match=dict(op="schedule_verify", params=dict(B=batch, G=block), variant=""))
+
+
+# ------------------------------------------------------------------------------------------------
+
+def all_ops(binary: Binary) -> List[Op]:
+    """The benchmark/floor shapes of docs/semantics.md §4 (and the benchmarks' defaults)."""
+    B, G, V, R = 64, 8, 151936, 256
+    return [
+        verify_op(binary, B, G, V, "greedy", alpha=1.0),
+        verify_op(binary, B, G, V, "greedy", alpha=0.7),
+        verify_op(binary, B, G, V, "sampled", alpha=0.7),
+        verify_op(binary, B, G, V, "sampled", alpha=1.0),
+        verify_op(binary, B, G, V, "sampled", alpha=0.7, filtered=True),
+        draft_op(binary, B, G, V, R, rnn=False),
+        draft_op(binary, B, 7, V, R, rnn=False),
+        draft_op(binary, B, 7, V, R, rnn=False, sampled=False),
+        draft_op(binary, B, 7, V, R, rnn=True),
+        draft_op(binary, B, G, V, R, rnn=False, filtered=True),
+        confidence_op(binary, B, 7, 2560, R),
+        attention_op(binary, B, G, 32, 8, 128, 4096),
+        attention_op(binary, B, G, 32, 8, 64, 4096),
+        attention_op(binary, B, G, 32, 8, 256, 4096),
+        append_op(binary, B, 9, 8, 128, 4096),
+        schedule_op(binary, 256, 16),
+        schedule_op(binary, 1024, 32),
+    ]

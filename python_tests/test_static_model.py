@@ -1,0 +1,203 @@
+"""The static performance model (bench/static): SASS loop finder, per-iteration path counting,
+occupancy arithmetic, the choice of bound, and loud failure on unexpected loop structure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.static import kernels, sass
+from bench.static.model import H200, Occupancy, Term, bound_of, launch_time, occupancy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A kernel with a prologue, an outer loop around an inner loop whose body has a rarely taken
+# branch, and an out-of-line block that jumps back into the body (not a loop).
+FIXTURE = """
+        Function : _Z4testPf
+        /*0000*/                   S2R R0, SR_TID.X ;                     /* 0x0 */
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;    /* 0x0 */
+        /*0020*/              @P0 BRA 0x100 ;                             /* 0x0 */
+        /*0030*/                   IMAD.MOV.U32 R2, RZ, RZ, RZ ;          /* 0x0 */
+        /*0040*/                   LDG.E.128 R4, desc[UR4][R2.64] ;       /* 0x0 */
+        /*0050*/                   FADD R8, R4, R5 ;                      /* 0x0 */
+        /*0060*/                   FSETP.GT.AND P1, PT, R8, R9, PT ;      /* 0x0 */
+        /*0070*/              @P1 BRA 0x90 ;                              /* 0x0 */
+        /*0080*/                   MUFU.EX2 R9, R8 ;                      /* 0x0 */
+        /*0090*/                   IADD3 R2, R2, 0x10, RZ ;               /* 0x0 */
+        /*00a0*/                   ISETP.LT.AND P2, PT, R2, 0x100, PT ;   /* 0x0 */
+        /*00b0*/              @P2 BRA 0x40 ;                              /* 0x0 */
+        /*00c0*/                   IADD3 R0, R0, 0x1, RZ ;                /* 0x0 */
+        /*00d0*/                   ISETP.LT.AND P3, PT, R0, 0x8, PT ;     /* 0x0 */
+        /*00e0*/              @P3 BRA 0x30 ;                              /* 0x0 */
+        /*00f0*/                   EXIT ;                                 /* 0x0 */
+        /*0100*/                   STG.E [R2.64], R0 ;                    /* 0x0 */
+        /*0110*/                   BRA 0x30 ;                             /* 0x0 */
+        /*0120*/                   BRA 0x120;                             /* 0x0 */
+"""
+
+
+def loops_of(text=FIXTURE):
+    funcs = sass.parse_functions(text)
+    cfg = sass.CFG(funcs["_Z4testPf"])
+    return cfg, sorted(cfg.loops, key=lambda l: len(l.blocks))
+
+
+def test_loop_finder_finds_nested_natural_loops():
+    cfg, loops = loops_of()
+    assert len(loops) == 2  # the jump back from 0x110 and the self-branch at 0x120 are not loops
+    inner, outer = loops
+    assert cfg.blocks[inner.header].start == 0x40
+    assert cfg.blocks[outer.header].start == 0x30
+    assert inner.parent is outer and outer.children == [inner]
+    assert [i.addr for i in inner.instrs(cfg)] == list(range(0x40, 0xc0, 0x10))
+    assert [i.addr for i in outer.instrs(cfg)] == list(range(0x30, 0xf0, 0x10))
+
+
+def test_path_counts_the_cheapest_iteration_with_the_work():
+    cfg, (inner, outer) = loops_of()
+    fast = sass.iteration_path(cfg, inner, {r"^LDG\.E\.128": 1})
+    assert len(fast) == 7  # the MUFU.EX2 branch is skipped
+    slow = sass.iteration_path(cfg, inner, {r"^LDG\.E\.128": 1, r"^MUFU": 1})
+    assert len(slow) == 8
+    assert sass.count(slow.instrs, r"^MUFU") == 1
+    # The outer loop's own path: the inner loop collapsed at zero cost.
+    assert len(sass.iteration_path(cfg, outer, {})) == 4
+    with pytest.raises(sass.StructureError):
+        sass.iteration_path(cfg, inner, {r"^HMMA": 1})
+
+
+def test_bytes_in_flight_and_loaded_bytes():
+    cfg, (inner, _) = loops_of()
+    path = sass.iteration_path(cfg, inner, {r"^LDG": 1})
+    assert sass.loaded_bytes(path) == 16
+    assert sass.bytes_in_flight(path) == 16
+
+
+def test_nvdisasm_labels_are_resolved():
+    text = """
+        .text._Z1kv:
+        /*0000*/                   MOV R0, RZ ;
+        .L_x_1:
+        /*0010*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0020*/                   ISETP.LT.AND P0, PT, R0, 0x4, PT ;
+        /*0030*/              @P0 BRA `(.L_x_1) ;
+        /*0040*/                   EXIT ;
+    """
+    funcs = sass.parse_functions(text)
+    cfg = sass.CFG(funcs["_Z1kv"])
+    assert len(cfg.loops) == 1 and cfg.blocks[cfg.loops[0].header].start == 0x10
+
+
+def test_occupancy_hand_computed_cases():
+    # 80 registers x 256 threads: 2560 registers per warp, 6 warps per partition, 24 warps: 3.
+    occ = occupancy(80, 256, 1024)
+    assert occ.blocks_per_sm == 3 and occ.limiter == "registers"
+    # 161 registers x 128 threads: 5376 per warp, 3 per partition, 12 warps: 3 blocks.
+    assert occupancy(161, 128, 40192).blocks_per_sm == 3
+    # 255 registers: 8192 per warp, 2 per partition: two blocks of 4 warps.
+    assert occupancy(255, 128, 77056).blocks_per_sm == 2
+    # Registers are split over four partitions: 80 registers x one warp gives 4 x 6 = 24 blocks,
+    # not 65536 / 2560 = 25.
+    assert occupancy(80, 32, 0).blocks_per_sm == 24
+    # Small kernels are capped by warps (64 per SM) or blocks (32 per SM).
+    assert occupancy(32, 1024, 1024).blocks_per_sm == 2
+    assert occupancy(16, 32, 0).blocks_per_sm == 32
+    # Shared memory: 100 KB per block leaves room for two.
+    occ = occupancy(32, 128, 100 * 1024)
+    assert occ.blocks_per_sm == 2 and occ.limiter == "shared memory"
+
+
+def _term(instrs_per_elem, elements, in_flight=64):
+    return Term("t", instrs_per_elem, 1, elements, in_flight, in_flight)
+
+
+def test_predicted_time_picks_the_right_bound():
+    occ = Occupancy(4, "registers", 32, {})
+    blocks = 4 * H200.sms
+    # Few instructions, many bytes, plenty in flight: memory-bound.
+    args = dict(blocks=blocks, threads=256, occ=occ, latency_s=H200.dram_latency_s)
+    m, i, l, o, _ = launch_time(terms=[_term(2, 1e8, 256)], dram_bytes=4e8, **args)
+    assert bound_of(m, i, l, o) == "memory" and m == pytest.approx(4e8 / H200.dram_bytes_per_s)
+    # Many instructions per element: issue-bound.
+    m, i, l, o, _ = launch_time(terms=[_term(400, 1e8, 256)], dram_bytes=4e8, **args)
+    assert bound_of(m, i, l, o) == "issue"
+    assert i == pytest.approx(1e8 / 32 * 400 / H200.sms / (4 * H200.clock_hz))
+    # Two bytes in flight per thread cannot cover the latency: latency-bound.
+    m, i, l, o, _ = launch_time(terms=[_term(2, 1e8, 2)], dram_bytes=4e8, **args)
+    assert bound_of(m, i, l, o) == "latency"
+    # Almost nothing to do: the launch dominates.
+    m, i, l, o, _ = launch_time(terms=[_term(2, 1e3, 16)], dram_bytes=1e3, **args)
+    assert bound_of(m, i, l, o) == "overhead"
+
+
+def test_missing_expected_loop_raises():
+    funcs = sass.parse_functions(FIXTURE)
+
+    class FakeBinary:
+        def cfg(self, name):
+            return sass.CFG(funcs[name])
+
+    k = kernels.KernelInfo("_Z4testPf", 32, 1024, 0, 0)
+    ok = kernels.LoopSpec("loads", {r"^LDG\.E\.128": 1}, 4, (r"^LDG\.E\.128", 1))
+    loop, path, unroll, n = kernels._select_loop(FakeBinary(), k, ok)
+    assert unroll == 1 and n == 1 and len(path) == 7
+    gone = kernels.LoopSpec("mma", {r"^HMMA": 2}, 4, (r"^HMMA", 2))
+    with pytest.raises(sass.StructureError, match="no loop with the expected work"):
+        kernels._select_loop(FakeBinary(), k, gone)
+    odd = kernels.LoopSpec("loads", {r"^LDG\.E\.128": 1}, 4, (r"^LDG\.E\.128", 2))
+    with pytest.raises(sass.StructureError, match="not a multiple"):
+        kernels._select_loop(FakeBinary(), k, odd)
+
+
+def _built_so():
+    from bench.static.binary import default_so
+    try:
+        so = default_so()
+    except FileNotFoundError:
+        return None
+    out = subprocess.run(["python3", "-c", "from bench.static.binary import cuda_tool;"
+                          "print(cuda_tool('cuobjdump'))"], capture_output=True, text=True,
+                         cwd=ROOT)
+    if out.returncode:
+        return None
+    listing = subprocess.run([out.stdout.strip(), "--list-elf", str(so)], capture_output=True,
+                             text=True)
+    return so if ".sm_90." in listing.stdout else None
+
+
+@pytest.mark.skipif(_built_so() is None, reason="no CUDA build with sm_90 code here")
+def test_real_binary_end_to_end(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "bench.static", "--results-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "MODEL" in res.stdout
+    data = json.loads((tmp_path / "static_sm90.json").read_text())
+    assert data["kind"].startswith("MODEL")
+    rows = {(r["op"], r["variant"]): r for r in data["rows"]}
+    greedy = rows[("verify", "greedy a=1 (every row)")]
+    assert greedy["floor_us"] == pytest.approx(64 * 9 * 151936 * 2 / 4.3e12 * 1e6)
+    stats = greedy["kernels"][0]
+    assert stats["regs"] > 0 and stats["local_bytes"] == 0
+    assert stats["loops"][0]["elems_per_iter"] % 16 == 0
+    for row in data["rows"]:
+        assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "overhead")
+    assert (tmp_path / "static_sm90.csv").read_text().startswith("kind,op,shape")
+
+
+def test_cpu_only_binary_is_refused(tmp_path):
+    from bench.static.binary import Binary, NoDeviceCode, cuda_tool
+    try:
+        cuda_tool("cuobjdump")
+    except FileNotFoundError:
+        pytest.skip("no cuobjdump")
+    fake = tmp_path / "_C.so"
+    fake.write_bytes(b"\x7fELF not a fat binary")
+    with pytest.raises(NoDeviceCode):
+        Binary(fake)
+    res = subprocess.run([sys.executable, "-m", "bench.static", "--so", str(fake),
+                          "--results-dir", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode != 0 and "no sm_90" in res.stderr
