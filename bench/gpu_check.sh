@@ -83,15 +83,13 @@ if ((build_ok == 0)); then
   fi
   if ((DRY_RUN)); then
     run_step agreement 90 $PY -m bench.cpu_cuda_agreement --cpu-only --out "$OUT/agreement.json"
-    run_step bench 150 $PY -m bench --quick
+    run_step bench 150 $PY -m bench --quick --results-dir "$OUT"
   else
     # The drafting section adds a few seconds; the draft family about 30 s (torch.compile of
     # the eager step, once).
     run_step agreement 50 $PY -m bench.cpu_cuda_agreement --out "$OUT/agreement.json"
-    run_step bench 130 $PY -m bench
+    run_step bench 130 $PY -m bench --results-dir "$OUT"
   fi
-  cp bench/results/*.json bench/results/*.csv "$OUT/" 2>/dev/null
-  rm -f "$OUT/static_sm90.json" "$OUT/static_sm90.csv"  # the committed snapshot, not this build
   # 7. The static model of this build's sm_90 code (its own folder: a failed run leaves nothing).
   rm -rf "$OUT/static_model"
   run_step static_model 120 $PY -m bench.static --results-dir "$OUT/static_model"
