@@ -484,6 +484,9 @@ RNN_CASES = [
     # f32 r = 172: 64 x 176 x 4 bytes > 44 KB (one input plane), so groups of 32.
     (34, 1, 50, 172, 8, "f32", F32, F16, I64, "padded"),
     (9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
+    # A wide hidden input (d = 2560 as in the released checkpoints): rnn_head_kernel's k loop runs
+    # its four-step unrolled body many times, then a partial tail.
+    (4, 2, 100, 40, 2560, "bf16", BF16, BF16, I64, "aligned"),
 ]
 
 
