@@ -518,7 +518,7 @@ def test_planted_tile_barrier_is_caught(sim):
     plain flavour the first thread to run always reads the emulator's 0xFF-poisoned shared memory
     (NaN in 16-bit), so the output holds NaN and fails the comparison."""
     t, seqlens, cache_slot = fault_case()
-    site = emulator.barrier_site("attention.cuh", "load_kv_tile<T, D>(v_base")
+    site = emulator.barrier_site("attention.cuh", "load_kv_tiles<T, D>(k_base, p.kc_stride_l")
     with emulator.planted("drop_barrier:" + site):
         if RACE:
             with pytest.raises(RuntimeError, match=r"(?s)dspark_sim.*block_attention_split_kernel"

@@ -16,8 +16,11 @@
 //     and the block keys are merged into the output and the log-sum-exp against one maximum over
 //     all of them (no serial rescaling: the splits' loads are independent).
 // P enters the second MMA rounded to the input type (float32 sums, as FlashAttention-2). The
-// merge's scores use CUDA-core FMAs (G rows per output row). Not yet done: cp.async double buffering of the K/V tiles, and
-// ldmatrix for the fragment reads.
+// merge's scores use CUDA-core FMAs (G rows per output row). At D = 64 a tile's K and V loads are
+// in flight together (load_kv_tiles); at D = 128 and 256 registers allow that only for one tensor
+// at a time. Not yet done: cp.async double buffering of the K/V tiles (which would need no
+// registers for it), 32 query rows per block (a K/V tile is read once per 16 rows), and ldmatrix
+// for the fragment reads.
 //
 // append_context_kv: one block per request copies its kept rows in 16-byte chunks where both ends
 // are aligned (unit by unit otherwise, and for a row's tail), all of a thread's loads in flight
@@ -109,41 +112,69 @@ __device__ __forceinline__ T attn_round(float v) {
   return out;
 }
 
-// Copies one K or V tile (kAttnKeys rows of D) to shared memory, zero past `hi`. Each thread
-// issues a batch of independent 16-byte loads before storing any, so a warp keeps several KB in
-// flight instead of one load's worth.
-template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(const T* base, int64_t row_stride, int k0, int hi,
-                                             bool aligned, T* tile, int stride) {
-  constexpr int kChunks = D / 8;                                 // 16-byte chunks per row
-  constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;     // per thread: D / 16
-  // 8 loads in flight per thread (4 at D = 256, where the output accumulators already take 128
-  // registers).
-  constexpr int kBatch = D == 256 ? 4 : (kLoads < 8 ? kLoads : 8);
-  static_assert(kLoads % kBatch == 0, "whole batches");
+// One thread's 16-byte chunks [first, first + kCount) of a K or V tile (kAttnKeys rows of D), zero
+// past `hi`: all loads issued before any is used.
+template <typename T, int D, int kCount>
+__device__ __forceinline__ void fetch_kv_chunks(const T* base, int64_t row_stride, int k0, int hi,
+                                                bool aligned, int first, uint4 (&v)[kCount]) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
 #pragma unroll
-  for (int batch = 0; batch < kLoads; batch += kBatch) {
-    uint4 v[kBatch];
+  for (int i = 0; i < kCount; ++i) {
+    const int idx = threadIdx.x + (first + i) * kAttnThreads;
+    const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
+    v[i] = make_uint4(0, 0, 0, 0);
+    if (pos < hi) {
+      const T* src = base + int64_t{pos} * row_stride + 8 * c;
+      if (aligned) {
+        v[i] = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+        T* e = reinterpret_cast<T*>(&v[i]);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int idx = threadIdx.x + (batch + i) * kAttnThreads;
-      const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
-      v[i] = make_uint4(0, 0, 0, 0);
-      if (pos < hi) {
-        const T* src = base + int64_t{pos} * row_stride + 8 * c;
-        if (aligned) {
-          v[i] = __ldg(reinterpret_cast<const uint4*>(src));
-        } else {
-          T* e = reinterpret_cast<T*>(&v[i]);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) e[k] = src[k];
-        }
+        for (int k = 0; k < 8; ++k) e[k] = src[k];
       }
     }
+  }
+}
+
+template <typename T, int D, int kCount>
+__device__ __forceinline__ void store_kv_chunks(T* tile, int stride, int first,
+                                                const uint4 (&v)[kCount]) {
+  constexpr int kChunks = D / 8;
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int idx = threadIdx.x + (batch + i) * kAttnThreads;
-      *reinterpret_cast<uint4*>(tile + (idx / kChunks) * stride + 8 * (idx % kChunks)) = v[i];
+  for (int i = 0; i < kCount; ++i) {
+    const int idx = threadIdx.x + (first + i) * kAttnThreads;
+    *reinterpret_cast<uint4*>(tile + (idx / kChunks) * stride + 8 * (idx % kChunks)) = v[i];
+  }
+}
+
+// Copies the K and V tiles to shared memory in batches of independent 16-byte loads per thread,
+// so a warp keeps several KB in flight instead of one load's worth. At D = 64 (4 chunks of each
+// per thread) K's and V's loads are all in flight together: one latency per tile, not two. At
+// D = 128 and 256, 8 and 4 loads per batch (the output accumulators already take 64 and 128
+// registers): K's batches, then V's.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tiles(const T* k_base, int64_t k_stride, const T* v_base,
+                                              int64_t v_stride, int k0, int hi, bool aligned,
+                                              T* k_tile, T* v_tile, int stride) {
+  constexpr int kLoads = kAttnKeys * (D / 8) / kAttnThreads;  // per thread and tile: D / 16
+  if constexpr (kLoads <= 4) {
+    uint4 k[kLoads], v[kLoads];
+    fetch_kv_chunks<T, D>(k_base, k_stride, k0, hi, aligned, 0, k);
+    fetch_kv_chunks<T, D>(v_base, v_stride, k0, hi, aligned, 0, v);
+    store_kv_chunks<T, D>(k_tile, stride, 0, k);
+    store_kv_chunks<T, D>(v_tile, stride, 0, v);
+  } else {
+    constexpr int kBatch = D == 256 ? 4 : 8;
+    static_assert(kLoads % kBatch == 0, "whole batches");
+#pragma unroll
+    for (int tensor = 0; tensor < 2; ++tensor) {
+#pragma unroll
+      for (int batch = 0; batch < kLoads; batch += kBatch) {
+        uint4 chunk[kBatch];
+        fetch_kv_chunks<T, D>(tensor ? v_base : k_base, tensor ? v_stride : k_stride, k0, hi,
+                              aligned, batch, chunk);
+        store_kv_chunks<T, D>(tensor ? v_tile : k_tile, stride, batch, chunk);
+      }
     }
   }
 }
@@ -189,8 +220,8 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
 
   for (int k0 = lo; k0 < hi; k0 += kAttnKeys) {
     __syncthreads();  // the previous tile is no longer read (and the q tile is written)
-    load_kv_tile<T, D>(k_base, p.kc_stride_l, k0, hi, p.kv_aligned, k_tile, kStride);
-    load_kv_tile<T, D>(v_base, p.vc_stride_l, k0, hi, p.kv_aligned, v_tile, kStride);
+    load_kv_tiles<T, D>(k_base, p.kc_stride_l, v_base, p.vc_stride_l, k0, hi, p.kv_aligned, k_tile,
+                        v_tile, kStride);
     __syncthreads();
     const int key0 = k0 + 16 * warp;
     if (key0 >= hi) continue;  // warp-uniform: no key of this warp in the tile
