@@ -10,14 +10,16 @@ within LSE_TOL; appends bit for bit.
 Covered: D = 64, 128, 256 (76 KB of dynamic shared memory: the cudaFuncSetAttribute opt-in, also
 on the emulated A100 and L4), float16 and bfloat16, GQA ratios 1, 2, 4, one and two row groups of
 16 query rows (full and partial), L = 0, contexts shorter than a 64-row tile, one tile, several
-tiles and several splits of the split plan (splits = clamp(ceil(occupancy x SMs / (B x Hkv x row
-groups)), 1, ceil(visible / 256))), among them splits that are empty or partly filled because a
+tiles and several splits of the split plan (the fewest splits s <= ceil(visible / 256) whose
+waves(s) / s, waves of occupancy x SMs blocks, is within 2% of the best; a case at the wave
+boundary on the emulated L4), among them splits that are empty or partly filled because a
 request's context is shorter than L, windows 0 / smaller than the context / crossing a split / past
 L, cache_slot remapping (permuted, spread, shared rows), return_lse on and off, an explicit
 softmax_scale, aligned caches (16-byte vector tile loads) and unaligned ones (strides or base off
 16 bytes: the element-wise loads), NaN outside the visible context; append_context_kv with 16- and
 32-bit elements, rows dropped at L, num_new 0 and n_max, cache_slot mapping, cache_seqlens advanced
-in place and guard bands around the caches left untouched. Planted faults (mma_swap_a12,
+in place and guard bands around the caches left untouched, head dims with a partial 16-byte chunk
+per row and rows aligned in both, one or neither of the new rows and the caches. Planted faults (mma_swap_a12,
 shuffle_off_by_one, the barrier after the K/V tile loads, the barrier before cache_seqlens
 advances) are shown to be caught.
 
@@ -183,6 +185,18 @@ def test_head_dim_256_on_smaller_devices(sim, device):
         f"block_attention_merge_kernel<{CUDA_TYPE[dtype]}, 256>": 2,
     }
     assert torch.equal(out, on_h200[0]) and torch.equal(lse, on_h200[1])
+
+
+def test_split_plan_at_the_wave_boundary(sim):
+    """On the emulated L4 (58 SMs, one D = 256 block each) B x Hkv x row groups = 24 blocks: the
+    old plan's ceil(58 / 24) = 3 splits (72 blocks, two waves) gives way to 2 (48 blocks, one
+    wave), 4 splits (96 blocks, two waves of quarter-size work) being no better; the merge folds
+    2 splits per row, one of them partly filled or empty for the shorter contexts. Also the
+    window that leaves one split."""
+    t, cache_slot = make_inputs("wave", 3, 8, 16, 4, 256, 1024, "spread", BF16)
+    with emulator.emulated_device("l4"):
+        check(sim, t, i32(1024, 700, 300), "l4", cache_slot=cache_slot)
+        check(sim, t, i32(1024, 700, 300), "l4 window", cache_slot=cache_slot, window=200)
 
 
 def test_every_instantiation_runs(sim):
@@ -423,6 +437,42 @@ def test_append_into_strided_caches(sim, layout):
         assert torch.isnan(cache._base).eq(gap).all(), "a gap was written"
 
 
+def misaligned(t: torch.Tensor, units: int) -> torch.Tensor:
+    """A copy of ``t`` whose storage starts ``units`` elements past a 16-byte boundary."""
+    storage = torch.full((t.numel() + units,), NAN, dtype=t.dtype)
+    out = storage[units:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dim", [1, 3, 12, 20, 72, 256])
+def test_append_chunks_tails_and_alignment(sim, dtype, dim):
+    """append_context_kv's 16-byte chunks: head dims that are not a whole number of chunks (a
+    unit-by-unit tail per row), rows 16-byte aligned in the new rows and the caches (vector
+    chunks), in only one of them or in neither (unit by unit), and more chunks than one pass of
+    the block's threads (16 rows x 4 heads at D = 256: several batches per thread): the caches
+    and cache_seqlens equal the CPU kernel's bit for bit."""
+    gen = generator(f"append-chunks-{dtype}-{dim}")
+    batch, rows, kv_heads, length = 3, 16, 4, 40
+    slots, cache_slot = make_slots("permuted", batch, gen, "cpu")
+    dense = [randn(gen, slots, length, kv_heads, dim, dtype=dtype, device="cpu") for _ in range(2)]
+    k_new = randn(gen, batch, rows, kv_heads, dim, dtype=dtype, device="cpu")
+    v_new = randn(gen, batch, rows, kv_heads, dim, dtype=dtype, device="cpu")
+    num_new = i32(rows, 9, rows)
+    want = [dense[0].clone(), dense[1].clone(), i32(0, 3, 30)]
+    CPU.append_context_kv(want[0], want[1], k_new, v_new, num_new, want[2], cache_slot)
+    for new_units, cache_units in ((0, 0), (1, 0), (0, 1), (3, 1)):
+        caches = [misaligned(c, cache_units) if cache_units else c.clone() for c in dense]
+        news = [misaligned(t, new_units) if new_units else t for t in (k_new, v_new)]
+        seqlens = i32(0, 3, 30)
+        sim.append_context_kv(caches[0], caches[1], news[0], news[1], num_new, seqlens,
+                              cache_slot)
+        where = f"new rows {new_units} units off, caches {cache_units} off"
+        assert torch.equal(seqlens, want[2]), where
+        assert same_bits(caches[0], want[0]) and same_bits(caches[1], want[1]), where
+
+
 def test_append_empty(sim):
     """B = 0 launches nothing; n_max = 0 (num_new all 0) writes nothing and keeps p0."""
     gen = generator("append-empty")
@@ -468,7 +518,7 @@ def test_planted_tile_barrier_is_caught(sim):
     plain flavour the first thread to run always reads the emulator's 0xFF-poisoned shared memory
     (NaN in 16-bit), so the output holds NaN and fails the comparison."""
     t, seqlens, cache_slot = fault_case()
-    site = emulator.barrier_site("attention.cuh", "load_kv_tile<T, D>(v_base")
+    site = emulator.barrier_site("attention.cuh", "load_kv_tiles<T, D>(k_base, p.kc_stride_l")
     with emulator.planted("drop_barrier:" + site):
         if RACE:
             with pytest.raises(RuntimeError, match=r"(?s)dspark_sim.*block_attention_split_kernel"

@@ -102,6 +102,19 @@ def test_block_and_warp_sums(sim):
     torch.testing.assert_close(out[:2], x.view(2, 32).sum(1), rtol=1e-5, atol=1e-5)
 
 
+def test_warp_vote(sim):
+    """__any_sync (the prelude's OR butterfly of shuffles): true in a warp exactly when one of its
+    lanes votes true, the same answer in every lane; none, one (each position) or all true."""
+    for true_lanes in ([], [0], [31], [5, 17], list(range(64))):
+        for n in (64, 40):
+            x = -torch.ones(64)
+            x[true_lanes] = 1.0
+            out = sim.selftest("warp_any", x, n).view(2, 32)
+            want = torch.tensor([[float(any(t < n for t in true_lanes if t // 32 == w))] * 32
+                                 for w in range(2)])
+            assert torch.equal(out, want), (true_lanes, n)
+
+
 def test_shuffle_fault_is_caught(sim):
     """Shuffles reading the neighbouring lane break the butterfly sum."""
     x = torch.randn(64, generator=torch.Generator().manual_seed(2))
@@ -129,6 +142,7 @@ def test_same_seed_same_schedule(sim):
         ("exit_before_barrier", "reached after 32 of 64 threads exited"),
         ("different_barriers", "different __syncthreads"),
         ("shuffle_missing_lanes", "exited while named in the mask"),
+        ("vote_missing_lanes", "exited while named in the mask"),
         ("shuffle_outside_mask", "which is not in the mask 0xffff"),
     ],
 )

@@ -20,6 +20,9 @@ filters (draft_filter_kernel after every slot: top-k / top-p / min-p per request
 filtered rows and redrawn tokens against the CPU kernel exactly, unchecked garbage values, and the
 launch count). Planted faults
 (mma_swap_a12, a dropped barrier in draft_slot_kernel, shuffle_off_by_one) are shown to be caught.
+The key-bound skip of the logarithms: the bound checked against the float32 key over every exponent
+of u, and drafts over many blocks (the later ones skipping most logarithms) on flat, peaky and wide
+rows at temperatures 0.05 to 20.
 """
 
 from __future__ import annotations
@@ -283,6 +286,54 @@ def test_several_tiles_per_block(sim):
         check_draft(sim, make_case(3, 2, vocab, 64, seed=203, weights="f32", base_dtype=F16))
 
 
+def key_bound(zt: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """draft.cuh key_bound in float32: fmaf(float(bits(u)), -(ln 2) 2^-23, zt + 127 ln 2) (the
+    product is exact in float64, so one rounding to float32 is the fma's)."""
+    ln2_ulp = float.fromhex("0x1.62e42ep-24")
+    c127 = torch.tensor(float.fromhex("0x1.601e68p+6"), dtype=torch.float32)
+    bits = u.view(torch.int32).to(torch.float32).double()
+    return (bits * -ln2_ulp + (zt + c127).double()).float()
+
+
+def test_key_bound_is_above_the_float32_key():
+    """The bound that lets draft_slot_kernel skip a token's logarithms, against the float32 key
+    zt - log(-log1p(-u)), for uniforms of words over every exponent (and both ends) and zt from
+    -1e6 to 1e6: never below the key by more than 5e-5 + 5e-7 |zt| (the skip's threshold margin,
+    1e-4 (1 + |best key|), covers that with room for the logarithms' own rounding), and within
+    0.07 above it for u <= 1/64, the tokens that can win (so it rules out nearly every token once
+    the best key is known)."""
+    gen = generator(stable_seed("key-bound"))
+    words = torch.randint(0, 2**32, (1 << 18,), generator=gen, dtype=torch.int64)
+    shifts = torch.randint(0, 32, words.shape, generator=gen)
+    edges = torch.tensor([0, 1, 2, 3, 2**31 - 1, 2**31, 2**32 - 257, 2**32 - 256, 2**32 - 1])
+    words = torch.cat([words >> shifts, edges])  # small words: u down to 2^-33
+    u = reference.uniform_from_bits(words)
+    for zt in (-1e6, -300.0, -20.0, -1.0, 0.0, 0.5, 7.0, 20.0, 300.0, 1e6):
+        z = torch.full_like(u, zt)
+        key = z - torch.log(-torch.log1p(-u))
+        bound = key_bound(z, u)
+        assert (key.double() - bound.double() <= 5e-5 + 5e-7 * abs(zt)).all(), zt
+        small = u <= 1 / 64
+        gap = bound.double() - key.double()
+        assert (gap[small] <= 0.07 + 1e-6 * abs(zt)).all(), (zt, float(gap[small].max()))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "f32"])
+def test_key_bound_skip_keeps_the_drafts(sim, weights):
+    """V = 20000 (157 tiles, one per block: the emulator runs the blocks one after another, so a
+    block's first tile sees the best keys of the blocks before it and skips most tokens'
+    logarithms, while the very first block computes them all): peaky and flat rows (on a flat
+    row every token's key bound is near the best, so many are computed), temperatures 0.05 to
+    20 and greedy; the drafts equal the CPU kernel's and the reference's."""
+    batch, block, vocab = 7, 2, 20000
+    case = make_case(batch, block, vocab, 16, seed=stable_seed("skip", weights), weights=weights,
+                     temperature=torch.tensor([0.05, 1.0, 20.0, 1.0, 0.3, 0.0, 1.0]))
+    case.base_logits[3] = 0.0  # flat: only the bias and the Gumbel noise decide
+    case.base_logits[6] *= 8.0  # wide: z ~ N(0, 8), the best key far above the typical token
+    out = check_draft(sim, case)
+    assert (out.tokens[:5] != out.draft_logits[:5].argmax(-1)).any()  # really sampled
+
+
 def test_greedy_ties_across_warps_and_blocks(sim):
     """Integer logits and zero W1: z = base exactly and ties everywhere; greedy requests take the
     lowest tied id although tied candidates come from different warps and blocks."""
@@ -346,6 +397,23 @@ def test_keys_overflowing_float32(sim):
                      torch.arange(6) * 1000)
     out = check_draft(sim, case)
     assert out.tokens[:, 0].tolist() == [0, 0, 7, 5, 0, 1]
+
+
+def test_overflowing_keys_across_blocks(sim):
+    """+inf keys (z / T overflowing) in row 5 of every tile from tile 2 on, over V = 151936 where
+    blocks walk two tiles: block 0's second tile holds one, so a +inf key is already the best
+    known when the lower ids' +inf keys come, which must still be computed and win by their id;
+    and a +inf key in the first tile against one in the last."""
+    vocab = 151936
+    gen = generator(stable_seed("overflow-blocks"))
+    base = torch.randn(2, 1, vocab, generator=gen)
+    tiles = -(-vocab // TILE_ROWS)
+    base[0, 0, torch.arange(2, tiles - 1) * TILE_ROWS + 5] = 3e38
+    base[1, 0, [7, vocab - 1]] = 3e38
+    case = DraftCase(base, torch.zeros(2, dtype=I64), torch.zeros(vocab, 4), torch.zeros(vocab, 4),
+                     torch.tensor([0.5, 0.25]), torch.tensor([11, 12]), torch.tensor([5, 6]))
+    out = check_draft(sim, case)
+    assert out.tokens[:, 0].tolist() == [2 * TILE_ROWS + 5, 7]
 
 
 @pytest.mark.parametrize("device", ["a100", "l4"])
@@ -416,6 +484,9 @@ RNN_CASES = [
     # f32 r = 172: 64 x 176 x 4 bytes > 44 KB (one input plane), so groups of 32.
     (34, 1, 50, 172, 8, "f32", F32, F16, I64, "padded"),
     (9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
+    # A wide hidden input (d = 2560 as in the released checkpoints): rnn_head_kernel's k loop runs
+    # its four-step unrolled body many times, then a partial tail.
+    (4, 2, 100, 40, 2560, "bf16", BF16, BF16, I64, "aligned"),
 ]
 
 
@@ -527,17 +598,21 @@ def test_draft_confidence_matches_cpu_and_reference(sim, params):
 def test_launches(sim):
     """G launches of draft_slot_kernel per markov_draft call, G rnn_head_kernel + G
     draft_slot_kernel per rnn_draft call, one draft_confidence_kernel; one instantiation per
-    weight dtype and head."""
+    weight dtype, base logits dtype (a template parameter: no type switch per element) and
+    head."""
     sim.clear_launch_log()
-    for weights in ("f32", "bf16", "f16"):
+    bases = {"f32": (F32, "float"), "bf16": (BF16, "__nv_bfloat16"), "f16": (F16, "__half")}
+    for weights, base in zip(("f32", "bf16", "f16"), ("bf16", "f16", "f32")):
         run_sim(sim, make_case(3, 3, 50, 8, seed=209, weights=weights))
-        run_sim(sim, make_case(3, 2, 50, 8, seed=210, weights=weights, head="rnn"))
-        dtype = {"f32": F32, "bf16": BF16, "f16": F16}[weights]
+        run_sim(sim, make_case(3, 2, 50, 8, seed=210, weights=weights, head="rnn",
+                               base_dtype=bases[base][0]))
+        dtype = bases[weights][0]
         make_confidence_case(3, 2, 50, 8, 8, seed=211, w1_dtype=dtype).call(sim)
     expected = {}
-    for w in ("float", "__nv_bfloat16", "__half"):
-        expected[f"draft_slot_kernel<{w}, false>"] = 3
-        expected[f"draft_slot_kernel<{w}, true>"] = 2
+    for weights, base in zip(("f32", "bf16", "f16"), ("bf16", "f16", "f32")):
+        w, b = bases[weights][1], bases[base][1]
+        expected[f"draft_slot_kernel<{w}, float, false>"] = 3
+        expected[f"draft_slot_kernel<{w}, {b}, true>"] = 2
         expected[f"rnn_head_kernel<{w}>"] = 2
         expected[f"draft_confidence_kernel<{w}>"] = 1
     got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
@@ -626,7 +701,7 @@ def test_filter_launches(sim):
     case.call(sim)
     case.call(sim, top_p=torch.full((3,), 0.5))
     got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
-    assert got == {"draft_slot_kernel<float, false>": 8, "draft_filter_kernel": 4}
+    assert got == {"draft_slot_kernel<float, float, false>": 8, "draft_filter_kernel": 4}
 
 
 def _fault_cases():
@@ -653,10 +728,10 @@ def test_mma_swap_a12_breaks_the_tensor_core_path(sim):
 
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
 def test_dropped_barrier_is_caught(sim, weights):
-    """Without the __syncthreads that ends draft_slot_kernel's tile walk, a thread publishes its
-    request's block maximum before other warps have folded their rows in: wrong drafts (and, in
-    the race flavour, a reported race)."""
-    site = emulator.barrier_site("draft.cuh", "tile_epilogue(p, row0, first, members, nt")
+    """Without the __syncthreads after draft_slot_kernel's arrival count, threads read the
+    block's `last` flag before thread 0 has set it (a stale flag from the block before): missing
+    or wrong drafts (and, in the race flavour, a reported race)."""
+    site = emulator.barrier_site("draft.cuh", "last = atomicAdd(p.arrivals")
     case = make_case(64, 3, 1024, 20, seed=stable_seed("barrier", weights), weights=weights,
                      temperature="mixed")
     check_draft(sim, case)

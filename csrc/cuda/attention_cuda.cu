@@ -85,8 +85,11 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.window = a.window >= 0 ? static_cast<int>(std::min<int64_t>(a.window, a.length)) : -1;
   p.scale = a.scale;
 
-  // Split the visible context (at most L, or the window) so that one full wave of blocks is busy
-  // even when B * Hkv is small; each split is a whole number of 64-row tiles.
+  // Split the visible context (at most L, or the window) so that the blocks fill whole waves even
+  // when B * Hkv is small; each split is a whole number of 64-row tiles. A block's work is ~1/s of
+  // its row group's context, so the time goes as waves(s) / s: the fewest splits within 2% of the
+  // best such count (512 blocks for 396 slots is two waves of half-size work: no gain over 256,
+  // where 768 blocks are two waves of one-third).
   const int64_t visible = p.window >= 0 ? p.window : a.length;
   const int64_t rows = a.block * (a.heads / a.kv_heads);
   const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
@@ -94,8 +97,14 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   const int64_t wanted =
       int64_t{split_blocks_per_sm(device_index(q), q.scalar_type(), a.dim)} *
       multiprocessor_count(device_index(q));
-  const int64_t max_splits = std::max<int64_t>(1, (visible + 255) / 256);
-  const int64_t splits = std::clamp<int64_t>((wanted + base_blocks - 1) / base_blocks, 1, max_splits);
+  const int64_t max_splits = std::min<int64_t>(std::max<int64_t>(1, (visible + 255) / 256),
+                                               2 * ((wanted + base_blocks - 1) / base_blocks));
+  int64_t splits = 1;
+  double best_cost = static_cast<double>((base_blocks + wanted - 1) / wanted);
+  for (int64_t s = 2; s <= max_splits; ++s) {
+    const double cost = static_cast<double>((base_blocks * s + wanted - 1) / wanted) / s;
+    if (cost < 0.98 * best_cost) splits = s, best_cost = cost;
+  }
   const int64_t tile = kernels::kAttnKeys;
   // An empty visible context (window 0 or L 0) still gets one (empty) split.
   p.split_length = static_cast<int>(

@@ -34,11 +34,11 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
   kernels::DraftParams p{};
   p.w1 = a.w1.const_data_ptr();
   p.w1_stride = a.w1.stride(0);
+  p.w1_aligned = rows_aligned(a.w1);
   p.w2 = a.w2.const_data_ptr();
   p.w2_stride = a.w2.stride(0);
   p.w2_aligned = rows_aligned(a.w2);
   p.base = a.base.const_data_ptr();
-  p.base_type = logit_type(a.base.scalar_type());
   p.base_stride_b = a.base.stride(0);
   p.base_stride_j = a.base.stride(1);
   p.anchor = a.anchor.const_data_ptr();
@@ -100,12 +100,17 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
     }
     const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
     const int device = device_index(a.base);
-    const int64_t resident = int64_t{kernels::draft_blocks_per_sm<W, kRnn>(device, shared_bytes)} *
-                             multiprocessor_count(device);
-    const int grid_tiles = static_cast<int>(
-        std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
-    C10_CUDA_CHECK((kernels::launch_draft<W, kRnn>(p, grid_tiles,
-                                                   c10::cuda::getCurrentCUDAStream())));
+    // The base logits' dtype is a template parameter: no per-element type switch in the epilogue.
+    dispatch_logit_type(a.base.scalar_type(), [&](auto base_tag) {
+      using Base = cuda_type_t<decltype(base_tag)>;
+      const int64_t resident =
+          int64_t{kernels::draft_blocks_per_sm<W, Base, kRnn>(device, shared_bytes)} *
+          multiprocessor_count(device);
+      const int grid_tiles =
+          static_cast<int>(std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
+      C10_CUDA_CHECK((kernels::launch_draft<W, Base, kRnn>(p, grid_tiles,
+                                                         c10::cuda::getCurrentCUDAStream())));
+    });
   });
 }
 

@@ -13,13 +13,19 @@
 //     unnormalised partial (output, running max, sum).
 //  2. block_attention_merge_kernel, one warp per output row: scores of the row against the G
 //     block keys (the block's K/V are read here and nowhere else, never written), then the splits
-//     and the block keys are merged by their maxima into the output and the log-sum-exp.
+//     and the block keys are merged into the output and the log-sum-exp against one maximum over
+//     all of them (no serial rescaling: the splits' loads are independent).
 // P enters the second MMA rounded to the input type (float32 sums, as FlashAttention-2). The
-// merge's scores use CUDA-core FMAs (G rows per output row). Not yet done: cp.async double buffering of the K/V tiles, and
-// ldmatrix for the fragment reads.
+// merge's scores use CUDA-core FMAs (G rows per output row). At D = 64 a tile's K and V loads are
+// in flight together (load_kv_tiles); at D = 128 and 256 registers allow that only for one tensor
+// at a time. Not yet done: cp.async double buffering of the K/V tiles (which would need no
+// registers for it), 32 query rows per block (a K/V tile is read once per 16 rows), and ldmatrix
+// for the fragment reads.
 //
-// append_context_kv: one block per request copies its kept rows element by element and then
-// advances cache_seqlens; rows that would land at or past L are never written.
+// append_context_kv: one block per request copies its kept rows in 16-byte chunks where both ends
+// are aligned (unit by unit otherwise, and for a row's tail), all of a thread's loads in flight
+// before its stores, and then advances cache_seqlens; rows that would land at or past L are never
+// written.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -106,41 +112,69 @@ __device__ __forceinline__ T attn_round(float v) {
   return out;
 }
 
-// Copies one K or V tile (kAttnKeys rows of D) to shared memory, zero past `hi`. Each thread
-// issues a batch of independent 16-byte loads before storing any, so a warp keeps several KB in
-// flight instead of one load's worth.
-template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(const T* base, int64_t row_stride, int k0, int hi,
-                                             bool aligned, T* tile, int stride) {
-  constexpr int kChunks = D / 8;                                 // 16-byte chunks per row
-  constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;     // per thread: D / 16
-  // 8 loads in flight per thread (4 at D = 256, where the output accumulators already take 128
-  // registers).
-  constexpr int kBatch = D == 256 ? 4 : (kLoads < 8 ? kLoads : 8);
-  static_assert(kLoads % kBatch == 0, "whole batches");
+// One thread's 16-byte chunks [first, first + kCount) of a K or V tile (kAttnKeys rows of D), zero
+// past `hi`: all loads issued before any is used.
+template <typename T, int D, int kCount>
+__device__ __forceinline__ void fetch_kv_chunks(const T* base, int64_t row_stride, int k0, int hi,
+                                                bool aligned, int first, uint4 (&v)[kCount]) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
 #pragma unroll
-  for (int batch = 0; batch < kLoads; batch += kBatch) {
-    uint4 v[kBatch];
+  for (int i = 0; i < kCount; ++i) {
+    const int idx = threadIdx.x + (first + i) * kAttnThreads;
+    const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
+    v[i] = make_uint4(0, 0, 0, 0);
+    if (pos < hi) {
+      const T* src = base + int64_t{pos} * row_stride + 8 * c;
+      if (aligned) {
+        v[i] = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+        T* e = reinterpret_cast<T*>(&v[i]);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int idx = threadIdx.x + (batch + i) * kAttnThreads;
-      const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
-      v[i] = make_uint4(0, 0, 0, 0);
-      if (pos < hi) {
-        const T* src = base + int64_t{pos} * row_stride + 8 * c;
-        if (aligned) {
-          v[i] = __ldg(reinterpret_cast<const uint4*>(src));
-        } else {
-          T* e = reinterpret_cast<T*>(&v[i]);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) e[k] = src[k];
-        }
+        for (int k = 0; k < 8; ++k) e[k] = src[k];
       }
     }
+  }
+}
+
+template <typename T, int D, int kCount>
+__device__ __forceinline__ void store_kv_chunks(T* tile, int stride, int first,
+                                                const uint4 (&v)[kCount]) {
+  constexpr int kChunks = D / 8;
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int idx = threadIdx.x + (batch + i) * kAttnThreads;
-      *reinterpret_cast<uint4*>(tile + (idx / kChunks) * stride + 8 * (idx % kChunks)) = v[i];
+  for (int i = 0; i < kCount; ++i) {
+    const int idx = threadIdx.x + (first + i) * kAttnThreads;
+    *reinterpret_cast<uint4*>(tile + (idx / kChunks) * stride + 8 * (idx % kChunks)) = v[i];
+  }
+}
+
+// Copies the K and V tiles to shared memory in batches of independent 16-byte loads per thread,
+// so a warp keeps several KB in flight instead of one load's worth. At D = 64 (4 chunks of each
+// per thread) K's and V's loads are all in flight together: one latency per tile, not two. At
+// D = 128 and 256, 8 and 4 loads per batch (the output accumulators already take 64 and 128
+// registers): K's batches, then V's.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tiles(const T* k_base, int64_t k_stride, const T* v_base,
+                                              int64_t v_stride, int k0, int hi, bool aligned,
+                                              T* k_tile, T* v_tile, int stride) {
+  constexpr int kLoads = kAttnKeys * (D / 8) / kAttnThreads;  // per thread and tile: D / 16
+  if constexpr (kLoads <= 4) {
+    uint4 k[kLoads], v[kLoads];
+    fetch_kv_chunks<T, D>(k_base, k_stride, k0, hi, aligned, 0, k);
+    fetch_kv_chunks<T, D>(v_base, v_stride, k0, hi, aligned, 0, v);
+    store_kv_chunks<T, D>(k_tile, stride, 0, k);
+    store_kv_chunks<T, D>(v_tile, stride, 0, v);
+  } else {
+    constexpr int kBatch = D == 256 ? 4 : 8;
+    static_assert(kLoads % kBatch == 0, "whole batches");
+#pragma unroll
+    for (int tensor = 0; tensor < 2; ++tensor) {
+#pragma unroll
+      for (int batch = 0; batch < kLoads; batch += kBatch) {
+        uint4 chunk[kBatch];
+        fetch_kv_chunks<T, D>(tensor ? v_base : k_base, tensor ? v_stride : k_stride, k0, hi,
+                              aligned, batch, chunk);
+        store_kv_chunks<T, D>(tensor ? v_tile : k_tile, stride, batch, chunk);
+      }
     }
   }
 }
@@ -186,8 +220,8 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
 
   for (int k0 = lo; k0 < hi; k0 += kAttnKeys) {
     __syncthreads();  // the previous tile is no longer read (and the q tile is written)
-    load_kv_tile<T, D>(k_base, p.kc_stride_l, k0, hi, p.kv_aligned, k_tile, kStride);
-    load_kv_tile<T, D>(v_base, p.vc_stride_l, k0, hi, p.kv_aligned, v_tile, kStride);
+    load_kv_tiles<T, D>(k_base, p.kc_stride_l, v_base, p.vc_stride_l, k0, hi, p.kv_aligned, k_tile,
+                        v_tile, kStride);
     __syncthreads();
     const int key0 = k0 + 16 * warp;
     if (key0 >= hi) continue;  // warp-uniform: no key of this warp in the tile
@@ -323,24 +357,9 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
                      head * p.q_stride_h + lane + 32 * c) * p.scale;
     acc[c] = 0.f;
   }
-  // Running max over the splits and the block keys, with the sum and output rescaled to it.
-  float row_max = -INFINITY, row_sum = 0.f;
-  const auto fold = [&](float m, float l, const float* o_part, const T* v_row) {
-    if (m == -INFINITY) return;  // an empty split
-    const float new_max = fmaxf(row_max, m);
-    const float old_scale = expf(row_max - new_max), new_scale = expf(m - new_max);
-    row_sum = row_sum * old_scale + l * new_scale;
-#pragma unroll
-    for (int c = 0; c < kPerLane; ++c) {
-      const float part = o_part ? o_part[lane + 32 * c] : attn_load(v_row + lane + 32 * c);
-      acc[c] = acc[c] * old_scale + part * new_scale;
-    }
-    row_max = new_max;
-  };
-  for (int split = 0; split < p.splits; ++split) {
-    const int64_t at = partial_index(p, b, h, row, split);
-    fold(p.partial_stats[at * 2], p.partial_stats[at * 2 + 1], p.partial_out + at * D, nullptr);
-  }
+  // The block keys' scores (lane n keeps key n's; G <= 32), their loads independent of each other.
+  float my_score = -INFINITY;
+#pragma unroll 4
   for (int n = 0; n < p.block; ++n) {
     const T* k_row = static_cast<const T*>(p.k_block) + b * p.kb_stride_b + n * p.kb_stride_g +
                      h * p.kb_stride_h;
@@ -349,9 +368,38 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
     for (int c = 0; c < kPerLane; ++c) dot += q[c] * attn_load(k_row + lane + 32 * c);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    my_score = lane == n ? dot : my_score;
+  }
+  // One maximum over the splits (lanes take splits lane, lane + 32, ...) and the block keys, so
+  // every partial is scaled once and the splits' loads are all independent.
+  const int64_t at0 = partial_index(p, b, h, row, 0);  // a row's splits are consecutive
+  const float* stats = p.partial_stats + at0 * 2;
+  float row_max = my_score;
+  for (int split = lane; split < p.splits; split += 32) row_max = fmaxf(row_max, stats[2 * split]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
+  }
+  // finite: the block keys are always visible. An empty split is (-inf, 0, 0): weight 0.
+  float row_sum = lane < p.block ? expf(my_score - row_max) : 0.f;
+  for (int split = lane; split < p.splits; split += 32) {
+    row_sum += stats[2 * split + 1] * expf(stats[2 * split] - row_max);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
+#pragma unroll 4
+  for (int split = 0; split < p.splits; ++split) {
+    const float scale = expf(stats[2 * split] - row_max);
+    const float* o_part = p.partial_out + (at0 + split) * D;
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) acc[c] = fmaf(o_part[lane + 32 * c], scale, acc[c]);
+  }
+  for (int n = 0; n < p.block; ++n) {
+    const float weight = expf(__shfl_sync(0xffffffffu, my_score, n) - row_max);
     const T* v_row = static_cast<const T*>(p.v_block) + b * p.vb_stride_b + n * p.vb_stride_g +
                      h * p.vb_stride_h;
-    fold(dot, 1.f, nullptr, v_row);
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) acc[c] = fmaf(attn_load(v_row + lane + 32 * c), weight, acc[c]);
   }
   T* out = static_cast<T*>(p.out) + out_row * D;
   const float inv = 1.f / row_sum;
@@ -423,8 +471,50 @@ struct AppendParams {
   int batch, rows, kv_heads, dim, length, num_slots;
 };
 
+constexpr int kAppendThreads = 256;
+
+// Copies one 16-byte chunk of a row (`count` <= 16 / sizeof(Unit) units), as one vector access when
+// both ends are 16-byte aligned and the chunk is whole, else unit by unit.
 template <typename Unit>
-__global__ void __launch_bounds__(kAttnThreads) append_context_kv_kernel(const AppendParams p) {
+struct AppendChunk {
+  static constexpr int kUnits = 16 / int{sizeof(Unit)};
+  uint4 data;
+  __device__ __forceinline__ void load(const Unit* src, int count, bool vector) {
+    if (vector && count == kUnits) {
+      data = __ldg(reinterpret_cast<const uint4*>(src));
+      return;
+    }
+    Unit e[kUnits] = {};
+#pragma unroll
+    for (int k = 0; k < kUnits; ++k) {
+      if (k < count) e[k] = src[k];
+    }
+    memcpy(&data, e, sizeof(data));
+  }
+  __device__ __forceinline__ void store(Unit* dst, int count, bool vector) const {
+    if (vector && count == kUnits) {
+      *reinterpret_cast<uint4*>(dst) = data;
+      return;
+    }
+    Unit e[kUnits];
+    memcpy(e, &data, sizeof(data));
+#pragma unroll
+    for (int k = 0; k < kUnits; ++k) {
+      if (k < count) dst[k] = e[k];
+    }
+  }
+};
+
+__device__ __forceinline__ bool aligned16(const void* a, const void* b) {
+  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+}
+
+// Block b copies its kept rows in 16-byte chunks (a row's tail and rows whose ends are not 16-byte
+// aligned unit by unit), each thread issuing a batch of K and V loads before storing any.
+template <typename Unit>
+__global__ void __launch_bounds__(kAppendThreads) append_context_kv_kernel(const AppendParams p) {
+  constexpr int kUnits = AppendChunk<Unit>::kUnits;
+  constexpr int kBatch = 4;  // chunks of K and of V in flight per thread
   const int b = blockIdx.x;
   const int64_t slot = p.cache_slot ? p.cache_slot[b] : b;
   const bool slot_ok = slot >= 0 && slot < p.num_slots;  // never an address outside the cache
@@ -436,14 +526,52 @@ __global__ void __launch_bounds__(kAttnThreads) append_context_kv_kernel(const A
   auto* vc = static_cast<Unit*>(p.v_cache);
   const auto* kn = static_cast<const Unit*>(p.k_new);
   const auto* vn = static_cast<const Unit*>(p.v_new);
-  for (int64_t idx = threadIdx.x; idx < int64_t{kept} * p.kv_heads * p.dim; idx += blockDim.x) {
-    const int d = static_cast<int>(idx % p.dim);
-    const int64_t rh = idx / p.dim;
-    const int64_t r = rh / p.kv_heads, h = rh % p.kv_heads, pos = start + r;
-    kc[slot * p.kc_stride_n + pos * p.kc_stride_l + h * p.kc_stride_h + d] =
-        kn[b * p.kn_stride_b + r * p.kn_stride_r + h * p.kn_stride_h + d];
-    vc[slot * p.vc_stride_n + pos * p.vc_stride_l + h * p.vc_stride_h + d] =
-        vn[b * p.vn_stride_b + r * p.vn_stride_r + h * p.vn_stride_h + d];
+  const int chunks = (p.dim + kUnits - 1) / kUnits;  // per (row, head)
+  const int64_t items = int64_t{kept} * p.kv_heads * chunks;
+  const bool narrow = items <= INT32_MAX;
+  for (int64_t first = threadIdx.x; first < items; first += int64_t{kBatch} * blockDim.x) {
+    AppendChunk<Unit> k_chunk[kBatch], v_chunk[kBatch];
+    Unit* k_dst[kBatch];
+    Unit* v_dst[kBatch];
+    int units[kBatch];
+    bool k_vector[kBatch], v_vector[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t idx = first + int64_t{i} * blockDim.x;
+      units[i] = 0;
+      if (idx >= items) continue;
+      // 32-bit index arithmetic unless the request's rows exceed it (warp-uniform).
+      int64_t rh, r, h;
+      int c;
+      if (narrow) {
+        const uint32_t rh32 = static_cast<uint32_t>(idx) / static_cast<uint32_t>(chunks);
+        c = static_cast<int>(static_cast<uint32_t>(idx) - rh32 * static_cast<uint32_t>(chunks));
+        rh = rh32, r = rh32 / static_cast<uint32_t>(p.kv_heads), h = rh - r * p.kv_heads;
+      } else {
+        c = static_cast<int>(idx % chunks);
+        rh = idx / chunks, r = rh / p.kv_heads, h = rh % p.kv_heads;
+      }
+      const int64_t pos = start + r;
+      const int d = c * kUnits;
+      units[i] = min(kUnits, p.dim - d);
+      const Unit* k_src = kn + b * p.kn_stride_b + r * p.kn_stride_r + h * p.kn_stride_h;
+      const Unit* v_src = vn + b * p.vn_stride_b + r * p.vn_stride_r + h * p.vn_stride_h;
+      k_dst[i] = kc + slot * p.kc_stride_n + pos * p.kc_stride_l + h * p.kc_stride_h;
+      v_dst[i] = vc + slot * p.vc_stride_n + pos * p.vc_stride_l + h * p.vc_stride_h;
+      // Whole rows aligned (row starts and the 16-byte steps within): vector chunks.
+      k_vector[i] = aligned16(k_src, k_dst[i]);
+      v_vector[i] = aligned16(v_src, v_dst[i]);
+      k_dst[i] += d;
+      v_dst[i] += d;
+      k_chunk[i].load(k_src + d, units[i], k_vector[i]);
+      v_chunk[i].load(v_src + d, units[i], v_vector[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (units[i] == 0) continue;
+      k_chunk[i].store(k_dst[i], units[i], k_vector[i]);
+      v_chunk[i].store(v_dst[i], units[i], v_vector[i]);
+    }
   }
   __syncthreads();  // every thread has read cache_seqlens[b] before it changes
   if (threadIdx.x == 0) p.cache_seqlens[b] = start + min(count, p.length - start);  // no overflow
@@ -452,7 +580,7 @@ __global__ void __launch_bounds__(kAttnThreads) append_context_kv_kernel(const A
 template <typename Unit>
 cudaError_t launch_append_context_kv(const AppendParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  DSPARK_LAUNCH(p.batch, kAttnThreads, 0, stream, append_context_kv_kernel<Unit>)(p);
+  DSPARK_LAUNCH(p.batch, kAppendThreads, 0, stream, append_context_kv_kernel<Unit>)(p);
   return cudaGetLastError();
 }
 

@@ -7,21 +7,26 @@
 // markov_draft: one launch of draft_slot_kernel per slot j (G launches, no host work between).
 //   Grid (tiles, request groups): a block takes up to 64 requests and walks 128-row tiles of the
 //   vocabulary. Its prologue gathers the group's bias inputs W1[x_j] (x_j = the anchor, or the token
-//   the previous launch wrote) into shared memory; per tile each warp multiplies 16 rows of W2 by
-//   all of them with mma.sync m16n8k16 (bf16/fp16 in, float32 accumulate; float32 weights use
-//   CUDA-core FMAs in the same register layout), so W2 is read from HBM once per slot for up to 64
-//   requests. The epilogue adds the base logits, stores z = draft_logits, and computes Gumbel-max
-//   keys z/T - log(-log1p(-u)) with Philox uniforms (a lane computes one Philox block and four
-//   lanes trade words by shuffles, so no block is computed twice); an element whose key bound
-//   z/T + 1/u - 1 is below the best key seen so far skips the logarithms. Warp maxima go to shared
-//   memory, block maxima to one packed 64-bit atomicMax per request (key order, then lower id), and
-//   the last block of the group to arrive (threadfence + arrival counter) writes the tokens, which
+//   the previous launch wrote) into shared memory, every thread's loads in flight together; per
+//   tile each warp multiplies 16 rows of W2 by all of them with mma.sync m16n8k16 (bf16/fp16 in,
+//   float32 accumulate; float32 weights use CUDA-core FMAs in the same register layout), so W2 is
+//   read from HBM once per slot for up to 64 requests. The epilogue (base logits of the kernel's
+//   Base type) adds the base logits, stores z = draft_logits, and computes Gumbel-max keys
+//   z/T - log(-log1p(-u)) with Philox uniforms (a lane computes one Philox block and a 4 x 4
+//   transpose by shuffles hands each lane its words, so no block is computed twice). A token's
+//   logarithms are needed only when a cheap exact bound of its key (key_bound: no logarithm)
+//   reaches the best key known so far; a warp computes them only when one of its lanes needs them
+//   (a warp vote), which after the first tiles is rare. Warp maxima go straight to the slot's
+//   packed 64-bit maxima in global memory (atomicMax, key order then lower id; only where they can
+//   still win), and each block folds the grid's maxima into its shared best keys once per tile.
+//   The last block of the group to arrive (threadfence + arrival counter) writes the tokens, which
 //   the next slot's launch reads. A persistent kernel with a grid barrier per slot would save
 //   G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
 // rnn_draft: per slot, rnn_head_kernel computes [g; c; o] = J [s; W1[x]; h] + b for every request
-//   (each warp 4 rows of J x 8 requests, float32), then draft_slot_kernel runs as above with the
-//   activation tanh(o) split into a high and a low 16-bit part (two MMAs against the same W2
-//   fragments: ~16-bit mantissa instead of 8), and its first block per group advances the state.
+//   (each warp 4 rows of J x 8 requests, float32, four k steps' loads in flight), then
+//   draft_slot_kernel runs as above with the activation tanh(o) split into a high and a low 16-bit
+//   part (two MMAs against the same W2 fragments: ~16-bit mantissa instead of 8), and its blocks
+//   advance the state.
 // Sampling filters (top-k / top-p / min-p): after each slot launch, draft_filter_kernel gives every
 //   filtered request one block that computes the filters over its stored row (kernels/filter.cuh),
 //   writes -inf into draft_logits where they drop a token and redraws the token over the kept ones
@@ -84,11 +89,11 @@ template <> __device__ __forceinline__ __half from_float(float v) { return __flo
 struct DraftParams {
   const void* w1;  // [V, r] of type W, unit stride along r
   int64_t w1_stride;
+  bool w1_aligned;  // rows start 16-byte aligned: vector gathers
   const void* w2;  // [V, r] of type W, unit stride along r
   int64_t w2_stride;
   bool w2_aligned;  // rows start 16-byte aligned: vector fragment loads
-  const void* base;  // [B, G, V], unit stride along V, LogitType base_type
-  int base_type;
+  const void* base;  // [B, G, V] of the kernel's Base type, unit stride along V
   int64_t base_stride_b, base_stride_j;
   const void* anchor;  // int32 or int64 [B]
   bool anchor_int32;
@@ -254,37 +259,54 @@ __device__ __forceinline__ void tile_products<float, 1>(const DraftParams& p, in
 // ------------------------------------------------------------------------------------------------
 // Epilogue helpers.
 
-__device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int mask) {
-  const uint32_t lo = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v), mask);
-  const uint32_t hi = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), mask);
-  return (static_cast<unsigned long long>(hi) << 32) | lo;
-}
+// A lane's warp index, through a shuffle so the compiler knows it is warp-uniform (branches on it
+// then keep the warp converged, and the epilogue's shuffles need no divergence handling).
+__device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0); }
 
 __device__ __forceinline__ uint32_t select_word(const Philox4& x, int i) {
   return i == 0 ? x.x[0] : i == 1 ? x.x[1] : i == 2 ? x.x[2] : x.x[3];
 }
 
-// The key of a packed candidate (the inverse of pack_candidate's order map); -inf for none.
-__device__ __forceinline__ float candidate_key(unsigned long long packed) {
-  if (packed == 0) return -INFINITY;
-  const uint32_t ordered = static_cast<uint32_t>(packed >> 32);
+// The key of an ordered word (pack_candidate's high half); -inf for 0, "no candidate".
+__device__ __forceinline__ float ordered_key(uint32_t ordered) {
+  if (ordered == 0) return -INFINITY;
   return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+
+// An upper bound of the Gumbel key zt - log(E), E = -log1p(-u), for u in [2^-33, 1), without a
+// logarithm: E >= u, and log2(u) = e + log2(m) >= e + m - 1 for u = m 2^e, m in [1, 2) (log2 is
+// concave), which is u's bit pattern read as an integer times 2^-23, minus 127; so
+// -log(E) <= 127 ln 2 - (ln 2) 2^-23 bits(u), within 0.06 of -log(u). Its float rounding
+// (< 2e-5 + 2e-7 |zt|) and the key's (logf, log1pf: < 3e-5 + 3e-7 |zt|) are far inside the
+// margin of the threshold the bound is compared with (tile_epilogue).
+__device__ __forceinline__ float key_bound(float zt, float u) {
+  constexpr float kLn2Ulp = 0x1.62e42ep-24f;  // (ln 2) 2^-23, rounded down
+  constexpr float k127Ln2 = 0x1.601e68p+6f;   // 127 ln 2, rounded up
+  return fmaf(static_cast<float>(__float_as_uint(u)), -kLn2Ulp, zt + k127Ln2);
 }
 
 struct GroupSampling {
   float inv_t[kMaxGroup];
   int64_t seed[kMaxGroup];
   int64_t position[kMaxGroup];  // p0 + 1 + j
+  int64_t source[kMaxGroup];    // W1 row (Markov) or request (RNN) of the bias input; -1: zero
+  const void* base_row[kMaxGroup];  // base_logits[b, j] (of the kernel's Base type)
+  float* out_row[kMaxGroup];        // draft_logits[b, j]
+  // Best key known so far per request as pack_candidate's high word (0: none): this block's own
+  // and, refreshed every tile, the grid's. A token whose key is below it cannot win.
+  uint32_t seen[kMaxGroup];
   bool greedy[kMaxGroup];
-  unsigned long long best[kMaxGroup];
   bool any_sampled;
 };
 
 // Fills the group's bias inputs (kPasses planes of [group, stride] W values) and sampling state.
-template <typename W, bool kRnn>
+// Each thread resolves one request's source first, then all loads of the rows are independent:
+// one round trip for the whole gather instead of a few per request.
+template <typename W, typename Base, bool kRnn>
 __device__ void load_group(const DraftParams& p, int first, int members, W* inputs, int stride,
                            GroupSampling& s) {
   constexpr int kPasses = input_passes<W, kRnn>();
+  constexpr int kBatch = 8;  // loads in flight per thread
   const int plane = p.group_size;
   const int width = padded_rank(p.rank);
   for (int i = threadIdx.x; i < p.group_size; i += blockDim.x) {
@@ -294,25 +316,74 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
     s.inv_t[i] = s.greedy[i] ? 1.f : 1.f / temperature;
     s.seed[i] = i < members ? p.seed[b] : 0;
     s.position[i] = i < members ? p.position[b] + 1 + p.slot : 0;
-    s.best[i] = 0;
-  }
-  // One warp per request row: the row's source is resolved once, its loads are independent.
-  for (int i = threadIdx.x >> 5; i < p.group_size; i += kDraftWarps) {
-    const int b = first + i;
-    const float* o = nullptr;
-    const W* embedding = nullptr;
-    if (i < members && kRnn) o = p.preactivation + (int64_t{b} * 3 + 2) * p.rank;
+    s.seen[i] = 0;
+    s.base_row[i] = i < members ? static_cast<const Base*>(p.base) + int64_t{b} * p.base_stride_b +
+                                      int64_t{p.slot} * p.base_stride_j
+                                : nullptr;
+    s.out_row[i] = i < members ? p.draft_logits + (int64_t{b} * p.block + p.slot) * p.vocab : nullptr;
+    int64_t source = -1;
+    if (i < members && kRnn) source = b;
     if (i < members && !kRnn) {
       const int64_t x = previous_token(p, b);
-      if (x >= 0 && x < p.vocab) embedding = static_cast<const W*>(p.w1) + x * p.w1_stride;
+      if (x >= 0 && x < p.vocab) source = x;
     }
-#pragma unroll 4
-    for (int k = threadIdx.x & 31; k < width; k += 32) {
-      float value = 0.f;
-      if (k < p.rank) value = o ? tanhf(o[k]) : embedding ? to_float(embedding[k]) : 0.f;
-      const W hi = from_float<W>(value);
-      inputs[i * stride + k] = hi;
-      if (kPasses == 2) inputs[(plane + i) * stride + k] = from_float<W>(value - to_float(hi));
+    s.source[i] = source;
+  }
+  __syncthreads();
+  const int threads = blockDim.x;
+  // 16-byte rows of W1: one vector load per 16 bytes (a chunk past the rank is partly zero).
+  constexpr int kVec = 16 / int{sizeof(W)};
+  if (!kRnn && p.w1_aligned) {
+    const int chunks = width / kVec, items = p.group_size * chunks;
+    for (int base = threadIdx.x; base < items; base += kBatch * threads) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int idx = base + j * threads, i = idx / chunks, k = (idx % chunks) * kVec;
+        v[j] = make_uint4(0, 0, 0, 0);
+        const int64_t x = idx < items ? s.source[i] : -1;
+        if (x < 0 || k >= p.rank) continue;
+        const W* row = static_cast<const W*>(p.w1) + x * p.w1_stride + k;
+        if (k + kVec <= p.rank) {
+          v[j] = __ldg(reinterpret_cast<const uint4*>(row));
+        } else {
+          W* e = reinterpret_cast<W*>(&v[j]);
+          for (int m = 0; m < kVec && k + m < p.rank; ++m) e[m] = row[m];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int idx = base + j * threads;
+        if (idx < items) {
+          *reinterpret_cast<uint4*>(inputs + (idx / chunks) * stride + (idx % chunks) * kVec) = v[j];
+        }
+      }
+    }
+  } else {
+    const int items = p.group_size * width;
+    for (int base = threadIdx.x; base < items; base += kBatch * threads) {
+      float value[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int idx = base + j * threads, i = idx / width, k = idx % width;
+        const int64_t source = idx < items ? s.source[i] : -1;
+        value[j] = 0.f;
+        if (source < 0 || k >= p.rank) continue;
+        if (kRnn) {
+          value[j] = __ldg(p.preactivation + (source * 3 + 2) * p.rank + k);
+        } else {
+          value[j] = to_float(static_cast<const W*>(p.w1)[source * p.w1_stride + k]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int idx = base + j * threads, i = idx / width, k = idx % width;
+        if (idx >= items) continue;
+        const float v = kRnn ? tanhf(value[j]) : value[j];  // tanh(0) = 0 for the padding
+        const W hi = from_float<W>(v);
+        inputs[i * stride + k] = hi;
+        if (kPasses == 2) inputs[(plane + i) * stride + k] = from_float<W>(v - to_float(hi));
+      }
     }
   }
   __syncthreads();
@@ -324,95 +395,134 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
   __syncthreads();
 }
 
-// Stores z and folds the keys of one 16-row x 8-request accumulator tile into s.best.
-__device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0, int first,
-                                              int members, int nt, const float (&c)[4],
-                                              GroupSampling& s) {
+// A relaxed read of a shared word that other threads update atomically.
+__device__ __forceinline__ uint32_t load_relaxed(const uint32_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *static_cast<const volatile uint32_t*>(p);  // one LDS (an atomic_ref load is generic)
+#else
+  return cuda::atomic_ref<uint32_t, cuda::thread_scope_block>(*const_cast<uint32_t*>(p))
+      .load(cuda::memory_order_relaxed);
+#endif
+}
+
+// Stores z and folds the keys of one 16-row x 8-request accumulator tile into the slot's maxima
+// (`best`, in global memory) and s.seen. `any_sampled` is warp-uniform.
+template <typename Base>
+__device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0, int members,
+                                              int nt, const float (&c)[4], bool any_sampled,
+                                              GroupSampling& s, unsigned long long* best_out) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, quad = g & 3;
-  // Philox: lane with quad position m computes block m of its quad's four, m = (rows g+8?, request
-  // 2t+1?), and the quad trades words so each lane holds word `quad` (its row's) of all four.
+  // Philox: the lane at quad position m computes block m of its quad's four, m = (rows g+8?,
+  // request 2t+1?); two butterfly stages transpose the quad's 4 x 4 words, so each lane ends with
+  // word `quad` (its row's) of all four blocks.
   float u[4] = {0.5f, 0.5f, 0.5f, 0.5f};
-  if (s.any_sampled) {
+  if (any_sampled) {
     const int i_m = nt * 8 + 2 * t + (quad & 1);
     const int64_t v_m = row0 + (g & ~3) + 8 * (quad >> 1);
     const Philox4 block = philox_block(s.seed[i_m], s.position[i_m], kPurposeDraft,
                                        static_cast<uint32_t>(v_m >> 2));
+    uint32_t x[4] = {block.x[0], block.x[1], block.x[2], block.x[3]};
 #pragma unroll
-    for (int round = 0; round < 4; ++round) {
-      // Receiver at quad position q reads the lane at q ^ round, which sends word (its q) ^ round.
-      const uint32_t word = select_word(block, quad ^ round);
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, word, round << 2);
-      const float value = uniform_from_bits(got);  // from the block of quad position quad ^ round
+    for (int stage = 1; stage <= 2; stage <<= 1) {
+      const bool upper = (quad & stage) != 0;
 #pragma unroll
-      for (int m = 0; m < 4; ++m) u[m] = (quad ^ round) == m ? value : u[m];  // stays in registers
+      for (int r = 0; r < 4; ++r) {
+        if (r & stage) continue;
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? x[r] : x[r | stage], stage << 2);
+        x[r] = upper ? got : x[r];
+        x[r | stage] = upper ? x[r | stage] : got;
+      }
     }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) u[m] = uniform_from_bits(x[m]);
   }
-  // The best keys so far of this lane's two requests (read atomically: other warps update them).
-  float seen_key[2] = {-INFINITY, -INFINITY};
+  // Per request q of the lane (2t + q): its state, and the threshold below which a key bound
+  // proves a token cannot win: the best key seen so far less a margin far above the float rounding
+  // of the bound and of the key (ties are kept: the lower id would win those).
+  bool member[2], greedy[2];
+  float inv_t[2], threshold[2];
+  uint32_t seen[2];
+  float* out_row[2];
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int i = nt * 8 + 2 * t + q;
-    if (s.any_sampled && i < members) {
-      seen_key[q] = candidate_key(
-          cuda::atomic_ref<unsigned long long, cuda::thread_scope_block>(s.best[i]).load(
-              cuda::memory_order_relaxed));
-    }
+    member[q] = i < members;
+    greedy[q] = s.greedy[i];
+    inv_t[q] = s.inv_t[i];  // 1 when greedy: z * inv_t = z
+    seen[q] = load_relaxed(&s.seen[i]);
+    const float seen_key = ordered_key(seen[q]);
+    // -inf while none is known; +inf when a key overflowed (only +inf keys can win, by their id).
+    threshold[q] = seen_key == INFINITY ? INFINITY : seen_key - 1e-4f * (1.f + fabsf(seen_key));
+    out_row[q] = s.out_row[i];
   }
   // The four base logits first, so their loads are in flight together.
   float base[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int i = nt * 8 + 2 * t + (e & 1);
-    const int64_t v = row0 + g + 8 * (e >> 1);
-    base[e] = i < members && v < p.vocab
-                  ? load_float(p.base, p.base_type,
-                               (first + i) * p.base_stride_b + p.slot * p.base_stride_j + v)
-                  : 0.f;
+    const int h = e >> 1, q = e & 1;
+    const int64_t v = row0 + g + 8 * h;
+    const Base* row = static_cast<const Base*>(s.base_row[nt * 8 + 2 * t + q]);
+    base[e] = member[q] && v < p.vocab ? to_float(__ldg(row + v)) : 0.f;
   }
-  unsigned long long best[2] = {0, 0};
+  float key[4];
+  bool needs_log[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q
-    const int i = nt * 8 + 2 * t + q;
+    const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q; u[e] is its uniform
     const int64_t v = row0 + g + 8 * h;
-    if (i >= members || v >= p.vocab) continue;
-    const int b = first + i;
+    const bool valid = member[q] && v < p.vocab;
     const float z = c[e] + base[e];
-    p.draft_logits[(int64_t{b} * p.block + p.slot) * p.vocab + v] = z;
-    if (!isfinite(z)) continue;
-    float key;
-    if (s.greedy[i]) {
-      key = z;
-    } else {
-      // u of (row, request) is block m = 2h + q, word `quad`.
-      const float uu = u[2 * h + q];
-      const float zt = z * s.inv_t[i];
-      // key = zt - log(E) <= zt - log(u) <= zt + 1/u - 1 (E >= u): skip the logarithms when even
-      // that bound is clearly below the best key seen so far; near-ties are always computed.
-      const float seen = seen_key[q];
-      const float bound = zt + (1.f / uu - 1.f);
-      if (bound + 1e-4f * (1.f + fabsf(zt) + fabsf(seen)) < seen) continue;
-      key = zt - logf(-log1pf(-uu));
-    }
-    if (!(key > -INFINITY)) continue;  // -inf (z / T overflowing) and NaN keys never win
-    const unsigned long long packed = pack_candidate(key, static_cast<int32_t>(v));
-    best[q] = packed > best[q] ? packed : best[q];
+    if (valid) out_row[q][v] = z;
+    const bool finite = valid && isfinite(z);
+    const float zt = z * inv_t[q];
+    const bool may_win = key_bound(zt, u[e]) >= threshold[q];
+    needs_log[e] = finite && !greedy[q] && may_win;
+    key[e] = finite && (greedy[q] || may_win) ? zt : -INFINITY;
   }
-  // Reduce over the 8 lanes of each t (rows), then lanes 0..3 publish requests 2t, 2t + 1.
+  // The logarithms only when some lane needs them: once the best keys are established, most warps
+  // skip them as a whole.
+  if (__any_sync(0xffffffffu, needs_log[0] || needs_log[1] || needs_log[2] || needs_log[3])) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (needs_log[e]) key[e] = key[e] - logf(-log1pf(-u[e]));
+    }
+  }
+  // Per request: the lane's better row (row g wins ties: the lower id), a candidate where it can
+  // still win against the best key seen ("-inf": none, z / T overflowing; keys are never NaN).
+  float best_key[2];
+  int32_t best_id[2];
+  bool can_win[2];
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
+    const bool upper_row = key[2 + q] > key[q];
+    best_key[q] = upper_row ? key[2 + q] : key[q];
+    best_id[q] = static_cast<int32_t>(row0 + g + (upper_row ? 8 : 0));
+    can_win[q] = best_key[q] > -INFINITY && best_key[q] >= ordered_key(seen[q]);
+  }
+  // Once the best keys are established almost no warp has such a candidate: it skips the
+  // reductions. Else over the 8 lanes of each t (rows) in two 32-bit steps: the largest key, then
+  // the lowest id (largest low word) among the lanes holding it; lanes 0..3 publish requests
+  // 2t, 2t + 1.
+  if (!__any_sync(0xffffffffu, can_win[0] || can_win[1])) return;
 #pragma unroll
-    for (int mask = 4; mask < 32; mask <<= 1) {
-      const unsigned long long other = shfl_xor_u64(best[q], mask);
-      best[q] = other > best[q] ? other : best[q];
-    }
+  for (int q = 0; q < 2; ++q) {
+    const unsigned long long packed = can_win[q] ? pack_candidate(best_key[q], best_id[q]) : 0ull;
+    uint32_t hi = static_cast<uint32_t>(packed >> 32);
+#pragma unroll
+    for (int mask = 4; mask < 32; mask <<= 1) hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, mask));
+    uint32_t lo = static_cast<uint32_t>(packed >> 32) == hi ? static_cast<uint32_t>(packed) : 0u;
+#pragma unroll
+    for (int mask = 4; mask < 32; mask <<= 1) lo = max(lo, __shfl_xor_sync(0xffffffffu, lo, mask));
     const int i = nt * 8 + 2 * t + q;
-    if (g == 0 && best[q] != 0 && i < members) atomicMax(&s.best[i], best[q]);
+    if (g == 0 && member[q] && hi != 0) {
+      atomicMax(best_out + i, (static_cast<unsigned long long>(hi) << 32) | lo);
+      atomicMax(&s.seen[i], hi);
+    }
   }
 }
 
 // One slot of the block walk (see the file header).
-template <typename W, bool kRnn>
+template <typename W, typename Base, bool kRnn>
 __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const DraftParams p) {
   constexpr int kPasses = input_passes<W, kRnn>();
   DSPARK_EXTERN_SHARED(unsigned char, shared_raw);
@@ -423,28 +533,37 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   const int first = group * p.group_size;
   const int members = min(p.group_size, p.batch - first);
   const int stride = input_stride<W>(padded_rank(p.rank));
-  load_group<W, kRnn>(p, first, members, inputs, stride, s);
+  load_group<W, Base, kRnn>(p, first, members, inputs, stride, s);
+  const bool any_sampled = __any_sync(0xffffffffu, s.any_sampled);  // warp-uniform to the compiler
+  unsigned long long* best = p.best + int64_t{p.slot} * p.batch;
 
   const int column_tiles = (members + 7) / 8;
-  const int warp = threadIdx.x >> 5;
+  const int warp = warp_index();
   for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
+    // The grid's best keys so far (other blocks publish theirs as they go), loaded before the
+    // products and folded into s.seen after them, so the load's latency is hidden.
+    unsigned long long grid_best = 0;
+    if (any_sampled && static_cast<int>(threadIdx.x) < members) {
+      grid_best = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>(
+                      best[first + threadIdx.x])
+                      .load(cuda::memory_order_relaxed);
+    }
     const int64_t row0 = int64_t{tile} * kTileRows + 16 * warp;
-    if (row0 >= p.vocab) continue;
     float acc[kMaxGroup / 8][4] = {};
-    tile_products<W, kPasses>(p, row0, inputs, stride, p.group_size, column_tiles, acc);
+    if (row0 < p.vocab) {
+      tile_products<W, kPasses>(p, row0, inputs, stride, p.group_size, column_tiles, acc);
+    }
+    if (grid_best != 0) atomicMax(&s.seen[threadIdx.x], static_cast<uint32_t>(grid_best >> 32));
+    if (row0 >= p.vocab) continue;
 #pragma unroll
     for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
       if (nt >= column_tiles) break;
-      tile_epilogue(p, row0, first, members, nt, acc[nt], s);
+      tile_epilogue<Base>(p, row0, members, nt, acc[nt], any_sampled, s, best + first);
     }
   }
-  __syncthreads();
 
-  // Publish the block's best per request; the last block of the group writes the tokens.
-  unsigned long long* best = p.best + int64_t{p.slot} * p.batch;
-  for (int i = threadIdx.x; i < members; i += blockDim.x) {
-    if (s.best[i] != 0) atomicMax(best + first + i, s.best[i]);
-  }
+  // The last block of the group to arrive writes the tokens (every thread's maxima are fenced
+  // before the barrier that precedes the arrival).
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -564,6 +683,7 @@ __global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftPara
   for (int q = 0; q < kHeadRequests; ++q) x[q] = b0 + q < p.batch ? previous_token(p, b0 + q) : -1;
   // The input [s; W1[x]; h] in three segments, so each k step's loads are issued together.
   const auto segment = [&](int k0, int k1, auto&& input) {
+#pragma unroll 4
     for (int k = k0 + lane; k < k1; k += 32) {
       float weight[kHeadRowsPerWarp], in[kHeadRequests];
 #pragma unroll
@@ -605,7 +725,7 @@ __global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftPara
 
 // Blocks of draft_slot_kernel resident per SM on the current device (a host query, cached per
 // instantiation, device and shared-memory size).
-template <typename W, bool kRnn>
+template <typename W, typename Base, bool kRnn>
 int draft_blocks_per_sm(int device, int shared_bytes) {
   static std::mutex mutex;
   static std::map<std::pair<int, int>, int> cache;
@@ -613,7 +733,7 @@ int draft_blocks_per_sm(int device, int shared_bytes) {
   const auto found = cache.find({device, shared_bytes});
   if (found != cache.end()) return found->second;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, draft_slot_kernel<W, kRnn>, kDraftThreads,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, draft_slot_kernel<W, Base, kRnn>, kDraftThreads,
                                                     shared_bytes) != cudaSuccess) {
     (void)cudaGetLastError();  // the query's own error; nothing else is pending at this point
     n = 2;
@@ -623,7 +743,7 @@ int draft_blocks_per_sm(int device, int shared_bytes) {
 
 // Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).
 // `grid_tiles` blocks per group walk the p.num_tiles vocabulary tiles.
-template <typename W, bool kRnn>
+template <typename W, typename Base, bool kRnn>
 cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
   const int groups = (p.batch + p.group_size - 1) / p.group_size;
   const int shared_bytes = draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
@@ -638,7 +758,7 @@ cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
       if (error != cudaSuccess) return error;
     }
     DSPARK_LAUNCH(dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream,
-                  draft_slot_kernel<W, kRnn>)(p);
+                  draft_slot_kernel<W, Base, kRnn>)(p);
     cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
     if (has_filters(p)) {

@@ -81,6 +81,20 @@ using atomic_int_t = std::enable_if_t<std::is_integral_v<T> && (sizeof(T) == 4 |
 #define __shfl_down_sync(...) ::dspark_sim::shfl(DSPARK_SIM_SITE, ::dspark_sim::ShuffleKind::kDown, __VA_ARGS__)
 #define __shfl_xor_sync(...) ::dspark_sim::shfl(DSPARK_SIM_SITE, ::dspark_sim::ShuffleKind::kXor, __VA_ARGS__)
 
+// __any_sync over a full warp (the kernels vote with all 32 lanes only): an OR butterfly of xor
+// shuffles, so every lane must arrive, as at a hardware vote. A partial mask traps.
+namespace dspark_sim {
+inline int vote_any(Site site, unsigned mask, int predicate) {
+  if (mask != 0xffffffffu) trap(site);
+  int any = predicate != 0;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    any |= shfl(site, ShuffleKind::kXor, mask, any, offset);
+  }
+  return any;
+}
+}  // namespace dspark_sim
+#define __any_sync(...) ::dspark_sim::vote_any(DSPARK_SIM_SITE, __VA_ARGS__)
+
 template <typename T>
 inline dspark_sim::atomic_int_t<T> atomicAdd(T* address, T value) {
   return dspark_sim::atomic_update(address, [&](T old) { return static_cast<T>(old + value); });

@@ -107,6 +107,20 @@ __global__ void __launch_bounds__(64) warp_sum_kernel(const float* x, int n, flo
   if (t % 32 == 0) out[t / 32] = v;
 }
 
+// Correct: out[t] = __any_sync over t's warp of (x[lane] > 0), lanes at or past n voting false.
+__global__ void __launch_bounds__(64) warp_any_kernel(const float* x, int n, float* out) {
+  const int t = threadIdx.x;
+  out[t] = __any_sync(0xffffffffu, t < n && x[t] > 0.f) ? 1.f : 0.f;
+}
+
+// Defect: half the lanes of each warp skip the vote their full mask names.
+__global__ void __launch_bounds__(64) vote_missing_lanes_kernel(const float* x, int n, float* out) {
+  const int t = threadIdx.x;
+  float v = 0.f;
+  if (t % 32 < 16) v = __any_sync(0xffffffffu, t < n && x[t] > 0.f) ? 1.f : 0.f;
+  out[t] = v;
+}
+
 // Defect: half the lanes named by a full mask never reach the shuffle.
 __global__ void __launch_bounds__(64) shuffle_missing_lanes_kernel(const float* x, int n, float* out) {
   const int t = threadIdx.x;
@@ -183,6 +197,8 @@ at::Tensor selftest(const std::string& name, const at::Tensor& x, int64_t n) {
   DSPARK_SELFTEST(different_barriers, 1, kThreads, 0)
   DSPARK_SELFTEST(warp_sum, 1, kThreads, 0)
   DSPARK_SELFTEST(shuffle_missing_lanes, 1, kThreads, 0)
+  DSPARK_SELFTEST(warp_any, 1, kThreads, 0)
+  DSPARK_SELFTEST(vote_missing_lanes, 1, kThreads, 0)
   DSPARK_SELFTEST(shuffle_outside_mask, 1, kThreads, 0)
   DSPARK_SELFTEST(global_race, 1, kThreads, 0)
   DSPARK_SELFTEST(global_atomic, 1, kThreads, 0)
