@@ -36,6 +36,11 @@ write as a user would vectorise it: boolean-mask ``index_put_`` and a clamped le
 Each timed call first restores ``cache_seqlens``, so every call appends at the same place;
 ``match`` says whether the caches and lengths equal the reference's.
 
+On CPU one more row per dtype, ``busy``, times ``B = 4, ctx = 4k`` while another process runs
+2-thread PyTorch matmuls (:func:`busy_machine`), the case of a shared machine: a kernel that nests
+parallel regions (ATen GEMMs inside ``at::parallel_for`` tasks) oversubscribes the cores there
+and slows down by orders of magnitude.
+
 docs/semantics.md §4 asks the CPU kernel to be at least as fast as the masked-SDPA reference;
 the ``target`` column judges that at ``B = 4, ctx = 4k`` (both dtypes). On a GPU whose build has
 no CUDA kernel for an op, ``ours`` is reported as not built and left out; the other competitors
@@ -48,9 +53,11 @@ Run from the repository root: ``python bench/bench_attention.py [--quick] [--dev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import inspect
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,6 +87,8 @@ CPU_PLAN = dict(batches=(1, 4), contexts=(1024, 4096), dtypes=(torch.float32, to
                 append_batches=(4,), append_context=4096)
 CPU_QUICK = dict(batches=(4,), contexts=(4096,), dtypes=(torch.float32, torch.bfloat16),
                  append_batches=(4,), append_context=4096)
+# CPU: the shape timed again while another process keeps two threads busy.
+CPU_BUSY_SHAPE = (4, 4096)
 
 # docs/semantics.md §4: on CPU the op must be at least as fast as the masked-SDPA reference;
 # judged here.
@@ -290,6 +299,36 @@ def _flash_factory() -> Optional[Callable[[AttentionCase], Dict[str, Optional[Ca
 # Measurement
 
 
+# A 2-thread PyTorch process doing matmuls until it is stopped.
+_BUSY_SCRIPT = """
+import torch
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+print("ready", flush=True)
+while True:
+    a = torch.tanh(a @ a)
+"""
+
+
+@contextlib.contextmanager
+def busy_machine():
+    """Runs :data:`_BUSY_SCRIPT` in a subprocess for the duration of the block (started and
+    warm before the block begins, stopped after it)."""
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_SCRIPT], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        proc.stdout.readline()  # "ready"
+        time.sleep(0.2)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _timings(device: torch.device, quick: bool) -> Timing:
     return Timing.for_device(device, quick, cpu_seconds=(0.3, 0.2), cpu_quick_seconds=(0.15, 0.1))
 
@@ -473,6 +512,16 @@ def run(device: torch.device, quick: bool = False, use_anchors: bool = True,
                 row = bench_attention(case, device, timing, flash, copy_gbps)
                 del case
                 done(row, started)
+        if device.type == "cpu":
+            started = time.perf_counter()
+            seed += 1
+            batch, context = CPU_BUSY_SHAPE
+            case = make_attention_inputs(batch, context, dtype, device=device, seed=seed)
+            with busy_machine():
+                row = bench_attention(case, device, timing, flash, copy_gbps)
+            row.variant += " busy"
+            del case
+            done(row, started)
         for batch in p["append_batches"]:
             started = time.perf_counter()
             seed += 1

@@ -2,7 +2,8 @@
 against the reference, tokens only ever from the kept set, draft_logits -inf exactly where a
 filter drops a token, "off" values identical to no filter, the drafts distributed as the filtered
 softmax (chi-square, shown to reject the unfiltered distribution), the lossless hand-off to
-verify with the same filters, and the argument checks."""
+verify with the same filters, filter decisions within the CPU float32 head's bound redone in
+float64, and the argument checks."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from test_draft import (
     generator,
     logits_tolerance,
     make_case,
+    near_tie_case,
     stable_seed,
     teacher_forced_logits,
+    with_bound_scale,
 )
 
 # Per-request settings, some off, cycled over the batch.
@@ -114,6 +117,36 @@ def test_boundary_ties_are_kept(device):
         assert torch.equal(torch.isfinite(got.draft_logits[b]), z[b] >= kth)
     top_p = dict(top_p=torch.tensor([0.01, 0.3, 0.5, 0.7, 0.9, 0.99], device=device))
     check_filtered_against_reference(case, top_p)
+
+
+# (filters, spread of the logits: 0 = all within ~1e-3, s > 0 = distinct over [3, 3 + s)).
+NEAR_TIE_FILTERS = {
+    "top_k": (dict(top_k=5), 0.0),
+    "top_p": (dict(top_p=0.5), 1.0),
+    "min_p": (dict(min_p=0.5), 1.0),
+    "all": (dict(top_k=100, top_p=0.9, min_p=0.3), 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_TIE_FILTERS))
+def test_cpu_filter_near_ties_fall_back_to_the_exact_head(monkeypatch, name):
+    # 512 logits within ~1e-3 of each other, or spread over [3, 3 + s) with float32 errors (~2e-3)
+    # above their spacing, sampled at T = 1: the filters' boundaries (the k-th logit, the top-p
+    # mass, w >= min_p) fall among tokens the float32 head cannot order, so the CPU kernel redoes
+    # these rows in float64.
+    settings, spread = NEAR_TIE_FILTERS[name]
+    case = near_tie_case(0.0, stable_seed("filter-near-tie", name), dtype=torch.float32,
+                         spread=spread)
+    case = case.replace(temperature=torch.ones_like(case.temperature))
+    batch = case.base_logits.shape[0]
+    filters = {k: torch.full((batch,), v, dtype=torch.int32 if k == "top_k" else torch.float32)
+               for k, v in settings.items()}
+    expected = case.call(reference, **filters)
+    check_filtered_against_reference(case, filters)
+    # With a bound of 0 the float32 head's own filter decisions are taken: other kept sets.
+    broken = with_bound_scale(monkeypatch, "0", lambda: case.call(**filters))
+    assert not torch.equal(torch.isfinite(broken.draft_logits),
+                           torch.isfinite(expected.draft_logits))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,18 +1,23 @@
 // CPU kernels of the attention family (docs/semantics.md §3.5): block_draft_attention and
 // append_context_kv.
 //
-// block_draft_attention: one task per (request, KV head) (at::parallel_for). The G * Hq/Hkv query
-// rows that share the KV head are held as float32 and every key/value row is converted once and
-// used by all of them: keys in tiles of 256, scores and value accumulation as float32 GEMMs
-// (ATen's mm, single-threaded inside the task), online softmax (running max and sum per row).
-// Context rows are read in place from the request's cache row; the block's own keys come last
-// and are never written anywhere.
+// block_draft_attention: one task per (request, KV head) (at::parallel_for, the only level of
+// parallelism: everything inside a task is single-threaded, so a busy machine slows it down
+// gracefully instead of oversubscribing threads). The G * Hq/Hkv query rows that share the KV
+// head are held as float32 and every key/value row is converted once and used by all of them:
+// keys in tiles of 256 (stored transposed, so the score micro-kernel broadcasts query elements
+// against eight keys at a time), values row-major for the P.V micro-kernel, both register-blocked
+// four rows by sixteen columns; online softmax (running max and sum per row). Context rows are read
+// in place from the request's cache row; the block's own keys come last and are never written
+// anywhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "../args/attention_args.h"
@@ -27,12 +32,77 @@ constexpr int64_t kKeyTile = 256;
 
 template <typename T>
 void to_float(const T* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t i = 0;
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      Vec v;
+      at::vec::load_to_float<T>(src + i, v);
+      v.store(dst + i);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+constexpr int64_t kRowBlock = 4;   // query rows per micro-kernel call
+constexpr int64_t kColBlock = 16;  // two float vectors of keys or value columns
+
+// scores[r][n] = q[r] . k[n] for r < rows (a multiple of kRowBlock) and n < cols (a multiple of
+// kColBlock), with kt the key tile transposed: kt[d * ld + n].
+void score_tile(const float* q, int64_t rows, int64_t dim, const float* kt, int64_t ld,
+                int64_t cols, float* scores) {
+  for (int64_t r = 0; r < rows; r += kRowBlock) {
+    for (int64_t n = 0; n < cols; n += kColBlock) {
+      Vec acc[kRowBlock][2];
+      for (auto& row : acc) row[0] = row[1] = Vec(0.f);
+      for (int64_t d = 0; d < dim; ++d) {
+        const Vec k0 = Vec::loadu(kt + d * ld + n), k1 = Vec::loadu(kt + d * ld + n + Vec::size());
+        for (int64_t i = 0; i < kRowBlock; ++i) {
+          const Vec x(q[(r + i) * dim + d]);
+          acc[i][0] = at::vec::fmadd(x, k0, acc[i][0]);
+          acc[i][1] = at::vec::fmadd(x, k1, acc[i][1]);
+        }
+      }
+      for (int64_t i = 0; i < kRowBlock; ++i) {
+        acc[i][0].store(scores + (r + i) * ld + n);
+        acc[i][1].store(scores + (r + i) * ld + n + Vec::size());
+      }
+    }
+  }
+}
+
+// acc[r] += sum_n p[r][n] v[n] for r < rows (a multiple of kRowBlock), n < keys, dim a multiple
+// of kColBlock; p rows of stride ld.
+void accumulate_tile(const float* p, int64_t ld, int64_t rows, int64_t keys, const float* v,
+                     int64_t dim, float* acc) {
+  for (int64_t r = 0; r < rows; r += kRowBlock) {
+    for (int64_t d = 0; d < dim; d += kColBlock) {
+      Vec sum[kRowBlock][2];
+      for (int64_t i = 0; i < kRowBlock; ++i) {
+        sum[i][0] = Vec::loadu(acc + (r + i) * dim + d);
+        sum[i][1] = Vec::loadu(acc + (r + i) * dim + d + Vec::size());
+      }
+      for (int64_t n = 0; n < keys; ++n) {
+        const Vec v0 = Vec::loadu(v + n * dim + d), v1 = Vec::loadu(v + n * dim + d + Vec::size());
+        for (int64_t i = 0; i < kRowBlock; ++i) {
+          const Vec x(p[(r + i) * ld + n]);
+          sum[i][0] = at::vec::fmadd(x, v0, sum[i][0]);
+          sum[i][1] = at::vec::fmadd(x, v1, sum[i][1]);
+        }
+      }
+      for (int64_t i = 0; i < kRowBlock; ++i) {
+        sum[i][0].store(acc + (r + i) * dim + d);
+        sum[i][1].store(acc + (r + i) * dim + d + Vec::size());
+      }
+    }
+  }
 }
 
 template <typename T>
 void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
   const int64_t ratio = a.heads / a.kv_heads, rows = a.block * ratio, dim = a.dim;
+  const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const T* q = a.q.const_data_ptr<T>();
   const T* kb = a.k_block.const_data_ptr<T>();
   const T* vb = a.v_block.const_data_ptr<T>();
@@ -41,13 +111,12 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
   T* o = out.data_ptr<T>();
   const int32_t* seqlens = a.cache_seqlens.const_data_ptr<int32_t>();
   const int32_t* slots = a.cache_slot.defined() ? a.cache_slot.const_data_ptr<int32_t>() : nullptr;
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
 
   at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t begin_task, int64_t end_task) {
-    std::vector<float> query(rows * dim), acc(rows * dim), key(kKeyTile * dim),
-        value(kKeyTile * dim), scores(rows * kKeyTile), row_max(rows), row_sum(rows);
-    const auto query_t = at::from_blob(query.data(), {rows, dim}, f32);
-    const auto acc_t = at::from_blob(acc.data(), {rows, dim}, f32);
+    // Padded query rows stay zero; their results are never written.
+    std::vector<float> query(padded_rows * dim, 0.f), acc(padded_rows * dim),
+        key_t(dim * kKeyTile), value(kKeyTile * dim), scores(padded_rows * kKeyTile),
+        row_max(padded_rows), row_sum(padded_rows), key_row(dim);
     for (int64_t task = begin_task; task < end_task; ++task) {
       const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
       const int64_t slot = slots ? slots[b] : b;
@@ -67,25 +136,27 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       // Key n: context position begin + n of the request's cache row, then block key n - context.
       const int64_t context = end - begin, total = context + a.block;
-      const auto load_rows = [&](int64_t n0, int64_t count, const T* cache, const at::Tensor& c,
-                                 const T* blk, const at::Tensor& bt, float* dst) {
-        for (int64_t k = 0; k < count; ++k) {
-          const int64_t n = n0 + k;
-          const T* src = n < context
-              ? cache + slot * c.stride(0) + (begin + n) * c.stride(1) + h * c.stride(2)
-              : blk + b * bt.stride(0) + (n - context) * bt.stride(1) + h * bt.stride(2);
-          to_float(src, dim, dst + k * dim);
-        }
+      const auto source = [&](int64_t n, const T* cache, const at::Tensor& c, const T* blk,
+                              const at::Tensor& bt) {
+        return n < context
+            ? cache + slot * c.stride(0) + (begin + n) * c.stride(1) + h * c.stride(2)
+            : blk + b * bt.stride(0) + (n - context) * bt.stride(1) + h * bt.stride(2);
       };
       for (int64_t t0 = 0; t0 < total; t0 += kKeyTile) {
         const int64_t tile = std::min(kKeyTile, total - t0);
-        load_rows(t0, tile, kc, a.k_cache, kb, a.k_block, key.data());
-        load_rows(t0, tile, vc, a.v_cache, vb, a.v_block, value.data());
-        auto scores_t = at::from_blob(scores.data(), {rows, tile}, f32);
-        at::mm_out(scores_t, query_t, at::from_blob(key.data(), {tile, dim}, f32).t());
+        const int64_t cols = (tile + kColBlock - 1) / kColBlock * kColBlock;
+        for (int64_t k = 0; k < tile; ++k) {
+          to_float(source(t0 + k, kc, a.k_cache, kb, a.k_block), dim, key_row.data());
+          for (int64_t d = 0; d < dim; ++d) key_t[d * kKeyTile + k] = key_row[d];
+          to_float(source(t0 + k, vc, a.v_cache, vb, a.v_block), dim, value.data() + k * dim);
+        }
+        for (int64_t k = tile; k < cols; ++k) {
+          for (int64_t d = 0; d < dim; ++d) key_t[d * kKeyTile + k] = 0.f;
+        }
+        score_tile(query.data(), padded_rows, dim, key_t.data(), kKeyTile, cols, scores.data());
         // Online softmax: rescale what was accumulated to the new running max of each row.
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = scores.data() + r * tile;
+        for (int64_t r = 0; r < padded_rows; ++r) {
+          float* s = scores.data() + r * kKeyTile;
           float tile_max = -INFINITY;
           for (int64_t k = 0; k < tile; ++k) tile_max = std::max(tile_max, s[k]);
           const float new_max = std::max(row_max[r], tile_max);
@@ -109,7 +180,7 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
           row_sum[r] = row_sum[r] * rescale + sum;
           row_max[r] = new_max;
         }
-        acc_t.addmm_(scores_t, at::from_blob(value.data(), {tile, dim}, f32));
+        accumulate_tile(scores.data(), kKeyTile, padded_rows, tile, value.data(), dim, acc.data());
       }
       for (int64_t g = 0; g < a.block; ++g) {
         for (int64_t i = 0; i < ratio; ++i) {

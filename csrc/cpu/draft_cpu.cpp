@@ -2,24 +2,30 @@
 // draft_confidence.
 //
 // A block is walked slot by slot; each slot is one pass over the vocabulary, split into chunks
-// that at::parallel_for spreads over the threads. A chunk converts four W2 rows at a time to
-// float64 and takes their dot products with every request's bias input (W1[x_j] or tanh(o_j),
-// float64), so W2 is read once per slot for the whole batch; z = float32(dot + base) is stored as
-// draft_logits, then the chunk's Gumbel-max keys z / T - log(-log1p(-u)) are computed with the
-// vectorised float32 functions the reference's torch ops use, and each request keeps its chunk's
-// best key. Chunks merge in vocabulary order (ties to the lower id), so the result does not depend
-// on the thread count. The head's float64 arithmetic makes z exact whenever the dot product is
-// (always for 16-bit weights), so tokens and draft_logits match dspark_ops/reference.py bit for bit.
-// A request with sampling filters (kernels/filter_math.h) is sampled after the whole slot's z is
-// known: its row is filtered in place (dropped tokens -inf, the stored draft_logits) and its keys
-// taken over the filtered row.
+// that at::parallel_for spreads over the threads (one level of parallelism: the micro-kernels
+// inside a task are single-threaded). Each slot first runs a fast float32 head: a chunk converts
+// eight W2 rows at a time to float32 and takes their dot products with every request's bias
+// input, so W2 is read once per slot for the whole batch; z = float32(dot + base) is stored as
+// draft_logits and each request keeps its chunk's two best Gumbel-max keys
+// z / T - log(-log1p(-u)) (vectorised float32 functions, as the reference's torch ops). Chunks
+// merge in vocabulary order (ties to the lower id), so nothing depends on the thread count.
+//
+// Tokens must be those of the float64 head of dspark_ops/reference.py. The float32 head is off by
+// at most a proven bound (certify_gap below); where the winner's key is not ahead of the runner-up
+// by more than twice that bound, or a filter decision (top-k, top-p, min-p) lies within it, the
+// request's whole row is redone in float64 exactly as the reference (the exact head), which then
+// also stores that row's draft_logits bit for bit. Elsewhere draft_logits are the float32 head's,
+// within that bound of the reference, and the token is still the Gumbel-max of the stored row.
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "../args/draft_args.h"
@@ -95,10 +101,34 @@ struct SlotSampling {
   std::vector<FilterSpec> filter;
 };
 
-// Request b's best Gumbel-max candidate over z[x0, x1) (x0 a multiple of 32), 32 keys at a time
-// (whole Philox blocks; the tail past x1 is masked).
-RaceCandidate best_key(const float* z, int64_t x0, int64_t x1, const SlotSampling& s, int64_t b) {
+// The two best Gumbel-max keys of a request over a range: the winner and the largest key of any
+// other candidate (-inf when there is none).
+struct TopTwo {
   RaceCandidate best = empty_candidate();
+  float second = -INFINITY;
+};
+
+void offer(TopTwo& t, RaceCandidate c) {
+  const RaceCandidate w = better_candidate(t.best, c);
+  if (w.index == c.index) {
+    if (t.best.index >= 0) t.second = std::max(t.second, t.best.key);
+    t.best = c;
+  } else {
+    t.second = std::max(t.second, c.key);
+  }
+}
+
+// Union of two disjoint ranges' TopTwo.
+TopTwo merge(TopTwo a, const TopTwo& b) {
+  if (b.best.index >= 0) offer(a, b.best);
+  a.second = std::max(a.second, b.second);
+  return a;
+}
+
+// Request b's two best Gumbel-max candidates over z[x0, x1) (x0 a multiple of 32), 32 keys at a
+// time (whole Philox blocks; the tail past x1 is masked).
+TopTwo best_key(const float* z, int64_t x0, int64_t x1, const SlotSampling& s, int64_t b) {
+  TopTwo best;
   alignas(64) float u[32], key[32], zs[32];
   for (int64_t x = x0; x < x1; x += 32) {
     const int64_t n = std::min<int64_t>(32, x1 - x);
@@ -117,11 +147,21 @@ RaceCandidate best_key(const float* z, int64_t x0, int64_t x1, const SlotSamplin
         (VecF::loadu(zs + i) * inv_t - log_e).store(key + i);
       }
     }
+    // Non-finite z, and keys that are -inf (z / T overflowing) or NaN, never win: masked to -inf.
+    // A block whose best key is not above the current runner-up changes nothing and is skipped.
+    VecF block_max(-INFINITY);
+    for (int64_t i = 0; i < 32; i += VecF::size()) {
+      const VecF k = VecF::loadu(key + i);
+      const VecF ok = (VecF::loadu(zs + i).abs() < VecF(INFINITY)) & (k > VecF(-INFINITY));
+      const VecF masked = VecF::blendv(VecF(-INFINITY), k, ok);
+      masked.store(key + i);
+      block_max = at::vec::maximum(block_max, masked);
+    }
+    const float top = at::vec::vec_reduce_all<float>(
+        [](VecF& a, VecF& b) { return at::vec::maximum(a, b); }, block_max);
+    if (!(top > best.second)) continue;
     for (int64_t i = 0; i < n; ++i) {
-      // Non-finite z, and keys that are -inf (z / T overflowing) or NaN, never win.
-      if (std::isfinite(zs[i]) && key[i] > -INFINITY) {
-        best = better_candidate(best, RaceCandidate{key[i], static_cast<int32_t>(x + i)});
-      }
+      if (key[i] > -INFINITY) offer(best, RaceCandidate{key[i], static_cast<int32_t>(x + i)});
     }
   }
   return best;
@@ -139,20 +179,321 @@ int64_t filtered_token(float* z, int64_t vocab, const SlotSampling& s, int64_t b
   std::vector<float> weights(vocab);
   std::vector<uint32_t> keys(vocab);
   filter_row(z, vocab, row_max, s.inv_temperature[b], s.filter[b], keys.data(), weights.data());
-  const RaceCandidate best = best_key(z, 0, vocab, s, b);
+  const RaceCandidate best = best_key(z, 0, vocab, s, b).best;
   return best.index < 0 ? 0 : best.index;
 }
 
-// One slot over the whole vocabulary: z = float32(W2 . input[b] + base[b]) into `z_out` (row b at
-// z_out + b * z_stride), and the sampled token of each request into `token`.
+// ---- The certificate of the float32 head ----------------------------------------------------
+//
+// Notation: u = 2^-24 (float32 unit roundoff), gamma(n) = n u / (1 - n u). For request b the
+// exact head computes d_e(v) = W2[v] . x_b in float64 and z_e(v) = fl32(d_e(v) + base(v)); the
+// fast head computes d_f(v) with float32 fused multiply-adds and z_f(v) = fl32(d_f(v) + base(v))
+// (the addition in float64).
+//
+// 1. Dot product. fast_dot keeps one accumulator per vector lane (L lanes, each a chain of
+//    ceil(r / L) FMAs over the zero-padded row) and then adds the L lanes in sequence: every
+//    product meets at most n = ceil(r / L) + L roundings, so (Higham, Accuracy and Stability of
+//    Numerical Algorithms, §3.1) |d_f - W2[v] . x_f| <= gamma(n) sum_k |W2[v,k] x_f,k|. The RNN
+//    head's input x_f = fl32(x) adds one relative u per product, hence gamma(n + 1) against the
+//    float64 input x. By Cauchy-Schwarz sum_k |W2[v,k] x_k| <= ||x||_2 ||W2[v]||_2 <= ||x||_2 Wmax,
+//    Wmax the largest row norm of W2 (measured by the chunks in float32 and inflated by 2^-12,
+//    far above the rounding of that measurement for r <= 1024). The float64 dot product has its
+//    own error, below (r + 2) 2^-53 of the same sum. So
+//        |d_f - d_e| <= Ddot = (gamma(n + 1) + (r + 2) 2^-53) ||x||_2 Wmax (1 + 2^-12).
+// 2. Rounding to float32 is monotone: |fl32(a) - fl32(c)| <= |a - c| + ulp(max(|a|, |c|)), and
+//    ulp(y) <= 2^-23 |y| for a normal y (2^-149 below), so with Zmax the largest finite |z_f| of
+//    the row, |z_f - z_e| <= Dz = Ddot + 2^-22 (Zmax + Ddot) + 2^-126 (2^-22 leaves room for the
+//    float64 addition's own rounding).
+// 3. Keys. key = fl(fl(z inv_t) - log E): the same monotone argument gives for every candidate
+//    |key_f - key_e| <= eps = Dz inv_t (1 + 2^-20) + 2^-22 (Zmax + Dz) inv_t + 2^-22 (2M + 1),
+//    M = max(|K1|, |K2|), K1 > K2 the two best fast keys (a candidate with |key_f| > 2M + 1 is
+//    below -M and stays below K2 after its own rounding). Greedy keys are z: eps = Dz.
+// 4. If K1 - K2 > 2 eps, the fast winner's exact key exceeds every other exact key, so the exact
+//    head draws the same token. Rows whose z_f or dot products are huge or not finite (where the
+//    bounds above would not hold) are never certified.
+// The same Dz bounds the filters' decisions (certified_filtered_token). DSPARK_OPS_DRAFT_BOUND_SCALE
+// scales the bound for the tests, which show that scale 0 draws wrong tokens.
+
+constexpr double kU = 1.0 / 16777216.0;  // 2^-24
+
+double bound_scale() {
+  const char* env = std::getenv("DSPARK_OPS_DRAFT_BOUND_SCALE");
+  return env ? std::atof(env) : 1.0;
+}
+
+double gamma_n(double n) { return n * kU / (1.0 - n * kU); }
+
+// Ddot of step 1 for an input of float64 norm `x_norm`.
+double dot_bound(int64_t rank, double x_norm, double w_max) {
+  const double n = static_cast<double>((rank + VecF::size() - 1) / VecF::size() + VecF::size());
+  return (gamma_n(n + 1) + (rank + 2) * 0x1p-53) * x_norm * w_max * (1.0 + 0x1p-12);
+}
+
+// Dz of step 2, or -1 when the row is outside the certificate's range.
+double logit_bound(double dot_err, double z_max, double dot_max, double inv_t) {
+  if (!(dot_max < 1e30) || !(dot_err < 1e30) || !(z_max * inv_t < 1e30)) return -1.0;
+  return dot_err + 0x1p-22 * (z_max + dot_err) + 0x1p-126;
+}
+
+// Step 3 and 4: whether the fast winner is certainly the exact one.
+bool certify_gap(const TopTwo& t, double dz, double z_max, bool greedy, double inv_t, double scale) {
+  if (dz < 0) return false;
+  if (t.best.index < 0 || t.second == -INFINITY) return true;  // one candidate or none
+  const double k1 = t.best.key, k2 = t.second;
+  double eps = dz;
+  if (!greedy) {
+    const double m = std::max(std::fabs(k1), std::fabs(k2));
+    eps = dz * inv_t * (1.0 + 0x1p-20) + 0x1p-22 * (z_max + dz) * inv_t + 0x1p-22 * (2.0 * m + 1.0);
+  }
+  return k1 - k2 > 2.0 * eps * scale;
+}
+
+// Interval [lo, hi] around the exact head's filter weight of a token whose fast logit is z (row
+// max m, fast weight w): the exact exponent differs by at most 2 Dz inv_t plus the roundings of
+// the subtraction and the product (2^-22 relative each, generous), expf by two ulps.
+struct WeightInterval {
+  double lo, hi;
+};
+WeightInterval weight_interval(float z, float m, float w, double dz, double inv_t) {
+  const double a = std::fabs((static_cast<double>(z) - m) * inv_t);
+  const double delta = (2.0 * dz + 0x1p-22 * std::fabs(static_cast<double>(z) - m)) * inv_t *
+                           (1.0 + 0x1p-20) + 0x1p-22 * a + 0x1p-20;
+  const double up = delta <= 0x1p-10 ? 1.0 + 1.01 * delta : std::exp(delta);
+  return {std::max(0.0, w * (1.0 - delta) - 0x1p-126), w * up + 0x1p-126};
+}
+
+// The filtered token of request b from the fast row z (filtered in place as filtered_token does),
+// or -1 when a filter decision or the final draw is within the bound `dz` (then z is left for the
+// exact head to overwrite). The kept set of every filter is {z >= threshold}; it is the exact
+// head's kept set when no token lies within 2 Dz of the boundary and the aggregate decisions have
+// margins against the weight intervals:
+//   top-k: exactly k tokens kept (no boundary tie) and a gap > 2 Dz to the next logit;
+//   top-p on the top-k kept set S with kept part P: a gap > 2 Dz between P and S \ P, every token
+//     of P has (weight of the rest of P) < top_p W(S), and W(P) >= top_p W(S), on the intervals;
+//   min-p: every remaining token's weight interval lies on one side of min_p.
+int64_t certified_filtered_token(float* z, int64_t vocab, const SlotSampling& s, int64_t b,
+                                 double dot_err, double dot_max, double scale) {
+  float row_max = -INFINITY, z_max = 0.f;
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (!std::isfinite(z[x])) z[x] = -INFINITY;
+    row_max = std::max(row_max, z[x]);
+    if (z[x] != -INFINITY) z_max = std::max(z_max, std::fabs(z[x]));
+  }
+  if (row_max == -INFINITY) return 0;
+  const double inv_t = s.inv_temperature[b];
+  const double dz = logit_bound(dot_err, z_max, dot_max, inv_t);
+  if (dz < 0) return -1;
+  const double margin = 2.0 * dz * scale;
+  const FilterSpec& spec = s.filter[b];
+  std::vector<float> weights(vocab);
+  std::vector<uint32_t> keys(vocab);
+  for (int64_t x = 0; x < vocab; ++x) {
+    keys[x] = z[x] == -INFINITY ? kNoCandidate : logit_key(z[x]);
+    weights[x] = z[x] == -INFINITY ? 0.f : softmax_weight(z[x], row_max, s.inv_temperature[b]);
+  }
+  const auto interval = [&](int64_t x) {
+    WeightInterval i = weight_interval(z[x], row_max, weights[x], dz * scale, inv_t);
+    return i;
+  };
+  // Smallest kept and largest dropped finite logit for a threshold key.
+  const auto boundary = [&](uint32_t lower, uint32_t t, int64_t& kept, float& low_kept,
+                            float& high_dropped) {
+    kept = 0;
+    low_kept = INFINITY;
+    high_dropped = -INFINITY;
+    for (int64_t x = 0; x < vocab; ++x) {
+      if (keys[x] == kNoCandidate || keys[x] < lower) continue;
+      if (keys[x] >= t) {
+        ++kept;
+        low_kept = std::min(low_kept, z[x]);
+      } else {
+        high_dropped = std::max(high_dropped, z[x]);
+      }
+    }
+  };
+  uint32_t threshold = logit_key(-INFINITY);
+  if (spec.top_k > 0) {
+    const uint32_t t = select_threshold(keys.data(), weights.data(), vocab, threshold, false,
+                                        spec.top_k, nullptr);
+    int64_t kept;
+    float low, high;
+    boundary(threshold, t, kept, low, high);
+    if (high != -INFINITY && (kept != spec.top_k || !(low - static_cast<double>(high) > margin))) {
+      return -1;
+    }
+    threshold = t;
+  }
+  if (spec.top_p < 1.f) {
+    double total = 0.0;
+    const uint32_t t = select_threshold(keys.data(), weights.data(), vocab, threshold, true,
+                                        spec.top_p, &total);
+    int64_t kept;
+    float low, high;
+    boundary(threshold, t, kept, low, high);
+    if (high != -INFINITY && !(low - static_cast<double>(high) > margin)) return -1;
+    double s_lo = 0.0, s_hi = 0.0, p_lo = 0.0, p_hi = 0.0, p_min_hi = INFINITY;
+    for (int64_t x = 0; x < vocab; ++x) {
+      if (keys[x] == kNoCandidate || keys[x] < threshold) continue;
+      const WeightInterval i = interval(x);
+      s_lo += i.lo;
+      s_hi += i.hi;
+      if (keys[x] >= t) {
+        p_lo += i.lo;
+        p_hi += i.hi;
+        p_min_hi = std::min(p_min_hi, i.hi);
+      }
+    }
+    const double p = spec.top_p;
+    if (!(p_hi - p_min_hi < p * s_lo * (1.0 - 1e-12))) return -1;  // every kept token stays kept
+    if (high != -INFINITY && !(p_lo >= p * s_hi * (1.0 + 1e-12))) return -1;  // dropped stay dropped
+    threshold = t;
+  }
+  if (spec.min_p > 0.f) {
+    for (int64_t x = 0; x < vocab; ++x) {
+      if (keys[x] == kNoCandidate || keys[x] < threshold) continue;
+      const WeightInterval i = interval(x);
+      if (!(i.lo >= spec.min_p || i.hi < spec.min_p)) return -1;
+    }
+  }
+  const FilterResult f{key_logit(threshold), spec.min_p, 0.f};
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (!filter_keeps(f, z[x], weights[x])) z[x] = -INFINITY;
+  }
+  const TopTwo t = best_key(z, 0, vocab, s, b);
+  if (!certify_gap(t, dz, z_max, s.greedy[b], inv_t, scale)) return -1;
+  return t.best.index < 0 ? 0 : t.best.index;
+}
+
+// out[i] = sum_k a[k] * rows[i][k] in float32 for kRows zero-padded rows (one accumulator per
+// lane and row, then the lanes added in order: the n = padded / L + L of the certificate), and
+// the largest |out[i]| (infinity for a NaN) into dot_max.
+template <int kRows>
+void fast_dot(const float* a, const float* rows, int64_t padded, float* out) {
+  VecF acc[kRows];
+  for (int i = 0; i < kRows; ++i) acc[i] = VecF(0.f);
+  for (int64_t k = 0; k < padded; k += VecF::size()) {
+    const VecF x = VecF::loadu(a + k);
+    for (int i = 0; i < kRows; ++i) acc[i] = at::vec::fmadd(x, VecF::loadu(rows + i * padded + k), acc[i]);
+  }
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  if constexpr (kRows == 8 && VecF::size() == 8) {
+    // The eight lane sums at once (a tree of depth 3, within the certificate's n).
+    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+    return;
+  }
+#endif
+  for (int i = 0; i < kRows; ++i) {
+    float lanes[VecF::size()];
+    acc[i].store(lanes);
+    float s = lanes[0];
+    for (int l = 1; l < VecF::size(); ++l) s += lanes[l];
+    out[i] = s;
+  }
+}
+
+// src[0, n) as float32 into dst, eight at a time.
+template <typename W>
+void row_to_float(const W* src, int64_t n, float* dst) {
+  if constexpr (std::is_same_v<W, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t k = 0;
+    for (; k + VecF::size() <= n; k += VecF::size()) {
+      VecF v;
+      at::vec::load_to_float<W>(src + k, v);
+      v.store(dst + k);
+    }
+    for (; k < n; ++k) dst[k] = static_cast<float>(src[k]);
+  }
+}
+
+// sum_k x[k]^2 over a zero-padded row, in float32.
+float squared_norm(const float* x, int64_t padded) {
+  VecF acc0(0.f), acc1(0.f);
+  int64_t k = 0;
+  for (; k + 2 * VecF::size() <= padded; k += 2 * VecF::size()) {
+    const VecF a = VecF::loadu(x + k), b = VecF::loadu(x + k + VecF::size());
+    acc0 = at::vec::fmadd(a, a, acc0);
+    acc1 = at::vec::fmadd(b, b, acc1);
+  }
+  for (; k < padded; k += VecF::size()) {
+    const VecF a = VecF::loadu(x + k);
+    acc0 = at::vec::fmadd(a, a, acc0);
+  }
+  return at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, acc0 + acc1);
+}
+
+// What a chunk of the fast head learns about request b.
+struct ChunkStats {
+  TopTwo top;
+  float z_max = 0.f;    // largest finite |z_f|
+  float dot_max = 0.f;  // largest |d_f|, infinity for a non-finite one
+};
+
+// The fast float32 head of one slot: z_f rows into z_out, each unfiltered request's chunk keys
+// into stats[c * batch + b] and, when `measure`, each chunk's largest W2 row norm into w_max[c].
 template <typename W, typename BaseT>
-void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
-                const std::vector<double>& input, int64_t batch, const BaseT* base,
-                int64_t base_stride, float* z_out, int64_t z_stride, const SlotSampling& s,
-                int64_t* token, int64_t token_stride) {
+void fast_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank, const float* input,
+               int64_t padded, int64_t batch, const BaseT* base, int64_t base_stride,
+               float* z_out, int64_t z_stride, const SlotSampling& s,
+               std::vector<ChunkStats>& stats, bool measure, std::vector<float>& w_max) {
+  constexpr int kRows = 8;
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(kRows * padded, 0.f);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t x0 = c * kChunk, x1 = std::min(x0 + kChunk, vocab);
+      float norm2 = 0.f;
+      for (int64_t v = x0; v < x1; v += kRows) {
+        const int64_t n = std::min<int64_t>(kRows, x1 - v);
+        for (int64_t i = 0; i < kRows; ++i) {
+          float* dst = rows.data() + i * padded;
+          if (i >= n) {
+            std::fill(dst, dst + rank, 0.f);
+            continue;
+          }
+          row_to_float(w2 + (v + i) * w2_stride, rank, dst);
+          if (measure) {
+            const float sq = squared_norm(dst, padded);
+            if (!(sq <= norm2)) norm2 = std::isnan(sq) ? INFINITY : sq;
+          }
+        }
+        for (int64_t b = 0; b < batch; ++b) {
+          float dots[kRows];
+          fast_dot<kRows>(input + b * padded, rows.data(), padded, dots);
+          const BaseT* base_row = base + b * base_stride;
+          float* zb = z_out + b * z_stride;
+          ChunkStats& st = stats[c * batch + b];
+          for (int64_t i = 0; i < n; ++i) {
+            const float dz = static_cast<float>(static_cast<double>(dots[i]) + load_double(base_row, v + i));
+            zb[v + i] = dz;
+            const float ad = std::fabs(dots[i]);
+            if (!(ad <= st.dot_max)) st.dot_max = std::isnan(ad) ? INFINITY : ad;
+            if (std::isfinite(dz)) st.z_max = std::max(st.z_max, std::fabs(dz));
+          }
+        }
+      }
+      if (measure) w_max[c] = std::sqrt(norm2);
+      for (int64_t b = 0; b < batch; ++b) {
+        if (!s.filter[b].active()) stats[c * batch + b].top = best_key(z_out + b * z_stride, x0, x1, s, b);
+      }
+    }
+  });
+}
+
+// The exact float64 head for the requests in `redo`: z = float32(W2 . input[b] + base[b]) into
+// their rows of z_out (the reference's arithmetic, bit for bit) and their tokens.
+template <typename W, typename BaseT>
+void exact_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
+                const std::vector<double>& input, const std::vector<int64_t>& redo,
+                const BaseT* base, int64_t base_stride, float* z_out, int64_t z_stride,
+                const SlotSampling& s, int64_t* token, int64_t token_stride) {
   const int64_t padded_rank = round_up(rank, VecD::size());
   const int64_t chunks = (vocab + kChunk - 1) / kChunk;
-  std::vector<RaceCandidate> best(chunks * batch, empty_candidate());
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> rows(kRowsPerGroup * padded_rank, 0.0);
     for (int64_t c = begin; c < end; ++c) {
@@ -163,7 +504,7 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
           const W* src = w2 + (v + i) * w2_stride;
           for (int64_t k = 0; k < rank; ++k) rows[i * padded_rank + k] = load_double(src, k);
         }
-        for (int64_t b = 0; b < batch; ++b) {
+        for (const int64_t b : redo) {
           double bias[kRowsPerGroup];
           dot_rows<kRowsPerGroup>(input.data() + b * padded_rank, rows.data(), padded_rank, bias);
           const BaseT* base_row = base + b * base_stride;
@@ -172,23 +513,90 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
           }
         }
       }
-      // Keys over the chunk; filtered requests wait for their whole row.
-      for (int64_t b = 0; b < batch; ++b) {
-        if (!s.filter[b].active()) best[c * batch + b] = best_key(z_out + b * z_stride, x0, x1, s, b);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(redo.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = redo[i];
+      float* zb = z_out + b * z_stride;
+      if (s.filter[b].active()) {
+        token[b * token_stride] = filtered_token(zb, vocab, s, b);
+      } else {
+        const RaceCandidate m = best_key(zb, 0, vocab, s, b).best;
+        token[b * token_stride] = m.index < 0 ? 0 : m.index;
       }
     }
   });
+}
+
+// One slot over the whole vocabulary: the fast head for every request, the exact head for the
+// requests it cannot certify. z rows at z_out + b * z_stride, tokens at token[b * token_stride].
+template <typename W, typename BaseT>
+void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
+                const std::vector<double>& input, int64_t batch, const BaseT* base,
+                int64_t base_stride, float* z_out, int64_t z_stride, const SlotSampling& s,
+                int64_t* token, int64_t token_stride, double& w_max) {
+  const int64_t padded_rank = round_up(rank, VecD::size());
+  const int64_t padded = round_up(rank, VecF::size());
+  std::vector<float> input_f(batch * padded, 0.f);
+  std::vector<double> x_norm(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    double sq = 0.0;
+    for (int64_t k = 0; k < rank; ++k) {
+      const double x = input[b * padded_rank + k];
+      input_f[b * padded + k] = static_cast<float>(x);
+      sq += x * x;
+    }
+    x_norm[b] = std::sqrt(sq) * (1.0 + 0x1p-40);
+  }
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  std::vector<ChunkStats> stats(chunks * batch);
+  const bool measure = w_max < 0;  // W2's row norms are measured once per call, in slot 0
+  std::vector<float> w_chunk(chunks, 0.f);
+  fast_slot<W, BaseT>(w2, w2_stride, vocab, rank, input_f.data(), padded, batch, base, base_stride,
+                      z_out, z_stride, s, stats, measure, w_chunk);
+  if (measure) {
+    w_max = 0.0;
+    for (const float w : w_chunk) w_max = std::max(w_max, static_cast<double>(w));
+  }
+  const double scale = bound_scale();
+  std::vector<ChunkStats> row(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const ChunkStats& st = stats[c * batch + b];
+      row[b].top = merge(row[b].top, st.top);
+      row[b].z_max = std::max(row[b].z_max, st.z_max);
+      row[b].dot_max = std::max(row[b].dot_max, st.dot_max);
+    }
+  }
+  std::vector<char> redo_flag(batch, 0);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
+      const double dot_err = dot_bound(rank, x_norm[b], w_max);
       if (s.filter[b].active()) {
-        token[b * token_stride] = filtered_token(z_out + b * z_stride, vocab, s, b);
+        const int64_t t = certified_filtered_token(z_out + b * z_stride, vocab, s, b, dot_err,
+                                                   row[b].dot_max, scale);
+        if (t < 0) redo_flag[b] = 1;
+        else token[b * token_stride] = t;
         continue;
       }
-      RaceCandidate m = empty_candidate();
-      for (int64_t c = 0; c < chunks; ++c) m = better_candidate(m, best[c * batch + b]);
-      token[b * token_stride] = m.index < 0 ? 0 : m.index;
+      const double inv_t = s.inv_temperature[b];
+      const double dz = logit_bound(dot_err, row[b].z_max, row[b].dot_max, inv_t);
+      if (!certify_gap(row[b].top, dz, row[b].z_max, s.greedy[b], inv_t, scale)) {
+        redo_flag[b] = 1;
+        continue;
+      }
+      token[b * token_stride] = row[b].top.best.index < 0 ? 0 : row[b].top.best.index;
     }
   });
+  std::vector<int64_t> redo;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (redo_flag[b]) redo.push_back(b);
+  }
+  if (!redo.empty()) {
+    exact_slot<W, BaseT>(w2, w2_stride, vocab, rank, input, redo, base, base_stride, z_out,
+                         z_stride, s, token, token_stride);
+  }
 }
 
 SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
@@ -235,12 +643,13 @@ void draft_block(const DraftArgs& a, at::Tensor& tokens, at::Tensor& draft_logit
   auto* out_tokens = tokens.data_ptr<int64_t>();
   auto* z = draft_logits.data_ptr<float>();
   const auto* base = a.base.const_data_ptr<BaseT>();
+  double w_max = -1.0;  // the largest W2 row norm, once measured
   for (int64_t j = 0; j < a.block; ++j) {
     next_input(j, prev, input, padded_rank);
     draft_slot<W, BaseT>(a.w2.const_data_ptr<W>(), a.w2.stride(0), a.vocab, a.rank, input,
                          a.batch, base + j * a.base.stride(1), a.base.stride(0),
                          z + j * a.vocab, a.block * a.vocab, slot_sampling(a, j),
-                         out_tokens + j, a.block);
+                         out_tokens + j, a.block, w_max);
     for (int64_t b = 0; b < a.batch; ++b) prev[b] = out_tokens[b * a.block + j];
   }
 }
@@ -309,9 +718,11 @@ DraftResult rnn_draft_cpu(const at::Tensor& base_logits, const at::Tensor& ancho
           // [g; c; o] = J u + bias: each row of J converted once, dotted with every request.
           at::parallel_for(0, 3 * rank, 16, [&](int64_t begin, int64_t end) {
             std::vector<double> row(padded_width, 0.0);
+            std::vector<float> staged(width);
             for (int64_t i = begin; i < end; ++i) {
               const W* src = a.joint_weight.const_data_ptr<W>() + i * a.joint_weight.stride(0);
-              for (int64_t k = 0; k < width; ++k) row[k] = load_double(src, k);
+              row_to_float(src, width, staged.data());  // exact, with vector loads
+              for (int64_t k = 0; k < width; ++k) row[k] = staged[k];
               const double bias = load_double(a.joint_bias.const_data_ptr<W>(), i);
               for (int64_t b = 0; b < a.batch; ++b) {
                 pre[b * 3 * rank + i] = dot(u.data() + b * padded_width, row.data(), padded_width) + bias;
@@ -356,13 +767,21 @@ at::Tensor draft_confidence_cpu(const at::Tensor& hidden, const at::Tensor& prev
         }
         const auto& ids = a.prev_tokens;
         at::parallel_for(0, a.batch * a.block, 16, [&](int64_t begin, int64_t end) {
+          // [h_j; W1[x_j]] through float32 (exact for every input dtype) with vector loads.
           std::vector<double> feature(padded, 0.0);
+          std::vector<float> staged(width);
           for (int64_t i = begin; i < end; ++i) {
             const int64_t b = i / a.block, j = i % a.block;
             const H* h = a.hidden.const_data_ptr<H>() + b * a.hidden.stride(0) + j * a.hidden.stride(1);
-            for (int64_t k = 0; k < a.hidden_size; ++k) feature[k] = load_double(h, k);
-            embed<W>(a.w1, read_id(ids, b * ids.stride(0) + j * ids.stride(1)),
-                     feature.data() + a.hidden_size);
+            row_to_float(h, a.hidden_size, staged.data());
+            const int64_t id = read_id(ids, b * ids.stride(0) + j * ids.stride(1));
+            if (id < 0 || id >= a.w1.size(0)) {
+              std::fill(staged.begin() + a.hidden_size, staged.end(), 0.f);
+            } else {
+              row_to_float(a.w1.const_data_ptr<W>() + id * a.w1.stride(0), a.rank,
+                           staged.data() + a.hidden_size);
+            }
+            for (int64_t k = 0; k < width; ++k) feature[k] = staged[k];
             float logit = static_cast<float>(dot(feature.data(), w.data(), padded) + b0);
             if (a.calib_temperature.defined()) {
               logit = logit / a.calib_temperature.const_data_ptr<float>()[j];

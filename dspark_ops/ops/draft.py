@@ -66,10 +66,16 @@ _SHARED_RETURNS = """
     -----
     Sampling is the Gumbel-max rule ``argmax_v z_j(v) / T - log(E_v)``, ``E_v = -log1p(-u_v)``,
     with Philox uniforms ``u`` that depend only on ``(seed, p0 + 1 + j, v)``, so a request's
-    drafts do not depend on its batch neighbours. The head's dot products are float64 on CPU and
-    in the reference (``z`` rounded once to float32) and float32 (tensor cores for 16-bit weights)
-    on CUDA. No host synchronisation on CUDA; value checks (ids, positions, temperatures) always
-    run on CPU and on CUDA with ``DSPARK_OPS_DEBUG=1``. Without them an out-of-range id embeds as
+    drafts do not depend on its batch neighbours. Precision (docs/semantics.md §3.2): the
+    reference's head is float64 (``z`` rounded once to float32). On CPU the tokens are the
+    reference's bit for bit: ``z`` comes from float32 dot products, and a row whose winner (or
+    filter decision) is within their error bound is recomputed in float64; ``draft_logits`` are
+    within ``gamma(n + 1) * ||x|| * max_v ||W2[v]|| * (1 + 2**-12) + 2**-22 * |z|`` of the
+    reference (``gamma(n) = n 2**-24 / (1 - n 2**-24)``, ``n = ceil(r / 8) + 8``, ``x`` the bias
+    input), bit-exact on recomputed rows. On CUDA the dot products are float32 (tensor cores for
+    16-bit weights) and tokens equal the reference's except at float-rounding near-ties. No host
+    synchronisation on CUDA; value checks (ids, positions, temperatures) always run on CPU and on
+    CUDA with ``DSPARK_OPS_DEBUG=1``. Without them an out-of-range id embeds as
     a zero row instead of being read out of bounds."""
 
 
