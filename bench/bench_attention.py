@@ -73,7 +73,7 @@ import dspark_ops
 from dspark_ops import reference
 from bench.common import (
     Row, Timing, family_arg_parser, family_main, finish_row, format_us, has_kernel, log,
-    measure_copy_bandwidth, report_once, synchronize, try_time,
+    measure, measure_copy_bandwidth, report_once, synchronize,
 )
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
@@ -391,11 +391,10 @@ def bench_attention(case: AttentionCase, device: torch.device, timing: Timing,
     if "err" not in row.extra:
         row.extra["err"] = None
 
-    row.ours_us = try_time("ours", competitors["ours"], device, **timing.ours)
-    row.reference_us = try_time("ref", competitors["ref"], device, **timing.others)
+    timed = {"ours": competitors["ours"], "ref": competitors["ref"]}
     if device.type == "cuda":
-        for name in ("flash-attn", "fa-append"):
-            row.anchors[name] = try_time(name, competitors.get(name), device, **timing.others)
+        timed.update({name: competitors.get(name) for name in ("flash-attn", "fa-append")})
+    measure(row, timed, device, timing)
 
     row.extra["target"] = None
     if device.type == "cpu" and (batch, case.context) == CPU_TARGET_SHAPE:
@@ -453,10 +452,7 @@ def bench_append(case: AppendCase, device: torch.device, timing: Timing,
         fn = fns[name]
         return None if fn is None else call(fn, case.k_cache, case.v_cache, seqlens)
 
-    row.ours_us = try_time("ours", timed("ours"), device, **timing.ours)
-    row.reference_us = try_time("ref", timed("ref"), device, **timing.others)
-    row.anchors["eager-torch"] = try_time("eager-torch", timed("eager-torch"), device,
-                                           **timing.others)
+    measure(row, {name: timed(name) for name in ("ours", "ref", "eager-torch")}, device, timing)
     row.extra["target"] = None
     row.bytes_moved = append_bytes(case)
     finish_row(row, copy_gbps)

@@ -69,7 +69,7 @@ from dspark_ops import reference
 from bench.common import (
     Row, Timing, count_launches, family_arg_parser, family_main, finish_row, format_us,
     has_kernel, log,
-    measure_copy_bandwidth, report_once, synchronize, try_time,
+    measure, measure_copy_bandwidth, report_once, synchronize,
 )
 
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
@@ -442,10 +442,7 @@ def bench_walk(case: DraftCase, device: torch.device, timing: Timing,
     _compare(row, out, want)
     del want, out
 
-    row.ours_us = try_time("ours", ours, device, **timing.ours)
-    row.reference_us = try_time("ref", ref, device, **timing.others)
-    row.anchors["eager-torch"] = try_time("eager-torch", lambda: eager(case), device,
-                                          **timing.others)
+    competitors = {"ours": ours, "ref": ref, "eager-torch": lambda: eager(case)}
     if device.type == "cuda" and default_row:  # how many launches each takes
         counts = [None if fn is None else _try_count(fn, device)
                   for fn in (ours, lambda: eager(case))]
@@ -462,8 +459,8 @@ def bench_walk(case: DraftCase, device: torch.device, timing: Timing,
             first_line = (str(error).splitlines() or [""])[0]
             log(f"  torch.compile: failed after {time.perf_counter() - started:.1f} s "
                 f"({type(error).__name__}: {first_line})")
-        row.anchors["torch.compile"] = try_time("torch.compile", compiled, device,
-                                                **timing.others)
+        competitors["torch.compile"] = compiled
+    measure(row, competitors, device, timing)
     _finish(row, device, markov_bytes(case), copy_gbps)
     return row
 
@@ -486,10 +483,8 @@ def bench_confidence(case: ConfidenceCase, device: torch.device, timing: Timing,
     row.extra["dz"] = None if out is None else f"{(out - want).abs().max().item():.1e}"
     row.extra["eager dz"] = f"{(eager_out - want).abs().max().item():.1e}"
     del want, out, eager_out
-    row.ours_us = try_time("ours", ours, device, **timing.ours)
-    row.reference_us = try_time("ref", ref, device, **timing.others)
-    row.anchors["eager-torch"] = try_time("eager-torch", lambda: eager_draft_confidence(*args),
-                                          device, **timing.others)
+    measure(row, {"ours": ours, "ref": ref, "eager-torch": lambda: eager_draft_confidence(*args)},
+            device, timing)
     _finish(row, device, confidence_bytes(case), copy_gbps)
     return row
 

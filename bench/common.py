@@ -498,17 +498,6 @@ def count_launches(fn: Callable[[], object], device: torch.device) -> Optional[i
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def try_time(label: str, fn: Optional[Callable], device: torch.device, **kw) -> Optional[float]:
-    """Median microseconds, or None (and a log line) when ``fn`` is absent or fails."""
-    if fn is None:
-        return None
-    try:
-        return time_op(fn, device, **kw) * 1e6
-    except Exception as error:
-        log(f"  {label}: not measured ({type(error).__name__}: {error})")
-        return None
-
-
 def family_main(name: str, args: argparse.Namespace, run: Callable[..., List[Row]], *,
                 emit: bool = True, copy_bandwidth: bool = True,
                 after_table: Optional[Callable[[List[Row], torch.device], None]] = None) -> List[Row]:

@@ -9,8 +9,9 @@ of its requests agree. Exits 1 when any config (or the total) falls below it, 0 
 0 with "skipped: no GPU" where there is no CUDA device.
 
 Drafting (docs/semantics.md §3.2-3.3): ``markov_draft`` and ``rnn_draft`` on the same inputs and
-seeds. The CUDA head accumulates in float32 (tensor cores for 16-bit weights), the CPU one in
-float64, so tokens agree except at near-ties, and a request's later slots diverge after a differing
+seeds. The CUDA head accumulates in float32 (tensor cores for 16-bit weights); the CPU's tokens
+are those of a float64 head (float32 with a proven error bound, float64 where that cannot decide),
+so tokens agree except at near-ties, and a request's later slots diverge after a differing
 token. Per slot the section reports the fraction of identical tokens and the largest
 ``|draft_logits difference|`` over the requests whose drafted prefix (``x_0..x_j``) is
 identical, relative to the largest ``|draft_logit|`` of the slot; ``draft_confidence``: the
