@@ -152,6 +152,36 @@ def test_missing_expected_loop_raises():
         kernels._select_loop(FakeBinary(), k, odd)
 
 
+def test_vote_fraction_first_tile_and_tail():
+    # Every call of a block's first tile runs the vote block; later ones rarely.
+    assert kernels.vote_fraction(264, 264, 1.0) == pytest.approx(1.0)
+    f = kernels.vote_fraction(264, 1187, kernels.KEY_BOUND_SLACK)
+    assert 264 / 1187 < f < 264 / 1187 + 0.005
+    # The second round of 264 tiles: 264 x 128 rows known per request, 128 pairs per call.
+    second = 1 - (1 - 1 / (264 * 128)) ** 128
+    assert kernels.vote_fraction(264, 528, 1.0) == pytest.approx((1 + second) / 2)
+    # A larger grid knows more before its later tiles, so those vote in less often.
+    assert kernels.vote_fraction(528, 2 * 1187, 1.0) - 528 / 2374 < f - 264 / 1187
+
+
+def test_extra_term_and_alternative_specs():
+    funcs = sass.parse_functions(FIXTURE)
+
+    class FakeBinary:
+        def cfg(self, name):
+            return sass.CFG(funcs[name])
+
+    k = kernels.KernelInfo("_Z4testPf", 32, 1024, 0, 0)
+    base = kernels.LoopSpec("loads", {r"^LDG\.E\.128": 1}, 4, (r"^LDG\.E\.128", 1))
+    # The MUFU.EX2 branch adds one instruction to the 7 of the cheapest iteration.
+    t = kernels.extra_term(FakeBinary(), k, base, "exp", {r"^MUFU": 1}, 100)
+    assert t.path_instrs == 1 and t.elems_per_iter == 4 and t.elements == 100
+    gone = kernels.LoopSpec("mma", {r"^HMMA": 2}, 4, (r"^HMMA", 2))
+    assert kernels.first_matching(FakeBinary(), k, [gone, base]) == 1
+    with pytest.raises(sass.StructureError, match="no loop with the expected work"):
+        kernels.first_matching(FakeBinary(), k, [gone])
+
+
 def _built_so():
     from bench.static.binary import default_so
     try:
@@ -185,6 +215,14 @@ def test_real_binary_end_to_end(tmp_path):
     for row in data["rows"]:
         assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "overhead")
     assert (tmp_path / "static_sm90.csv").read_text().startswith("kind,op,shape")
+    # Whichever build the checkout has: a vote-skipping epilogue states its assumed fractions.
+    slot = rows[("markov_draft", "sampled")]["kernels"][0]
+    loops = [t["loop"] for t in slot["loops"]]
+    if "draft_slot_kernel<bf16, bf16, false>" in slot["kernel"]:
+        assert any("logarithms" in name and "assumed" in name for name in loops)
+        assert any("reductions" in name and "assumed" in name for name in loops)
+    else:
+        assert len(loops) == 2
 
 
 def test_cpu_only_binary_is_refused(tmp_path):

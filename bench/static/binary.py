@@ -110,6 +110,16 @@ class Binary:
                 + (f": {names[:4]}" if names else ""))
         return self.resources[names[0]]
 
+    def find_first(self, *patterns: str):
+        """(index, kernel) of the first pattern that matches exactly one kernel: the newest code's
+        name first, then earlier versions' names (so an older build can still be modelled)."""
+        for k, pattern in enumerate(patterns):
+            names = [n for n in self.resources if re.search(pattern, n)]
+            if len(names) == 1:
+                return k, self.resources[names[0]]
+        self.find(patterns[0])  # raises with the newest pattern's message
+        raise AssertionError("unreachable")
+
     def cfg(self, name: str) -> sass.CFG:
         if name not in self._cfgs:
             if name not in self._chunks:

@@ -36,10 +36,15 @@ class LoopSpec:
     unroll: Tuple[str, int]
     innermost: bool = True
     loads: Optional[str] = None   # which global loads carry the data (default: all)
+    # "shortest": the loop with the cheapest matching path; "densest": the fewest instructions
+    # per source-level iteration (an unrolled main loop over its remainder loop, for loops whose
+    # trip count is at least the unrolling at the modelled shapes).
+    pick: str = "shortest"
 
 
 def select_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec):
-    key = (kernel.name, spec.name, tuple(sorted(spec.need.items())), spec.unroll, spec.innermost)
+    key = (kernel.name, spec.name, tuple(sorted(spec.need.items())), spec.unroll, spec.innermost,
+           spec.pick)
     cache = binary.__dict__.setdefault("_loop_cache", {})
     if key not in cache:
         cache[key] = _select_loop(binary, kernel, spec)
@@ -64,8 +69,14 @@ def _select_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec):
         raise sass.StructureError(
             f"{kernel.name}: no loop with the expected work for '{spec.name}' {spec.need}; "
             "the kernel changed: update bench/static/kernels.py")
-    loop, path = min(found, key=lambda lp: len(lp[1]))
     anchor, per_iter = spec.unroll
+    if spec.pick == "densest":
+        def per_source_iter(lp):
+            got = sass.count(lp[1].instrs, anchor)
+            return len(lp[1]) / (got // per_iter) if got >= per_iter else float("inf")
+        loop, path = min(found, key=per_source_iter)
+    else:
+        loop, path = min(found, key=lambda lp: len(lp[1]))
     got = sass.count(path.instrs, anchor)
     if got == 0 or got % per_iter:
         raise sass.StructureError(
@@ -80,6 +91,31 @@ def term(binary: Binary, kernel: KernelInfo, spec: LoopSpec, elements: float) ->
     return Term(spec.name, len(path), spec.elems * unroll, elements,
                 sass.bytes_in_flight(path, spec.loads), sass.loaded_bytes(path, spec.loads),
                 candidates)
+
+
+def extra_term(binary: Binary, kernel: KernelInfo, base: LoopSpec, name: str,
+               extra: Dict[str, int], elements: float) -> Term:
+    """The instructions a conditional block of the loop adds to its iteration: the cheapest path
+    with base.need plus ``extra`` less the cheapest with base.need alone, per iteration of the
+    base loop; ``elements`` are those whose iterations run it (a stated fraction)."""
+    _, path, unroll, candidates = select_loop(binary, kernel, base)
+    both = dataclasses.replace(base, name=name, need={**base.need, **extra})
+    _, with_block, _, _ = select_loop(binary, kernel, both)
+    return Term(name, len(with_block) - len(path), base.elems * unroll, elements, 0, 0,
+                candidates)
+
+
+def first_matching(binary: Binary, kernel: KernelInfo, specs: List[LoopSpec]) -> int:
+    """Index of the first spec whose loop the kernel has (the newest code's first); the newest's
+    StructureError when none has."""
+    first_error = None
+    for k, spec in enumerate(specs):
+        try:
+            select_loop(binary, kernel, spec)
+            return k
+        except sass.StructureError as error:
+            first_error = first_error or error
+    raise first_error
 
 
 @dataclasses.dataclass
@@ -247,10 +283,44 @@ def draft_group(batch: int, rank: int, passes: int) -> int:
     return min(size, max(8, (batch + 7) // 8 * 8))
 
 
+# Slack of key_bound over -log(u) (draft.cuh: within 0.06), as a factor on the chance to pass.
+KEY_BOUND_SLACK = math.exp(0.06)
+
+
+def vote_fraction(grid_tiles: int, tiles: int, slack: float) -> float:
+    """ASSUMPTION: the expected fraction of the epilogue's warp calls (16 rows x 8 requests) in
+    which some lane's token may still win, so the warp runs the vote-guarded block.
+
+    A block's first tile knows no best key yet (it folds the grid's maxima in at the start of a
+    tile, and every block starts together): all of its calls run the block. In the r-th later
+    round of tiles about n = r * grid_tiles * 128 rows per request are known, and a row whose key
+    is exchangeable with theirs beats their best key with probability about 1/n (times `slack`
+    for the key bound's margin), so a call of 128 (row, request) pairs runs the block with
+    probability 1 - (1 - slack / n)^128. Independent of the logits' scale for exchangeable rows;
+    rows sorted by logit, or adversarial inputs, would run it more often.
+    """
+    done, calls, round_ = 0, 0.0, 0
+    while done < tiles:
+        n_tiles = min(grid_tiles, tiles - done)
+        if round_ == 0:
+            p = 1.0
+        else:
+            known = round_ * grid_tiles * TILE_ROWS
+            p = 1.0 - (1.0 - min(1.0, slack / known)) ** (16 * 8)
+        calls += n_tiles * p
+        done += n_tiles
+        round_ += 1
+    return calls / tiles
+
+
 def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn: bool,
              sampled: bool = True, hidden: int = 2560, filtered: bool = False) -> Op:
     passes = 2 if rnn else 1
-    slot = binary.find(r"draft_slot_kernelI13__nv_bfloat16Lb%dE" % int(rnn))
+    # Newest first: the base logits' dtype a template parameter (bf16 base, S2_), then the build
+    # whose epilogue switched on it per element.
+    version, slot = binary.find_first(r"draft_slot_kernelI13__nv_bfloat16S2_Lb%dE" % int(rnn),
+                                      r"draft_slot_kernelI13__nv_bfloat16Lb%dE" % int(rnn))
+    vote = version == 0
     group = draft_group(batch, rank, passes)
     groups = (batch + group - 1) // group
     dyn = draft_shared(group, rank, passes)
@@ -264,15 +334,36 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                    {r"^HMMA": 2 * min(4, chunks) * ct * passes, r"^LDG\.E\.128": 2 * min(4, chunks)},
                    16 * K_CHUNK * min(4, chunks) / 32, (r"^LDG\.E\.128", 2 * min(4, chunks)),
                    loads=r"^LDG\.E\.128")
-    need = {r"^STG\.E$": 4 * ct}
+    # z is stored through a row pointer kept in shared memory since the Base template (a generic
+    # ST.E), before it through a global STG.E.
+    store = r"^ST\.E$" if vote else r"^STG\.E$"
+    need = {store: 4 * ct}
     if sampled:
         need[PHILOX] = PHILOX_PER_BLOCK * ct  # one Philox block per lane and column tile
-    epi = LoopSpec("epilogue: store z, Gumbel keys", need, 16 * 8 * ct / 32, (r"^STG\.E$", 4 * ct),
-                   innermost=False)
+    epi = LoopSpec("epilogue: store z, key bounds" if vote else "epilogue: store z, Gumbel keys",
+                   need, 16 * 8 * ct / 32, (store, 4 * ct), innermost=False)
     w2 = vocab * rank * BF16 * groups
     slot_bytes = w2 + batch * vocab * BF16 + batch * vocab * F32 + batch * rank * BF16
     terms = [term(binary, slot, mma, vocab * rank * groups),
              term(binary, slot, epi, vocab * batch)]
+    note = ""
+    if vote:
+        # The epilogue's two warp votes: the logarithms (log1pf and logf: two exponent
+        # extractions per element, 4 elements per lane) and the reductions + global atomicMax
+        # (2 per call). Their fractions of warp calls are ASSUMPTIONS (vote_fraction); each
+        # block runs exactly one first tile, so the busiest SM's extra tile (imbalance) is a late
+        # one that rarely votes in: the vote blocks' elements are divided by the imbalance.
+        f_red = vote_fraction(grid_tiles, tiles, 1.0)
+        f_log = vote_fraction(grid_tiles, tiles, KEY_BOUND_SLACK) if sampled else 0.0
+        if sampled:
+            terms.append(extra_term(binary, slot, epi, f"epilogue: logarithms ({100 * f_log:.1f}% "
+                                    "of warp calls, assumed)", {r"^I2FP\.F32\.S32": 8 * ct},
+                                    vocab * batch * f_log / imbalance))
+        terms.append(extra_term(binary, slot, epi, f"epilogue: reductions + atomicMax "
+                                f"({100 * f_red:.1f}% of warp calls, assumed)",
+                                {r"^ATOMG\.E\.MAX": 2 * ct}, vocab * batch * f_red / imbalance))
+        note = (f"vote blocks assumed in {100 * f_log:.1f}% (logarithms) / {100 * f_red:.1f}% "
+                "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
     launches = []
     if rnn:
         head = binary.find(r"rnn_head_kernelI13__nv_bfloat16E")
@@ -288,7 +379,7 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
     launches.append(Launch(slot, f"slot: W2 mma + sample ({groups} group(s) of {group})",
                            DRAFT_THREADS, grid_tiles * groups, dyn, terms, slot_bytes, count=block,
                            imbalance=imbalance, serial_round_trips=1,
-                           load_bytes=w2 + batch * vocab * BF16))
+                           load_bytes=w2 + batch * vocab * BF16, note=note))
     if filtered:
         filt = binary.find(r"draft_filter_kernel")
         scan = LoopSpec("row max", {r"^LDG\.E$": 8}, 8, (r"^LDG\.E$", 8))
@@ -343,8 +434,31 @@ def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: i
     rows = block * (heads // kv_heads)
     groups = (rows + ATTN_ROWS - 1) // ATTN_ROWS
     base = batch * kv_heads * groups
-    max_splits = max(1, (length + 255) // 256)
-    splits = min(max((bps * H200.sms + base - 1) // base, 1), max_splits)
+    kper = dim // 32                                    # merge: floats per lane and row
+    # The merge kernel and the split plan changed together: one maximum over all splits (lanes
+    # over splits, a scaling loop over them) with the waves / splits plan; before it, a serial
+    # running rescale with the one-wave plan.
+    merge_new = LoopSpec("splits: scale partial outputs", {r"^MUFU\.EX2": 1, r"^FFMA": kper,
+                                                          r"^LDG": kper + 1}, kper,
+                         (r"^MUFU\.EX2", 1))
+    values = LoopSpec("block keys: fold v", {r"^SHFL\.IDX": 1, r"^MUFU\.EX2": 1, r"^LDG": kper},
+                      kper, (r"^MUFU\.EX2", 1), pick="densest")
+    merge_old = LoopSpec("block keys: q.k, fold v", {r"^SHFL\.BFLY": 5, r"^MUFU\.EX2": 2},
+                         2 * dim / 32, (r"^SHFL\.BFLY", 5))
+    # The block keys' values in their own loop (a score shuffled in from lane n) only since.
+    new_merge = first_matching(binary, merge, [values, merge_old]) == 0
+    wanted = bps * H200.sms
+    if new_merge:
+        # attention_cuda.cu: the fewest splits within 2% of the best waves(s) / s.
+        max_splits = min(max(1, (length + 255) // 256), 2 * ((wanted + base - 1) // base))
+        splits, best_cost = 1, float((base + wanted - 1) // wanted)
+        for s in range(2, max_splits + 1):
+            cost = ((base * s + wanted - 1) // wanted) / s
+            if cost < 0.98 * best_cost:
+                splits, best_cost = s, cost
+    else:
+        max_splits = max(1, (length + 255) // 256)
+        splits = min(max((wanted + base - 1) // base, 1), max_splits)
     split_len = max(ATTN_KEYS, ((length + splits - 1) // splits + ATTN_KEYS - 1) // ATTN_KEYS
                     * ATTN_KEYS)
     splits = max(1, (length + split_len - 1) // split_len)
@@ -362,12 +476,24 @@ def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: i
                        load_bytes=kv + q,
                        note="row groups of one head share K/V through L2 (HBM once)")]
     out_rows = batch * block * heads
-    keys = LoopSpec("block keys: q.k, fold v", {r"^SHFL\.BFLY": 5, r"^MUFU\.EX2": 2}, 2 * dim / 32,
-                    (r"^SHFL\.BFLY", 5))
     merge_bytes = partial + out_rows * dim * BF16 + q + 2 * batch * block * kv_heads * dim * BF16
-    launches.append(Launch(merge, "merge splits + block keys (warp per row)", ATTN_THREADS,
-                           (out_rows + 3) // 4, 0,
-                           [term(binary, merge, keys, out_rows * block * 2 * dim)], merge_bytes))
+    if new_merge:
+        # Block keys' scores and values in loops unrolled by 4 (G >= 4 at the modelled shapes:
+        # the unrolled loop, not its remainder); the splits' scaling loop runs `splits` times
+        # (its remainder loop when fewer than 4).
+        scores = LoopSpec("block keys: q.k", {r"^SHFL\.BFLY": 5}, kper, (r"^SHFL\.BFLY", 5),
+                          pick="densest")
+        if splits >= 4:
+            merge_new = dataclasses.replace(merge_new, pick="densest")
+        merge_terms = [term(binary, merge, scores, out_rows * block * dim),
+                       term(binary, merge, merge_new, out_rows * splits * dim),
+                       term(binary, merge, values, out_rows * block * dim)]
+        label = "merge splits + block keys (warp per row)"
+    else:
+        merge_terms = [term(binary, merge, merge_old, out_rows * block * 2 * dim)]
+        label = "merge splits + block keys (warp per row)"
+    launches.append(Launch(merge, label, ATTN_THREADS, (out_rows + 3) // 4, 0, merge_terms,
+                           merge_bytes))
     return Op("block_draft_attention",
               f"B={batch} G={block} Hq={heads} Hkv={kv_heads} D={dim} ctx={length}", "bf16", kv,
               launches, match=dict(op="block_draft_attention",
@@ -377,11 +503,17 @@ def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: i
 
 def append_op(binary: Binary, batch: int, rows: int, kv_heads: int, dim: int, context: int) -> Op:
     k = binary.find(r"append_context_kv_kernelItE")
-    copy = LoopSpec("copy one K and one V element", {r"^LDG\.E\.U16": 2, r"^STG\.E\.U16": 2}, 2,
-                    (r"^STG\.E\.U16", 2))
+    # Newest first: 256 threads, each with 4 K and 4 V 16-byte chunks in flight (aligned rows);
+    # before it, 128 threads copying one K and one V element per iteration.
+    chunks = LoopSpec("copy 4 K + 4 V 16-byte chunks", {r"^LDG\.E\.128": 8, r"^ST\.E\.128": 8},
+                      2 * 4 * 8, (r"^ST\.E\.128", 8), loads=r"^LDG\.E\.128")
+    element = LoopSpec("copy one K and one V element", {r"^LDG\.E\.U16": 2, r"^STG\.E\.U16": 2},
+                       2, (r"^STG\.E\.U16", 2))
+    new = first_matching(binary, k, [chunks, element]) == 0
+    copy, threads = (chunks, 256) if new else (element, ATTN_THREADS)
     elems = 2 * batch * rows * kv_heads * dim
     nbytes = 2 * elems * BF16 + batch * 12
-    launches = [Launch(k, "copy kept rows (block per request)", ATTN_THREADS, batch, 0,
+    launches = [Launch(k, "copy kept rows (block per request)", threads, batch, 0,
                        [term(binary, k, copy, elems)], nbytes, load_bytes=elems * BF16)]
     return Op("append_context_kv", f"B={batch} n<={rows} Hkv={kv_heads} D={dim} ctx={context}",
               "bf16", nbytes, launches, launch_bound=True,
