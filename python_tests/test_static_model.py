@@ -182,6 +182,14 @@ def test_extra_term_and_alternative_specs():
         kernels.first_matching(FakeBinary(), k, [gone])
 
 
+def test_merge_rounds_of_the_schedule():
+    # Runs of G keys double until one run holds all B * G: ceil(log2 B) rounds.
+    assert kernels.merge_rounds(256, 16) == [16 << k for k in range(8)]
+    assert len(kernels.merge_rounds(1024, 32)) == 10
+    assert kernels.merge_rounds(1, 32) == []
+    assert len(kernels.merge_rounds(3, 5)) == 2
+
+
 def _built_so():
     from bench.static.binary import default_so
     try:

@@ -528,7 +528,61 @@ SCHEDULE_THREADS, SHARED_KEYS = 1024, 16384
 H200_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on an H200 (227 KB)
 
 
+MERGE_ITEMS, MERGE_CHUNKS = 8, 4   # schedule.cuh: outputs per merge segment, segments per thread
+SMEM_LATENCY_S = 33 / H200.clock_hz  # ASSUMPTION: one dependent shared-memory load, ~33 clocks
+
+
+def merge_rounds(batch: int, block: int) -> List[int]:
+    """Run widths of the merge rounds: G, 2G, ... while below the B * G keys."""
+    widths, width = [], block
+    while width < batch * block:
+        widths.append(width)
+        width *= 2
+    return widths
+
+
+def schedule_merge_op(binary: Binary, batch: int, block: int) -> Op:
+    """The merge of per-request sorted runs (schedule.cuh): ceil(log2 B) rounds, a thread's 8
+    outputs per segment after one merge-path binary search."""
+    pairs = batch * block
+    shared = pairs <= SCHEDULE_THREADS * MERGE_ITEMS * MERGE_CHUNKS and \
+        pairs * 4 + 2048 <= H200_OPTIN
+    k = binary.find(r"schedule_kernelILi0ELb%dE" % int(shared))
+    segments = math.ceil(pairs / MERGE_ITEMS)
+    per_thread = min(MERGE_CHUNKS, math.ceil(segments / SCHEDULE_THREADS))
+    widths = merge_rounds(batch, block)
+    load, store = (r"^LDS$", r"^STS\.128") if shared else (r"^LDG", r"^STG\.E\.128")
+    rounds_need = {r"^BAR": 2 if shared else 1, store: 2 * per_thread, load: 8 * per_thread}
+    round_spec = LoopSpec("merge round: 8 outputs per segment", rounds_need,
+                          MERGE_ITEMS * per_thread, (store, 2), innermost=not shared)
+    search = LoopSpec("merge-path search step", {load: 2}, 1, (load, 2))
+    steps = [max(1, math.ceil(math.log2(w + 1))) for w in widths]   # run A holds w keys
+    # Critical path of a round: the dependent search steps, then the 8 dependent merge steps.
+    chain = sum(s + MERGE_ITEMS for s in steps)
+    latency = H200.l2_latency_s if not shared else SMEM_LATENCY_S
+    nbytes = pairs * F32 + batch * 8
+    launches = [Launch(k, "survival keys, merge of sorted runs, scan, lengths (one block)",
+                       SCHEDULE_THREADS, 1, pairs * 4 if shared else 0,
+                       [term(binary, k, round_spec, len(widths) * pairs),
+                        term(binary, k, search, segments * sum(steps))],
+                       0, latency_s=None, barrier_stages=0, serial_s=chain * latency,
+                       note=f"{pairs} keys in {'shared memory' if shared else 'global (L2)'}, "
+                            f"{len(widths)} merge rounds, {chain} dependent "
+                            f"{'shared' if shared else 'L2'} loads on the critical path "
+                            "(assumed latency each)")]
+    return Op("schedule_verify", f"B={batch} G={block}", "one-stage", nbytes, launches,
+              launch_bound=True,
+              match=dict(op="schedule_verify", params=dict(B=batch, G=block), variant=""))
+
+
 def schedule_op(binary: Binary, batch: int, block: int) -> Op:
+    # Newest first: the merge of sorted runs (16-byte stores of merged segments), else the
+    # bitonic sort of 64-bit rank keys.
+    merged = LoopSpec("merge round", {r"^BAR": 2, r"^STS\.128": 2}, MERGE_ITEMS,
+                      (r"^STS\.128", 2), innermost=False)
+    bitonic = LoopSpec("bitonic compare-exchange", {r"^LDS\.64": 2}, 1, (r"^LDS\.64", 2))
+    if first_matching(binary, binary.find(r"schedule_kernelILi0ELb1E"), [merged, bitonic]) == 0:
+        return schedule_merge_op(binary, batch, block)
     pairs = batch * block
     size = 1
     while size < pairs:
