@@ -1,7 +1,7 @@
 """The scheduling family's CUDA code (csrc/cuda/schedule_cuda.cu, csrc/kernels/schedule.cuh) run in
 the SIMT emulator: schedule_verify, plan_verify_budget, allocate_verify and pack_verify_inputs equal
 the CPU kernel and dspark_ops.reference exactly (lengths and budgets are decided on fixed-point sums,
-so CPU and CUDA make identical decisions), on every mode and both sort paths of schedule_kernel
+so CPU and CUDA make identical decisions), on every mode and both merge paths of schedule_kernel
 (keys in dynamic shared memory up to kSharedKeys, else in a global workspace), on emulated GPUs
 whose opt-in shared memory per block differs (h200 227 KB, a100 163 KB, l4 99 KB), and with planted
 faults that the comparison must catch.
@@ -24,7 +24,7 @@ from test_schedule import make_capacity, make_confidence, make_step_rate, random
 pytestmark = pytest.mark.sim
 
 INT32_MAX = 2**31 - 1
-SHARED_KEYS = 16384  # kSharedKeys in schedule.cuh
+SHARED_KEYS = 32768  # kSharedKeys in schedule.cuh: 32-bit keys
 SHARED_OPTIN = {"h200": 227 * 1024, "a100": 163 * 1024, "l4": 99 * 1024}  # csrc/sim/runtime.cpp
 STATIC_SHARED_MARGIN = 2048  # kScheduleStaticSharedMargin in schedule.cuh
 MODES = {"schedule_verify": 0, "plan_verify_budget": 1, "allocate_verify": 2}
@@ -39,17 +39,10 @@ def i32(*values):
     return torch.tensor(values, dtype=torch.int32)
 
 
-def sort_size(batch: int, block: int) -> int:
-    n = 2
-    while n < batch * block:
-        n <<= 1
-    return n
-
-
 def shared_sort(batch: int, block: int, device: str = "h200") -> bool:
-    """Whether the launcher should sort in shared memory on `device` (the path the fix chooses)."""
-    n = sort_size(batch, block)
-    return n <= SHARED_KEYS and n * 8 <= SHARED_OPTIN[device] - STATIC_SHARED_MARGIN
+    """Whether the launcher should merge in shared memory on `device` (the path the fix chooses)."""
+    n = batch * block
+    return n <= SHARED_KEYS and n * 4 <= SHARED_OPTIN[device] - STATIC_SHARED_MARGIN
 
 
 def expected_kernel(op: str, batch: int, block: int, device: str = "h200") -> str:
@@ -96,8 +89,9 @@ def budgets_for(batch, block, gen):
 # --------------------------------------------------------------------------------------------
 
 # (B, G, confidence kinds, (rate kind, capacity kind, capped) combos). B = 1, odd, 1024 and beyond
-# (several requests per thread); G = 1, 7, 32; 1024 x 16 is exactly kSharedKeys; 1024 x 32 and
-# 513 x 32 (32768 keys) take the global workspace, slow in the emulator's reference check: few.
+# (several requests per thread); G = 1, 7, 32 (odd G: merge segments crossing pairs of runs);
+# 1024 x 32 is exactly kSharedKeys (four segments per thread in registers); 1100 x 32 takes the
+# global workspace; the large shapes are slow in the emulator's reference check: few.
 ALL = [("linear", "full", False), ("jagged", "tight", True), ("tiles", "full", True),
        ("flat", "tight", False), ("steep", "full", True), ("linear", "minimal", True)]
 FEW = [("jagged", "full", True), ("flat", "tight", False)]
@@ -108,6 +102,7 @@ SHAPES = [
     (33, 0, ["uniform"], FEW), (1024, 1, ["uniform"], FEW), (1024, 7, ["quantised"], FEW),
     (1024, 16, ["high"], FEW), (2000, 1, ["uniform"], FEW[:1]),
     (1024, 32, ["quantised"], FEW[:1]), (513, 32, ["uniform"], FEW[1:]),
+    (1100, 32, ["high"], FEW[1:]),
 ]
 
 
@@ -218,6 +213,38 @@ def test_survival_ties(sim):
         check_schedulers(sim, quarters, rate, random_caps(64, 16, gen), [64 + 100, 64 + 517])
 
 
+def test_survival_ties_across_thread_chunks(sim):
+    """The tie rank of the last admitted survival runs over requests in chunks of 1024 threads:
+    with all ones at B = 1500 and room for 1500 + 1200 pairs, position 0 of every request and
+    position 1 of requests 0..1199 are admitted; caps move the tie position; B = 1024, G = 32 all
+    ones cut inside position 20; G = 40; B = 1024, G = 32 of quarters (products tie everywhere)
+    cut at many capacities."""
+    batch, block = 1500, 2
+    ones = torch.ones(batch, block)
+    rate = torch.ones(batch + 1 + 2700)
+    check_schedulers(sim, ones, rate, None, [batch + 2700, batch + 1499, batch + 1501])
+    assert sim.schedule_verify(ones, rate, None).tolist() == [2] * 1200 + [1] * 300
+    caps = torch.ones(batch, dtype=torch.int32)
+    caps[::3] = 2  # position 1 only for every third request: 500 of them
+    check_schedulers(sim, ones, rate, caps, [batch + 250, 2 * batch + 250])
+    assert sim.schedule_verify(ones, rate, caps).tolist() == caps.tolist()
+    lengths = sim.allocate_verify(ones, i32(2 * batch + 250), caps)
+    assert lengths.tolist() == [2 if r % 3 == 0 and r < 750 else 1 for r in range(batch)]
+    ones = torch.ones(1024, 32)  # B = 1024, G = 32, all tied: the cut inside position 20
+    rate = torch.ones(1024 + 1 + 20 * 1024 + 500)
+    check_schedulers(sim, ones, rate, None, [1024 + 7])
+    assert sim.schedule_verify(ones, rate, None).tolist() == [21] * 500 + [20] * 524
+    ones = torch.ones(3, 40)  # G > 32 (the tie search is over any G)
+    rate = torch.ones(3 + 1 + 100)
+    check_schedulers(sim, ones, rate, None, [3 + 50])
+    assert sim.schedule_verify(ones, rate, None).tolist() == [34, 33, 33]
+    gen = generator(12)
+    quarters = make_confidence("quantised", 1024, 32, gen)
+    rate = make_step_rate("flat", make_capacity("tight", 1024, 32), 1024, gen)
+    check_schedulers(sim, quarters, rate, random_caps(1024, 32, gen),
+                     [1024 + 1, 1024 + 4000, 1024 + 17000])
+
+
 def test_empty_batch(sim):
     """B = 0 launches and returns what the CPU kernel returns."""
     confidence = torch.rand(0, 4, generator=generator(7))
@@ -234,11 +261,11 @@ def test_empty_batch(sim):
 
 @pytest.mark.parametrize("device", ["l4", "a100", "h200"])
 def test_shared_memory_fits_the_device(sim, device):
-    """On every emulated device (l4: 99 KB opt-in per block) small sorts, a 64 KB sort and a
-    128 KB sort (16384 keys) run and match the CPU kernel; the 128 KB sort takes the shared path
+    """On every emulated device (l4: 99 KB opt-in per block) small merges, a 64 KB merge and a
+    128 KB merge (32768 keys) run and match the CPU kernel; the 128 KB merge takes the shared path
     where it fits (a100, h200) and the global workspace on l4."""
     gen = generator(17)
-    cases = [(3, 4), (64, 16), (1024, 8), (1024, 16)]  # 16, 1024, 8192, 16384 keys
+    cases = [(3, 4), (64, 16), (1024, 16), (1024, 32)]  # 12, 1024, 16384, 32768 keys
     with emulator.emulated_device(device):
         for batch, block in cases:
             confidence = make_confidence("uniform", batch, block, gen)
@@ -246,16 +273,16 @@ def test_shared_memory_fits_the_device(sim, device):
             launched = check_schedulers(sim, confidence, rate, random_caps(batch, block, gen),
                                         [batch + 7], what=f"{device} B={batch} G={block}")
             assert set(launched) == {expected_kernel(op, batch, block, device) for op in MODES}
-    assert expected_kernel("schedule_verify", 1024, 16, "l4") == "schedule_kernel<0, false>"
-    assert expected_kernel("schedule_verify", 1024, 16, "h200") == "schedule_kernel<0, true>"
-    assert expected_kernel("schedule_verify", 1024, 8, "l4") == "schedule_kernel<0, true>"
+    assert expected_kernel("schedule_verify", 1024, 32, "l4") == "schedule_kernel<0, false>"
+    assert expected_kernel("schedule_verify", 1024, 32, "h200") == "schedule_kernel<0, true>"
+    assert expected_kernel("schedule_verify", 1024, 16, "l4") == "schedule_kernel<0, true>"
 
 
 def test_device_switch_in_one_process(sim):
     """The path is chosen from the current device on each call (no cached limit): the same 128 KB
-    sort alternates between the global path on l4 and the shared path on h200."""
-    confidence = make_confidence("high", 1024, 16, generator(23))
-    rate = make_step_rate("linear", make_capacity("full", 1024, 16), 1024, generator(24))
+    merge alternates between the global path on l4 and the shared path on h200."""
+    confidence = make_confidence("high", 1024, 32, generator(23))
+    rate = make_step_rate("linear", make_capacity("full", 1024, 32), 1024, generator(24))
     expected = CPU.schedule_verify(confidence, rate, None)
     for device in ("h200", "l4", "h200", "l4"):
         with emulator.emulated_device(device):
@@ -348,17 +375,18 @@ def test_pack_out_of_range_lengths(sim):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch,block", [(64, 16), (1024, 32)])
-def test_planted_bitonic_barrier_is_caught(sim, batch, block):
-    """Dropping the __syncthreads between bitonic stages (shared and global path) breaks the
-    ranking, and the comparison with the CPU kernel and the reference fails."""
+@pytest.mark.parametrize("batch,block", [(64, 16), (1100, 32)])
+def test_planted_merge_barrier_is_caught(sim, batch, block):
+    """Dropping the __syncthreads of a merge round (shared path: between reading the inputs and
+    writing the outputs in place; global path: between rounds) breaks the ranking, and the
+    comparison with the CPU kernel and the reference fails."""
     gen = generator(51)
     confidence = make_confidence("uniform", batch, block, gen)
     rate = make_step_rate("jagged", make_capacity("tight", batch, block), batch, gen)
     caps = random_caps(batch, block, gen)
     check = lambda: check_schedulers(sim, confidence, rate, caps, [batch + 50])  # noqa: E731
     check()  # the intact kernel passes
-    with emulator.planted("drop_barrier:" + emulator.barrier_site("schedule.cuh", "Bitonic")):
+    with emulator.planted("drop_barrier:" + emulator.barrier_site("schedule.cuh", "2. Merge rounds")):
         assert emulator.caught(check)
     check()
 

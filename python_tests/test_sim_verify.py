@@ -16,8 +16,10 @@ element, padded slices: the scalar loads) against aligned rows (the 16-byte vect
 drafts and draft logits, draft temperatures other than T and greedy ones, early rejection, full
 acceptance with the bonus row, greedy and sampled requests in one call, NaN and +-inf logits, rows
 without a finite logit (target and draft) or with one in a single chunk, num_draft = 0, the
-residual-mass fallback (race over p), and the emulated A100 and L4 with grid plans other than the
-H200's (checked through the workspace size the glue allocates). Planted faults (a dropped
+residual-mass fallback (race over p), the grid plan depending on V only (the same chunks on the
+emulated H200, A100 and L4 and at every B, checked through the workspace size the glue
+allocates) and a request's outputs, logprobs included, bitwise the same alone and inside a batch
+of 200. Planted faults (a dropped
 barrier in block_reduce, shuffle_off_by_one) are shown to be caught.
 
 Sampling filters and logprobs (kernels/filter.cuh): top_k, top_p, min_p per request (some off)
@@ -34,8 +36,7 @@ out-of-range top_p and min_p) and a dropped barrier in the descent shown to be c
 Values the CUDA glue does not check (out-of-range draft ids, num_draft outside [0, G],
 target_start outside the rows) reach the kernels as on CUDA without DSPARK_OPS_DEBUG.
 
-Not reachable here: the emulated devices' grid plans in a process that already ran verify on
-another one (the SM count and the occupancy are cached; a strict xfail says where). The
+Not reachable here: the
 published-rejection polling (blocks abandoning a row another block
 rejected) cannot run either: the emulator runs blocks one at a time, so a request's rows are all
 decided by its last block, after the others have finished.
@@ -43,6 +44,7 @@ decided by its last block, after the others have finished.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -114,18 +116,14 @@ def randoms(batch: int, gen: torch.Generator):
 
 
 # --------------------------------------------------------------------------------------------
-# The grid plan (verify_cuda.cu): C = clamp(resident / B, 1, ceil(V / 1024)) chunks
+# The grid plan (kernels/verify.cuh verify_num_chunks): C = min(16, ceil(V / 1024)) chunks of a
+# multiple of 16 elements, whatever B and the GPU
 # --------------------------------------------------------------------------------------------
 
-# csrc/sim/runtime.cpp kDevices: SMs, threads per SM, blocks per SM.
-DEVICE_SPECS = {"h200": (132, 2048, 32), "a100": (108, 2048, 32), "l4": (58, 1536, 24)}
 
-
-def expected_chunks(device: str, batch: int, vocab: int) -> int:
-    sms, threads, blocks = DEVICE_SPECS[device]
-    resident = min(threads // 256, blocks) * sms  # 256 threads, no dynamic shared memory
-    chunks = min(max(resident // batch, 1), -(-vocab // 1024))
-    chunk = -(-(-(-vocab // chunks)) // 16) * 16
+def expected_chunks(vocab: int) -> int:
+    wanted = min(16, -(-vocab // 1024))
+    chunk = -(-(-(-vocab // wanted)) // 16) * 16
     return -(-vocab // chunk)
 
 
@@ -261,12 +259,12 @@ def test_layouts(sim):
     assert (got.num_accepted > 0).any()
 
 
-def offset_rows(t: torch.Tensor) -> torch.Tensor:
-    """The same values with every row starting one element past a 16-byte boundary (rows of
-    V + 16 bytes' worth of elements, sliced from element 1; the gaps hold NaN)."""
+def offset_rows(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """The same values with every row starting ``elements`` elements past a 16-byte boundary
+    (rows of V + 16 bytes' worth of elements, sliced from that element; the gaps hold NaN)."""
     per16 = 16 // t.element_size()
     storage = torch.full((*t.shape[:-1], t.shape[-1] + per16), NAN, dtype=t.dtype)
-    out = storage[..., 1 : t.shape[-1] + 1]
+    out = storage[..., elements : t.shape[-1] + elements]
     out.copy_(t)
     return out
 
@@ -295,6 +293,78 @@ def test_unaligned_rows_give_the_same_results(sim, dtype):
     onehot = case.replace(draft_logits=None)
     assert_same_outputs(check(sim, onehot.replace(target_logits=target)), check(sim, onehot),
                         onehot)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_rows_past_a_boundary_sum_bitwise_alike(sim, dtype):
+    """Rows starting 1, 2, 5, 7 elements past a 16-byte boundary in 16-bit types (2, 4, 10, 14
+    bytes), 1 .. 3 in float32: every word offset and both shifts of the race's re-cut 16-byte
+    loads (the statistics pass loads such rows one element at a time), in the target, the draft
+    or both, give bitwise the same tokens and logprobs as aligned rows (each
+    thread sums the same elements in the same order), with a mask and filters too; V = 1000 and
+    V = 3000 (3 chunks: chunk ends inside the row fall back to single loads)."""
+    call = lambda c, **kw: c.call(_filtered(sim.verify), return_logprobs=True, **kw)  # noqa: E731
+    for vocab in (1000, 3000):
+        case = make_case(5, 3, vocab, seed=stable_seed("recut", dtype, vocab),
+                         temperature="mixed", dtype=dtype)
+        out = check(sim, case)
+        base = call(case)
+        per16 = 16 // case.target_logits.element_size()
+        offsets = [1, 2, 3] if per16 == 4 else [1, 2, 5, 7]  # (word, half-word) offsets
+        for elements in offsets:
+            for which in ("target", "draft", "both") if elements == 1 else ("both",):
+                changes = {}
+                if which != "draft":
+                    changes["target_logits"] = offset_rows(case.target_logits, elements)
+                if which != "target":
+                    changes["draft_logits"] = offset_rows(case.draft_logits, elements)
+                other = case.replace(**changes)
+                got = call(other)
+                assert_same_outputs(got, base, other)
+                assert torch.equal(got.logprobs, base.logprobs), (elements, which)
+        assert_same_outputs(base, out, case)
+        filters = dict(top_k=torch.tensor([0, 5, 40, 0, 3], dtype=I32),
+                       top_p=torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0]))
+        shifted = case.replace(target_logits=offset_rows(case.target_logits, per16 - 1))
+        a, b = call(shifted, **filters), call(case, **filters)
+        assert_same_outputs(a, b, shifted)
+        assert torch.equal(a.logprobs, b.logprobs)
+
+
+def copies_made(run) -> int:
+    """How many aten::copy_ calls ``run`` makes (a padded target reshaped by a copy shows here)."""
+    import torch.autograd.profiler as profiler
+
+    with profiler.profile(use_kineto=False) as prof:
+        run()
+    return sum(e.name == "aten::copy_" for e in prof.function_events)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_padded_slice_target_is_read_in_place(sim, dtype):
+    """A padded target [B, G+1, V] sliced out of a wider [B, G+4, V + pad] buffer (requests
+    unevenly spaced: no [R, V] view) is read through both strides without a copy, aligned and
+    one element past a 16-byte boundary, with and without logprobs and a mask, and gives the
+    contiguous target's results; on CPU the same input gives the same results."""
+    batch, block, vocab = 5, 4, 3000
+    case = make_case(batch, block, vocab, seed=stable_seed("slice", dtype), temperature="mixed",
+                     dtype=dtype)
+    out = check(sim, case)
+    per16 = 16 // case.target_logits.element_size()
+    for offset in (0, 1):
+        wide = torch.full((batch, block + 4, vocab + 2 * per16), NAN, dtype=dtype)
+        target = wide[:, 2 : block + 3, offset : offset + vocab]
+        target.copy_(case.target_logits)
+        assert target.stride(0) != (block + 1) * target.stride(1)
+        sliced = case.replace(target_logits=target)
+        got = {}
+        assert copies_made(lambda: got.update(o=sliced.call(_positional(sim.verify)))) == 0
+        assert_same_outputs(got["o"], out, sliced)
+        assert_same_outputs(check(sim, sliced), out, sliced)
+        full = lambda c, fn: c.call(_filtered(fn), return_logprobs=True)  # noqa: E731
+        a, b = full(sliced, sim.verify), full(case, sim.verify)
+        assert_same_outputs(a, b, sliced)
+        assert torch.equal(a.logprobs, b.logprobs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,67 +555,63 @@ def test_single_finite_logit_in_one_chunk(sim):
 
 
 # --------------------------------------------------------------------------------------------
-# Emulated devices: grid plans other than the H200's
+# Batch invariance: the grid plan depends on V alone
 # --------------------------------------------------------------------------------------------
 
-# (B, G, V, target dtype, draft) per device, the smallest grids where its plan is not the H200's:
-# A100: B = 289 at V = 2049 (at most 3 chunks): H200 1056 / 289 -> 3 chunks, A100 864 / 289 -> 2.
-# L4: B = 175 at V = 1025 (at most 2 chunks): H200 1056 / 175 -> 2, L4 348 / 175 -> 1.
-DEVICE_CASES = {"a100": (289, 1, 2049, F32, "logits"), "l4": (175, 1, 1025, BF16, "onehot"),
-                "h200": (289, 1, 2049, F16, "logits")}
 
-
-def _device_case(device: str) -> Case:
-    batch, block, vocab, dtype, draft = DEVICE_CASES[device]
-    return make_case(batch, block, vocab, seed=stable_seed("device", device), temperature="mixed",
-                     draft=draft, dtype=dtype)
-
-
-def _run_device_case(sim, device: str) -> dict:
-    """The op on the emulated ``device``: its workspace size, agreement with both references."""
-    case = _device_case(device)
-    out = {}
-    with emulator.emulated_device(device):
-        seen = observed_workspace(lambda: out.update(got=case.call(_positional(sim.verify))))
-    got = out["got"]
-    check_output_contract(case, got)
-    assert_same_outputs(got, case.call(reference.verify), case)
-    assert_same_outputs(got, case.call(_positional(torch.ops.dspark_ops.verify)), case)
-    accepted = got.num_accepted.long()
-    n = case.num_draft.long()
-    return {"workspace": seen, "rejected": int((accepted < n).sum()),
-            "full": int(((accepted == n) & (n > 0)).sum())}
-
-
-def test_other_emulated_devices(sim):
-    """The emulated A100 (108 SMs) splits B = 289 requests of V = 2049 into 2 chunks where the
-    H200 uses 3; the L4 (58 SMs, 1536 threads per SM) B = 175 of V = 1025 into 1 where the H200
-    uses 2 (seen in the workspace the glue sizes). The results match the references exactly."""
-    plans = {d: (expected_chunks(d, *DEVICE_CASES[d][0:1], DEVICE_CASES[d][2]),
-                 expected_chunks("h200", *DEVICE_CASES[d][0:1], DEVICE_CASES[d][2]))
-             for d in DEVICE_CASES}
-    assert plans == {"a100": (2, 3), "l4": (1, 2), "h200": (3, 3)}
-    devices = ["a100", "l4"] + (["h200"] if full_tests() else [])
-    for device in devices:
-        result = _run_device_case(sim, device)
-        batch, block = DEVICE_CASES[device][:2]
-        assert result["workspace"] == workspace_bytes(batch, block, plans[device][0]), device
-        assert result["rejected"] > 0 and result["full"] > 0, (device, result)
-
-
-def test_grid_plan_follows_the_emulated_device(sim):
-    """In one process, the grid plan follows emulated_device() (the glue's occupancy and SM-count
-    caches are per device): B = 175 at V = 1025 is 2 chunks on the H200 and 1 on the L4."""
-    batch, block, vocab = 175, 0, 1025
+def test_grid_plan_depends_on_vocab_only(sim):
+    """The same V gets the same chunks on every emulated device and at every B (seen in the
+    workspace the glue sizes): B = 1 and B = 175 at V = 1025 (2 chunks) and V = 8193 (9) on the
+    H200, the A100 and the L4, where the old plan (one resident wave) varied with both."""
+    assert [expected_chunks(v) for v in (1, 1024, 1025, 8193, 16384, 50257, 151936)] == \
+        [1, 1, 2, 9, 16, 16, 16]
     gen = generator(381)
-    case = Case(torch.randn(batch, vocab, generator=gen), torch.zeros(batch, 0, dtype=I64),
-                torch.zeros(batch, dtype=I32), torch.zeros(batch), *randoms(batch, gen))
-    seen = {}
-    for device in ("h200", "l4"):
-        with emulator.emulated_device(device):
-            seen[device] = observed_workspace(lambda: case.call(_positional(sim.verify)))
-    assert seen == {d: workspace_bytes(batch, block, expected_chunks(d, batch, vocab))
-                    for d in ("h200", "l4")}
+    for vocab in (1025, 8193):
+        for batch in (1, 175):
+            case = Case(torch.randn(batch, vocab, generator=gen), torch.zeros(batch, 0, dtype=I64),
+                        torch.zeros(batch, dtype=I32), torch.zeros(batch), *randoms(batch, gen))
+            for device in ("h200", "a100", "l4"):
+                with emulator.emulated_device(device):
+                    seen = observed_workspace(lambda: case.call(_positional(sim.verify)))
+                assert seen == workspace_bytes(batch, 0, expected_chunks(vocab)), \
+                    (vocab, batch, device)
+
+
+def _joined(case: Case, others: Case, order: torch.Tensor) -> Case:
+    """``case``'s requests among ``others``', in ``order`` (padded layouts)."""
+    both = Case(**{
+        f.name: None if getattr(case, f.name) is None
+        else torch.cat([getattr(case, f.name), getattr(others, f.name)])
+        for f in dataclasses.fields(case)
+    })
+    return both.select(order)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_request_outputs_are_bitwise_batch_invariant(sim, dtype):
+    """A request verified alone and inside a batch of 200 (at V = 8193: 9 chunks either way;
+    the old plan split its rows into 9 chunks alone and 5 in the batch) gets bitwise the same
+    tokens, num_accepted, valid and logprobs (float sums merged in the same order), sampled and
+    greedy, with draft logits and one-hot drafts."""
+    block, vocab = 2, 8193
+    call = lambda c, fn: c.call(_filtered(fn), return_logprobs=True)  # noqa: E731
+    for draft in ("logits", "onehot"):
+        case = make_case(4, block, vocab, seed=stable_seed("invariant", draft, dtype),
+                         temperature="mixed", draft=draft, dtype=dtype)
+        others = make_case(196, block, vocab, seed=stable_seed("others", draft, dtype),
+                           temperature="mixed", draft=draft, dtype=dtype)
+        order = torch.randperm(200, generator=generator(383))
+        big = call(_joined(case, others, order), sim.verify)
+        where = {int(b): i for i, b in enumerate(order.tolist()) if b < 4}
+        for b in range(4):
+            alone = call(case.select(torch.tensor([b])), sim.verify)
+            i = where[b]
+            assert torch.equal(alone.tokens[0], big.tokens[i]), (draft, b)
+            assert int(alone.num_accepted[0]) == int(big.num_accepted[i]), (draft, b)
+            assert bool(alone.valid[0]) == bool(big.valid[i]), (draft, b)
+            assert torch.equal(alone.logprobs[0], big.logprobs[i]), (draft, b, alone.logprobs,
+                                                                     big.logprobs[i])
+        check(sim, case)
 
 
 # --------------------------------------------------------------------------------------------

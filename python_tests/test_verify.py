@@ -950,6 +950,31 @@ def test_batch_invariance(device, draft):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [2048, 50257])
+def test_batch_invariance_is_bitwise(device, vocab):
+    # Logprobs too: the float sums of a request's rows do not depend on the batch (on CUDA the
+    # vocabulary split depends on V only), so a request alone and among 300 others (B = 1 and
+    # B = 301 had different splits before) gives bitwise the same outputs.
+    block = 2
+    case = make_case(3, block, vocab, seed=78, temperature="mixed").to(device)
+    others = make_case(298, block, vocab, seed=79, temperature="mixed")
+    joined = Case(**{
+        f.name: None if getattr(case, f.name) is None
+        else torch.cat([getattr(case, f.name), getattr(others, f.name).to(device)])
+        for f in dataclasses.fields(case)
+    })
+    mix = torch.randperm(301, generator=generator(80))
+    big = joined.select(mix.to(device)).call(return_logprobs=True)
+    for i, b in enumerate(mix.tolist()):
+        if b < 3:
+            alone = case.select(torch.tensor([b], device=device)).call(return_logprobs=True)
+            assert torch.equal(alone.tokens[0], big.tokens[i]), b
+            assert torch.equal(alone.num_accepted[0], big.num_accepted[i]), b
+            assert torch.equal(alone.valid[0], big.valid[i]), b
+            assert torch.equal(alone.logprobs[0], big.logprobs[i]), b
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_batch_invariance_across_block_sizes(device):
     # The same requests padded to a larger G, as when batched with requests that draft more:
     # the extra slots hold junk that is never read, and the results are the same.

@@ -33,7 +33,7 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
                              const std::optional<at::Tensor>& top_p,
                              const std::optional<at::Tensor>& min_p,
                              const std::optional<at::Tensor>& allowed_token_mask,
-                             bool return_logprobs) {
+                             bool return_logprobs, bool keep_padded_target) {
   const auto float_types = {at::kFloat, at::kBFloat16, at::kHalf};
   VerifyArgs a;
 
@@ -65,8 +65,15 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
     check_shape(kOp, "target_logits", target_logits, {a.batch, a.block + 1, a.vocab},
                 "[B, G+1, V]");
   }
-  a.target = unit_stride_vocab(target_logits.reshape({-1, a.vocab}));
-  a.rows = a.target.size(0);
+  // A padded target whose requests are not evenly spaced (a slice of a wider buffer) is no
+  // [R, V] view: reshape would copy it, so a caller that reads through both strides keeps it.
+  const bool uneven = target_logits.dim() == 3 && target_logits.size(0) > 1 &&
+                      target_logits.size(1) > 1 &&
+                      target_logits.stride(0) != target_logits.size(1) * target_logits.stride(1);
+  a.target = unit_stride_vocab(keep_padded_target && uneven
+                                   ? target_logits
+                                   : target_logits.reshape({-1, a.vocab}));
+  a.rows = target_logits.numel() / a.vocab;
 
   a.num_draft = check_per_request("num_draft", num_draft, at::kInt, target_logits, a.batch);
   a.temperature = check_per_request("temperature", temperature, at::kFloat, target_logits, a.batch);

@@ -12,7 +12,8 @@
 namespace dspark_ops {
 
 struct VerifyArgs {
-  at::Tensor target;        // [R, V], unit stride along V
+  at::Tensor target;        // [R, V], unit stride along V; or, when the caller keeps padded
+                            // targets and the input [B, G+1, V] is no [R, V] view, that 3-D tensor
   at::Tensor draft_tokens;  // int32/int64 [B, G], any strides
   at::Tensor num_draft;     // int32 [B], contiguous
   at::Tensor temperature;   // float32 [B], contiguous
@@ -37,7 +38,7 @@ VerifyArgs check_verify_args(const at::Tensor& target_logits, const at::Tensor& 
                              const std::optional<at::Tensor>& top_p,
                              const std::optional<at::Tensor>& min_p,
                              const std::optional<at::Tensor>& allowed_token_mask,
-                             bool return_logprobs);
+                             bool return_logprobs, bool keep_padded_target = false);
 
 // tokens int64 [B, G+1], num_accepted int32 [B], valid bool [B] and logprobs float32 [B, G+1]
 // (or [B, 0] when not asked for) on the inputs' device.

@@ -32,18 +32,16 @@ void run_schedule(int mode, const at::Tensor& confidence, const at::Tensor* step
   p.budget_out = budget_out.defined() ? budget_out.data_ptr<int32_t>() : nullptr;
   p.batch = static_cast<int>(c.size(0));
   p.block = static_cast<int>(c.size(1));
-  int64_t sort_size = 2;
-  while (sort_size < int64_t{p.batch} * p.block) sort_size <<= 1;
-  p.sort_size = static_cast<int>(sort_size);
+  const int64_t pairs = int64_t{p.batch} * p.block;
   // The opt-in limit differs between GPUs (99 KB on A10, L4, RTX; 163 KB on A100): a cheap host
   // query, made on every call because the current device may change.
   int shared_optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         c.device().index()));
   at::Tensor workspace;
-  if (!kernels::schedule_sorts_in_shared(p.sort_size, shared_optin)) {
-    workspace = at::empty({sort_size}, c.options().dtype(at::kLong));
-    p.global_keys = reinterpret_cast<uint64_t*>(workspace.data_ptr<int64_t>());
+  if (!kernels::schedule_sorts_in_shared(pairs, shared_optin)) {  // two buffers of 32-bit keys
+    workspace = at::empty({kernels::schedule_spare_offset(pairs)}, c.options().dtype(at::kLong));
+    p.global_keys = reinterpret_cast<uint32_t*>(workspace.data_ptr<int64_t>());
   }
   const cudaError_t error =
       kernels::launch_schedule(mode, p, c10::cuda::getCurrentCUDAStream());

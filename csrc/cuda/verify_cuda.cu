@@ -38,7 +38,8 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
                          bool return_logprobs) {
   const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
                                    position, draft_logits, target_start, draft_temperature, top_k,
-                                   top_p, min_p, allowed_token_mask, return_logprobs);
+                                   top_p, min_p, allowed_token_mask, return_logprobs,
+                                   /*keep_padded_target=*/true);
   const c10::cuda::CUDAGuard guard(target_logits.device());
   auto [tokens, num_accepted, valid, logprobs] = allocate_verify_outputs(a);
   TORCH_CHECK_VALUE(a.batch <= 65535, "verify(): at most 65535 requests per call on CUDA, got ",
@@ -47,7 +48,13 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
 
   kernels::VerifyParams p{};
   p.target = a.target.const_data_ptr();
-  p.target_row_stride = a.target.stride(0);
+  if (a.target.dim() == 3) {  // padded, requests unevenly spaced: no copy
+    p.target_row_stride = a.target.stride(1);
+    p.target_group_rows = a.target.size(1);
+    p.target_group_stride = a.target.stride(0);
+  } else {
+    p.target_row_stride = a.target.stride(0);
+  }
   p.target_rows = a.rows;
   if (a.draft_logits.defined()) {
     p.draft = a.draft_logits.const_data_ptr();
@@ -90,19 +97,9 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
     });
   };
 
-  // Split the vocabulary so that one resident wave of blocks covers the batch (the blocks walk
-  // all rows, so a second wave would start late), with chunks of at least 1024 elements and a
-  // multiple of 16 (whole vector loads, whole Philox blocks).
-  int blocks_per_sm = 1;
-  with_types([&](auto tt, auto dt) {
-    blocks_per_sm = kernels::verify_blocks_per_sm<decltype(tt), decltype(dt)>(
-        device_index(target_logits), f.any());
-  });
-  const int64_t resident = int64_t{blocks_per_sm} * multiprocessor_count(device_index(target_logits));
-  const int64_t max_chunks = (a.vocab + 1023) / 1024;
-  const int64_t chunks = std::clamp<int64_t>(resident / a.batch, 1, max_chunks);
-  p.chunk = ((a.vocab + chunks - 1) / chunks + 15) / 16 * 16;
-  p.num_chunks = static_cast<int>((a.vocab + p.chunk - 1) / p.chunk);
+  const int64_t chunks = kernels::verify_num_chunks(a.vocab);
+  p.chunk = kernels::verify_chunk(a.vocab);
+  p.num_chunks = static_cast<int>(chunks);
 
   const int64_t rows = a.batch * (a.block + 1);
   auto counters = at::zeros({rows + 2 * a.batch}, a.target.options().dtype(at::kInt));

@@ -4,9 +4,10 @@
 // the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
 // out-of-range rows and draft ids are rejected and reported, never used as addresses.
 //
-// Geometry: grid (C, B): the vocabulary of each request is split into C chunks, C chosen so one
-// resident wave of blocks covers the batch (one block per request, as FlashInfer's chain kernel
-// does, cannot reach HBM bandwidth at B <= 132). Two launches, no host work in between:
+// Geometry: grid (C, B): the vocabulary of each request is split into C chunks, C a function of V
+// alone (verify_num_chunks: at most 16; one block per request, as FlashInfer's chain kernel does,
+// cannot reach HBM bandwidth at B <= 132). Blocks never wait for each other, so a grid of several
+// waves is fine. Two launches, no host work in between:
 //
 //  1. verify_row_stats_kernel: block (c, b) walks rows j = 0..n of request b over its chunk,
 //     reading the target row and (when the draft is a distribution) the draft row in one loop, and
@@ -34,9 +35,11 @@
 //
 // Each element of a needed row is read once from HBM in step 1; step 2 reads one row per sampled
 // request again. Chunks start at multiples of 16 elements, so rows whose start is 16-byte aligned use
-// 16-byte vector loads, all issued before any is used. Sums are merged in a chunk-dependent order
-// and C depends on the batch size and the GPU, so a token at a float-rounding near-tie can differ
-// with either; everything else is batch-invariant.
+// 16-byte vector loads, all issued before any is used. Rows starting past a boundary (odd V in
+// 16-bit types, sliced rows): the emit pass's race uses 16-byte loads re-cut in registers; the
+// statistics pass (80 registers) loads one element at a time. Either way each thread handles
+// the same elements in the same order, so the results do not depend on where a row starts. Partials are merged in chunk order, and the
+// chunks depend on V only: a request's outputs are bitwise the same in any batch, on any GPU.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,7 +51,6 @@
 #include "filter.cuh"
 #include "reduce.cuh"
 #include "verify_math.h"
-#include "device_cache.cuh"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
@@ -85,6 +87,9 @@ struct RacePartial {
 struct VerifyParams {
   const void* target;  // [rows, vocab], unit stride along vocab
   int64_t target_row_stride;
+  // 0, or a padded target [B, G+1, V] read through both strides: row i is at
+  // (i / group_rows) * group_stride + (i % group_rows) * row_stride
+  int64_t target_group_rows, target_group_stride;
   int64_t target_rows;
   const void* draft;  // [B, G, vocab] or null (one-hot drafts)
   int64_t draft_stride_b, draft_stride_j;
@@ -123,11 +128,72 @@ __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
-// Loads elements [x, x + 8) of a row (non-finite and past-the-end elements as -inf).
+// A row's start past a 16-byte boundary, in bytes (a multiple of the element size).
+__device__ __forceinline__ int misalignment16(const void* p) {
+  return static_cast<int>(reinterpret_cast<uintptr_t>(p) & 15);
+}
+
+// Whether elements [x, x + 8) of a row starting `mis` bytes past a 16-byte boundary can be read
+// with 16-byte loads: aligned, or (mis > 0) the two aligned words around them lie within the
+// row's first `end` elements.
+// A `mis` that asks load8 for one element at a time: the statistics kernel (capped at 80
+// registers) reads rows past a 16-byte boundary so, since the re-cut words would spill there.
+constexpr int kSingleLoads = 16;
+
 template <typename T>
-__device__ __forceinline__ void load8(const T* row, int64_t x, int64_t end, bool aligned,
+__device__ __forceinline__ bool vector_ok(int64_t x, int64_t end, int mis) {
+  constexpr int64_t kSize = sizeof(T);
+  return x + kElementsPerThread <= end && mis < kSingleLoads &&
+         (mis == 0 || (x * kSize >= mis &&
+                       (x + kElementsPerThread) * kSize + (16 - mis) <= end * kSize));
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack_words(const uint32_t* words, float (&v)[kElementsPerThread]) {
+  const T* e = reinterpret_cast<const T*>(words);
+#pragma unroll
+  for (int k = 0; k < kElementsPerThread; ++k) v[k] = finite_or_neg_inf(to_float(e[k]));
+}
+
+// Elements [x, x + 8) (8 * sizeof(T) bytes) of a row starting `mis` > 0 bytes past a 16-byte
+// boundary: the aligned 16-byte words around them, re-cut at `mis` (a byte shift of two words; the
+// same elements as the aligned path gives, so the sums do not depend on where a row starts).
+template <typename T>
+__device__ __forceinline__ void load8_shifted(const T* row, int64_t x, int mis,
+                                              float (&v)[kElementsPerThread]) {
+  constexpr int kWords = kElementsPerThread * int{sizeof(T)} / 4;  // 32-bit words out: 4 or 8
+  constexpr int kIn = kWords / 4 + 1;                              // 16-byte loads: 2 or 3
+  const uint4* at = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(row + x) - mis);
+  uint32_t w[4 * kIn];
+#pragma unroll
+  for (int h = 0; h < kIn; ++h) {
+    const uint4 raw = __ldg(at + h);
+    w[4 * h] = raw.x;
+    w[4 * h + 1] = raw.y;
+    w[4 * h + 2] = raw.z;
+    w[4 * h + 3] = raw.w;
+  }
+  const int q = mis >> 2, shift = 8 * (mis & 3);
+  uint32_t out[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    const uint32_t lo = q == 0 ? w[i] : q == 1 ? w[i + 1] : q == 2 ? w[i + 2] : w[i + 3];
+    const uint32_t hi = q == 0 ? w[i + 1] : q == 1 ? w[i + 2] : q == 2 ? w[i + 3] : w[i + 4];
+    out[i] = static_cast<uint32_t>(((uint64_t{hi} << 32) | lo) >> shift);
+  }
+  unpack_words<T>(out, v);
+}
+
+// Loads elements [x, x + 8) of a row starting `mis` bytes past a 16-byte boundary (non-finite and
+// past-the-end elements as -inf): 16-byte loads where vector_ok, else one element at a time.
+template <typename T>
+__device__ __forceinline__ void load8(const T* row, int64_t x, int64_t end, int mis,
                                       float (&v)[kElementsPerThread]) {
-  if (aligned && x + kElementsPerThread <= end) {
+  if (vector_ok<T>(x, end, mis)) {
+    if (mis != 0) {
+      load8_shifted(row, x, mis, v);
+      return;
+    }
     constexpr int kPerLoad = 16 / sizeof(T);
 #pragma unroll
     for (int h = 0; h < kElementsPerThread / kPerLoad; ++h) {
@@ -163,10 +229,6 @@ __device__ __forceinline__ void unpack8(const Raw8<T>& raw, float (&v)[kElements
   const T* e = reinterpret_cast<const T*>(raw.word);
 #pragma unroll
   for (int k = 0; k < kElementsPerThread; ++k) v[k] = finite_or_neg_inf(to_float(e[k]));
-}
-
-__device__ __forceinline__ bool is_aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
 // Per-request scalars, the same in every block of the request.
@@ -211,7 +273,13 @@ __device__ __forceinline__ int64_t draft_token(const VerifyParams& p, int b, int
 
 template <typename T>
 __device__ __forceinline__ const T* target_row(const VerifyParams& p, int64_t row) {
-  return static_cast<const T*>(p.target) + row * p.target_row_stride;
+  int64_t offset = row * p.target_row_stride;
+  if (p.target_group_rows > 0) {  // row is in [0, B * (G + 1)): a 32-bit division
+    const uint32_t i = static_cast<uint32_t>(row);
+    const uint32_t rows = static_cast<uint32_t>(p.target_group_rows), request = i / rows;
+    offset = request * p.target_group_stride + (i - request * rows) * p.target_row_stride;
+  }
+  return static_cast<const T*>(p.target) + offset;
 }
 
 // The bitmask row of a target row (null: all allowed); out-of-range rows have none.
@@ -285,23 +353,28 @@ __device__ RowPartial thread_row_stats(const TT* trow, const int32_t* mrow, cons
                                        const int32_t* reject_mark, int32_t abandon_above) {
   RowPartial s{empty_stats(), empty_stats()};
   const bool t_sum = r.need_distribution, d_sum = !r.draft_greedy;
-  const bool aligned = (!trow || is_aligned16(trow)) && (!drow || is_aligned16(drow));
-  constexpr int kStep = kElementsPerThread * kStatsGroups;
-  for (int64_t base = x0 + int64_t{threadIdx.x} * kStep; base < x1;
-       base += int64_t{blockDim.x} * kStep) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(trow) | reinterpret_cast<uintptr_t>(drow)) &
+                        15) == 0;
+  // Group g of an iteration is 8 elements at base + g * kGroupStride: a warp's 16-byte loads
+  // cover 512 contiguous bytes (whole sectors), not every other 16 bytes. (blockDim.x is
+  // kVerifyThreads: constant strides keep registers free under the cap of 80.)
+  constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
+  constexpr int64_t kLastGroup = (kStatsGroups - 1) * kGroupStride;
+  for (int64_t base = x0 + int64_t{threadIdx.x} * kElementsPerThread; base < x1;
+       base += kGroupStride * kStatsGroups) {
     const int32_t mark = *reinterpret_cast<const volatile int32_t*>(reject_mark);
     float v[kElementsPerThread];
-    if (aligned && base + kStep <= x1) {
+    if (aligned && base + kLastGroup + kElementsPerThread <= x1) {
       Raw8<TT> t_raw[kStatsGroups];
       Raw8<DT> d_raw[kStatsGroups];
 #pragma unroll
       for (int g = 0; g < kStatsGroups; ++g) {
-        if (trow) issue8(trow, base + g * kElementsPerThread, t_raw[g]);
-        if (drow) issue8(drow, base + g * kElementsPerThread, d_raw[g]);
+        if (trow) issue8(trow, base + g * kGroupStride, t_raw[g]);
+        if (drow) issue8(drow, base + g * kGroupStride, d_raw[g]);
       }
 #pragma unroll
       for (int g = 0; g < kStatsGroups; ++g) {
-        const int64_t x = base + g * kElementsPerThread;
+        const int64_t x = base + g * kGroupStride;
         if (trow) {
           unpack8(t_raw[g], v);
           drop_disallowed8(mrow, x, x1, v);
@@ -312,17 +385,17 @@ __device__ RowPartial thread_row_stats(const TT* trow, const int32_t* mrow, cons
           accumulate8(s.draft, v, x, d_sum, r.inv_td);
         }
       }
-    } else {
+    } else {  // a row past a 16-byte boundary, or the tail
 #pragma unroll
       for (int g = 0; g < kStatsGroups; ++g) {
-        const int64_t x = base + g * kElementsPerThread;
+        const int64_t x = base + g * kGroupStride;
         if (trow) {
-          load8(trow, x, x1, false, v);
+          load8(trow, x, x1, kSingleLoads, v);
           drop_disallowed8(mrow, x, x1, v);
           accumulate8(s.target, v, x, t_sum, r.inv_t);
         }
         if (drow) {
-          load8(drow, x, x1, false, v);
+          load8(drow, x, x1, kSingleLoads, v);
           accumulate8(s.draft, v, x, d_sum, r.inv_td);
         }
       }
@@ -350,16 +423,16 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
                             const int32_t* mrow, bool filtered, FilterResult filter,
                             const SoftmaxStats& t, float inv_t, const Proposal& q, int64_t seed,
                             int64_t position, float& mass, RaceCandidate& best) {
-  const bool t_aligned = is_aligned16(trow), d_aligned = drow && is_aligned16(drow);
+  const int t_mis = misalignment16(trow), d_mis = drow ? misalignment16(drow) : 0;
   const float t_inv_sum = 1.f / t.sum;
   const float q_inv_sum = q.kind == Proposal::kDistribution ? 1.f / q.stats.sum : 0.f;
   for (int64_t x = x0 + int64_t{threadIdx.x} * kElementsPerThread; x < x1;
        x += int64_t{blockDim.x} * kElementsPerThread) {
     float v[kElementsPerThread], w[kElementsPerThread], u[kElementsPerThread];
-    load8(trow, x, x1, t_aligned, v);
+    load8(trow, x, x1, t_mis, v);
     drop_disallowed8(mrow, x, x1, v);
     if (filtered) drop_filtered8(filter, t.max, inv_t, v);
-    if (q.kind == Proposal::kDistribution) load8(drow, x, x1, d_aligned, w);
+    if (q.kind == Proposal::kDistribution) load8(drow, x, x1, d_mis, w);
 #pragma unroll
     for (int g = 0; g < kElementsPerThread / 4; ++g) {
       const Philox4 block =
@@ -462,9 +535,9 @@ __global__ void __launch_bounds__(kVerifyThreads, 3)
       const SoftmaxStats md = merged.draft;
       FilterResult filter{-INFINITY, 0.f, mt.sum};
       if (r.filtered && row_ok && mt.max != -INFINITY) {
-        const bool aligned = is_aligned16(trow);
+        const int mis = misalignment16(trow) == 0 ? 0 : kSingleLoads;
         const auto masked8 = [&](int64_t at, float (&v)[kElementsPerThread]) {
-          load8(trow, at, p.vocab, aligned, v);
+          load8(trow, at, p.vocab, mis, v);
           drop_disallowed8(mrow, at, p.vocab, v);
         };
         filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared);
@@ -509,19 +582,22 @@ __global__ void __launch_bounds__(kVerifyThreads, 3)
   }
 }
 
-// Writes request b's outputs; the logprobs of the accepted rows k < j were written as they were
-// decided.
+// Writes request b's outputs, one slot k per thread (the draft-id loads in parallel, not a chain
+// in one thread); `logprob` is called by the thread of slot j only. The logprobs of the accepted
+// rows k < j were written as they were decided.
+template <typename Logprob>
 __device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int j, int64_t token,
-                                              bool valid, float logprob) {
+                                              bool valid, Logprob logprob) {
   int64_t* out = p.tokens + int64_t{b} * (p.block + 1);
-  for (int k = 0; k <= p.block; ++k) out[k] = k < j ? draft_token(p, b, k) : -1;
-  out[j] = token;
-  p.num_accepted[b] = j;
-  p.valid[b] = valid;
-  if (p.logprobs) {
-    float* lp = p.logprobs + int64_t{b} * (p.block + 1);
-    lp[j] = logprob;
-    for (int k = j + 1; k <= p.block; ++k) lp[k] = -INFINITY;
+  float* lp = p.logprobs ? p.logprobs + int64_t{b} * (p.block + 1) : nullptr;
+  for (int k = threadIdx.x; k <= p.block; k += blockDim.x) {
+    out[k] = k < j ? draft_token(p, b, k) : (k == j ? token : -1);
+    if (lp && k == j) lp[k] = logprob();
+    if (lp && k > j) lp[k] = -INFINITY;
+  }
+  if (threadIdx.x == 0) {
+    p.num_accepted[b] = j;
+    p.valid[b] = valid;
   }
 }
 
@@ -538,11 +614,10 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
   const bool valid = !(res.decision & (kTargetInvalid | kDraftInvalid));
   const SoftmaxStats& t = res.target;
   if (target_invalid || r.greedy) {
-    if (c == 0 && threadIdx.x == 0) {
-      const bool with_logprob = p.logprobs && !target_invalid;
-      const float logprob =
-          with_logprob ? logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t)) : -INFINITY;
-      write_outputs(p, b, j, target_invalid ? 0 : t.argmax, valid, logprob);
+    if (c == 0) {
+      write_outputs(p, b, j, target_invalid ? 0 : t.argmax, valid, [&] {
+        return target_invalid ? -INFINITY : logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t));
+      });
     }
     return;
   }
@@ -599,35 +674,32 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const Verif
                 t, r.inv_t, none, r.seed, position, unused, best);
     best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
   }
-  if (threadIdx.x == 0) {
-    const bool won = best.index >= 0;
-    const float logprob = p.logprobs && won
-                              ? logf(softmax_prob(to_float(trow[best.index]), t.max, 1.f / t.sum,
-                                                  r.inv_t))
-                              : -INFINITY;
-    write_outputs(p, b, j, won ? best.index : 0, valid && won, logprob);
-  }
+  const bool won = best.index >= 0;  // every thread holds the block's `best`
+  write_outputs(p, b, j, won ? best.index : 0, valid && won, [&] {
+    return won ? logf(softmax_prob(to_float(trow[best.index]), t.max, 1.f / t.sum, r.inv_t))
+               : -INFINITY;
+  });
 }
 
-// Blocks of the statistics kernel resident per SM on the current device (a host query, cached per
-// instantiation and device): the grid is sized to one resident wave, since its blocks live for
-// the whole walk over the rows.
 // Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.
 inline int verify_shared_bytes(bool filters) { return filters ? int{sizeof(FilterShared)} : 0; }
 
-template <typename TT, typename DT>
-int verify_blocks_per_sm(int device, bool filters) {
-  static DeviceCache caches[2]{};
-  return once_per_device(caches[filters], device, [filters] {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, verify_row_stats_kernel<TT, DT>,
-                                                      kVerifyThreads,
-                                                      verify_shared_bytes(filters)) != cudaSuccess) {
-      (void)cudaGetLastError();
-      n = 4;
-    }
-    return n > 0 ? n : 1;
-  });
+// The vocabulary split: C = min(16, ceil(V / 1024)) chunks, a multiple of 16 elements long (whole
+// vector loads, whole Philox blocks). It depends on V alone, never on B or the GPU, so a request's
+// partial sums, their merge order and hence its outputs are the same in any batch. 16 chunks fill
+// an H200 (3 blocks on each of 132 SMs) from B = 25 on; B >= 199 no longer gets one block per
+// request (a row walked by one block, 50-65 % of the slots busy).
+constexpr int64_t kVerifyMaxChunks = 16;
+
+inline int64_t verify_chunk(int64_t vocab) {
+  const int64_t by_size = (vocab + 1023) / 1024;
+  const int64_t wanted = by_size < kVerifyMaxChunks ? by_size : kVerifyMaxChunks;
+  return ((vocab + wanted - 1) / wanted + 15) / 16 * 16;
+}
+
+inline int64_t verify_num_chunks(int64_t vocab) {
+  const int64_t chunk = verify_chunk(vocab);
+  return (vocab + chunk - 1) / chunk;
 }
 
 // Launches both kernels on `stream`; TT/DT are the CUDA types of the target and draft logits.
