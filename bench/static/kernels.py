@@ -174,8 +174,25 @@ class Op:
 VERIFY_THREADS = 256
 
 
-def verify_grid(binary: Binary, stats: KernelInfo, batch: int, vocab: int, filters: bool):
+VERIFY_MAX_CHUNKS = 16
+
+
+def verify_plan_of_vocab_alone(binary: Binary, emit: KernelInfo) -> bool:
+    """Whether the build splits the vocabulary by V alone (batch-invariant chunks). It came with
+    padded targets read in place, whose row index is the emit kernel's one 32-bit division by a
+    runtime value (I2F.U32.RP); earlier builds' emit kernel has none."""
+    cfg = binary.cfg(emit.name)
+    return sass.count((i for b in cfg.blocks for i in b.instrs), r"^I2F\.U32\.RP") > 0
+
+
+def verify_grid(binary: Binary, stats: KernelInfo, batch: int, vocab: int, filters: bool,
+                vocab_alone: bool = False):
     from bench.static.model import H200 as hw
+    if vocab_alone:
+        # verify.cuh verify_chunk: min(16, ceil(V / 1024)) chunks, a multiple of 16 long.
+        wanted = min((vocab + 1023) // 1024, VERIFY_MAX_CHUNKS)
+        chunk = ((vocab + wanted - 1) // wanted + 15) // 16 * 16
+        return (vocab + chunk - 1) // chunk, chunk
     dyn = filter_shared_bytes() if filters else 0
     bps = occ_of(stats, VERIFY_THREADS, dyn).blocks_per_sm
     resident = bps * hw.sms
@@ -209,7 +226,8 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     floor's first case)."""
     stats = binary.find(r"verify_row_stats_kernelI13__nv_bfloat16fE")
     emit = binary.find(r"verify_emit_kernelI13__nv_bfloat16fE")
-    chunks, _ = verify_grid(binary, stats, batch, vocab, filtered)
+    chunks, _ = verify_grid(binary, stats, batch, vocab, filtered,
+                            vocab_alone=verify_plan_of_vocab_alone(binary, emit))
     blocks = chunks * batch
     greedy = variant == "greedy"
     rows = block + 1
