@@ -186,8 +186,10 @@ def compare(old: dict, new: dict, out=sys.stdout) -> None:
         print(f"{label[:57]:<58}{before['model_us']:>9.1f}{row['model_us']:>9.1f}"
               f"{row['model_us'] / before['model_us']:>8.2f}", file=out)
         old_k = {k["role"]: k for k in before["kernels"]}
-        for k in row["kernels"]:
-            o = old_k.get(k["role"])
+        same_count = len(before["kernels"]) == len(row["kernels"])
+        for n, k in enumerate(row["kernels"]):
+            # By role, else (a kernel whose algorithm changed) by position in the op.
+            o = old_k.get(k["role"]) or (before["kernels"][n] if same_count else None)
             if o is None:
                 continue
             ipe_o = "/".join(_fmt(t["instr_per_elem"]) for t in o["loops"]) or "-"

@@ -571,8 +571,9 @@ def schedule_merge_op(binary: Binary, batch: int, block: int) -> Op:
     widths = merge_rounds(batch, block)
     load, store = (r"^LDS$", r"^STS\.128") if shared else (r"^LDG", r"^STG\.E\.128")
     rounds_need = {r"^BAR": 2 if shared else 1, store: 2 * per_thread, load: 8 * per_thread}
-    round_spec = LoopSpec("merge round: 8 outputs per segment", rounds_need,
-                          MERGE_ITEMS * per_thread, (store, 2), innermost=not shared)
+    # One source-level iteration = one segment; the unrolled chunks are the unrolling.
+    round_spec = LoopSpec("merge round: 8 outputs per segment", rounds_need, MERGE_ITEMS,
+                          (store, 2), innermost=not shared)
     search = LoopSpec("merge-path search step", {load: 2}, 1, (load, 2))
     steps = [max(1, math.ceil(math.log2(w + 1))) for w in widths]   # run A holds w keys
     # Critical path of a round: the dependent search steps, then the 8 dependent merge steps.
