@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from bench.static import kernels
 from bench.static.binary import Binary, NoDeviceCode, default_so

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict
 
 from bench.static import sass
 
