@@ -430,26 +430,25 @@ def _writes(ins: Instr) -> set:
     results): enough to tell a load whose register is reused before any read."""
     if ins.base_op in ("ST", "STG", "STS", "STL", "RED", "BRA", "EXIT", "BAR", "BSSY", "BSYNC"):
         return set()
-    ops = _operands(ins)
-    if not ops:
+    r = _first_register(ins)
+    if r is None:
         return set()
-    m = re.match(r"R(\d+)", ops[0])
-    if not m:
-        return set()
-    r = int(m.group(1))
     wide = ".WIDE" in ins.opcode or ins.base_op in ("DADD", "DMUL", "DFMA") or ".F64" in ins.opcode
     return {r, r + 1} if wide else {r}
 
 
-def _load_dest(ins: Instr) -> set:
+def _first_register(ins: Instr) -> Optional[int]:
+    """The number of the general register an instruction's first operand names, if any."""
     ops = _operands(ins)
-    if not ops:
+    m = re.match(r"R(\d+)", ops[0]) if ops else None
+    return int(m.group(1)) if m else None
+
+
+def _load_dest(ins: Instr) -> set:
+    r = _first_register(ins)
+    if r is None:
         return set()
-    m = re.match(r"R(\d+)", ops[0])
-    if not m:
-        return set()
-    n = max(1, global_load_bytes(ins) // 4)
-    return set(range(int(m.group(1)), int(m.group(1)) + n))
+    return set(range(r, r + max(1, global_load_bytes(ins) // 4)))
 
 
 def _complement(a: Optional[str], b: Optional[str]) -> bool:
