@@ -93,6 +93,69 @@ double dot(const double* a, const double* b, int64_t padded) {
   return s;
 }
 
+// a[0, VecD::size()) widened from float32 to float64 (exact).
+VecD widen(const float* a) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  if constexpr (VecD::size() == 4) return VecD(_mm256_cvtps_pd(_mm_loadu_ps(a)));
+#endif
+  double lanes[VecD::size()];
+  for (int i = 0; i < VecD::size(); ++i) lanes[i] = a[i];
+  return VecD::loadu(lanes);
+}
+
+// dot() of a float32 row, widened as it is loaded (the same sum, term for term and in the same
+// order, as dot() of the row converted to float64 first, without writing that copy).
+double dot_widened(const float* a, const double* b, int64_t padded) {
+  constexpr int64_t kChains = 4;
+  VecD acc[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
+  int64_t k = 0;
+  for (; k + kChains * VecD::size() <= padded; k += kChains * VecD::size()) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      const int64_t at = k + c * VecD::size();
+      acc[c] = at::vec::fmadd(widen(a + at), VecD::loadu(b + at), acc[c]);
+    }
+  }
+  for (; k < padded; k += VecD::size()) {
+    acc[0] = at::vec::fmadd(widen(a + k), VecD::loadu(b + k), acc[0]);
+  }
+  double lanes[VecD::size()];
+  ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
+  double s = 0.0;
+  for (int i = 0; i < VecD::size(); ++i) s += lanes[i];
+  return s;
+}
+
+// dot_widened() of two rows against the same b at once: each row keeps its own four chains (the
+// same sums in the same order), and the eight independent chains share the loads of b.
+void dot_widened2(const float* a0, const float* a1, const double* b, int64_t padded, double* out) {
+  constexpr int64_t kChains = 4;
+  VecD acc0[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
+  VecD acc1[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
+  int64_t k = 0;
+  for (; k + kChains * VecD::size() <= padded; k += kChains * VecD::size()) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      const int64_t at = k + c * VecD::size();
+      const VecD y = VecD::loadu(b + at);
+      acc0[c] = at::vec::fmadd(widen(a0 + at), y, acc0[c]);
+      acc1[c] = at::vec::fmadd(widen(a1 + at), y, acc1[c]);
+    }
+  }
+  for (; k < padded; k += VecD::size()) {
+    const VecD y = VecD::loadu(b + k);
+    acc0[0] = at::vec::fmadd(widen(a0 + k), y, acc0[0]);
+    acc1[0] = at::vec::fmadd(widen(a1 + k), y, acc1[0]);
+  }
+  double lanes[VecD::size()];
+  const VecD* accs[2] = {acc0, acc1};
+  for (int r = 0; r < 2; ++r) {
+    const VecD* acc = accs[r];
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
+    double s = 0.0;
+    for (int i = 0; i < VecD::size(); ++i) s += lanes[i];
+    out[r] = s;
+  }
+}
+
 // Per-request sampling constants of one slot.
 struct SlotSampling {
   std::vector<float> inv_temperature;  // 1/T, or 1 for greedy requests
@@ -766,27 +829,44 @@ at::Tensor draft_confidence_cpu(const at::Tensor& hidden, const at::Tensor& prev
           });
         }
         const auto& ids = a.prev_tokens;
+        const H* hidden = a.hidden.const_data_ptr<H>();
+        const W* w1 = a.w1.const_data_ptr<W>();
+        const float* tau = a.calib_temperature.defined() ? a.calib_temperature.const_data_ptr<float>() : nullptr;
+        const int64_t h_stride0 = a.hidden.stride(0), h_stride1 = a.hidden.stride(1);
+        const int64_t id_stride0 = ids.stride(0), id_stride1 = ids.stride(1);
+        const int64_t w1_stride = a.w1.stride(0), vocab = a.w1.size(0);
         at::parallel_for(0, a.batch * a.block, 16, [&](int64_t begin, int64_t end) {
-          // [h_j; W1[x_j]] through float32 (exact for every input dtype) with vector loads.
-          std::vector<double> feature(padded, 0.0);
-          std::vector<float> staged(width);
-          for (int64_t i = begin; i < end; ++i) {
+          // [h_j; W1[x_j]] through float32 (exact for every input dtype) with vector loads,
+          // zero-padded to whole float64 vectors; widened to float64 inside the dot product.
+          // Two rows at a time (see dot_widened2).
+          std::vector<float> staged(2 * padded, 0.f);
+          const auto stage = [&](int64_t i, float* dst) {
             const int64_t b = i / a.block, j = i % a.block;
-            const H* h = a.hidden.const_data_ptr<H>() + b * a.hidden.stride(0) + j * a.hidden.stride(1);
-            row_to_float(h, a.hidden_size, staged.data());
-            const int64_t id = read_id(ids, b * ids.stride(0) + j * ids.stride(1));
-            if (id < 0 || id >= a.w1.size(0)) {
-              std::fill(staged.begin() + a.hidden_size, staged.end(), 0.f);
+            row_to_float(hidden + b * h_stride0 + j * h_stride1, a.hidden_size, dst);
+            const int64_t id = read_id(ids, b * id_stride0 + j * id_stride1);
+            if (id < 0 || id >= vocab) {
+              std::fill(dst + a.hidden_size, dst + width, 0.f);
             } else {
-              row_to_float(a.w1.const_data_ptr<W>() + id * a.w1.stride(0), a.rank,
-                           staged.data() + a.hidden_size);
+              row_to_float(w1 + id * w1_stride, a.rank, dst + a.hidden_size);
             }
-            for (int64_t k = 0; k < width; ++k) feature[k] = staged[k];
-            float logit = static_cast<float>(dot(feature.data(), w.data(), padded) + b0);
-            if (a.calib_temperature.defined()) {
-              logit = logit / a.calib_temperature.const_data_ptr<float>()[j];
-            }
+          };
+          const auto finish = [&](int64_t i, double dot_value) {
+            float logit = static_cast<float>(dot_value + b0);
+            if (tau != nullptr) logit = logit / tau[i % a.block];
             confidence[i] = confidence_sigmoid(logit);
+          };
+          int64_t i = begin;
+          for (; i + 2 <= end; i += 2) {
+            stage(i, staged.data());
+            stage(i + 1, staged.data() + padded);
+            double dots[2];
+            dot_widened2(staged.data(), staged.data() + padded, w.data(), padded, dots);
+            finish(i, dots[0]);
+            finish(i + 1, dots[1]);
+          }
+          if (i < end) {
+            stage(i, staged.data());
+            finish(i, dot_widened(staged.data(), w.data(), padded));
           }
         });
       });
