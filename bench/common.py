@@ -131,20 +131,22 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
 
 
 def _time_cuda(fn: Callable[[], Any], device: torch.device, warmup_ms: float, rep_ms: float,
-               min_reps: int, max_reps: int) -> float:
+               min_reps: int, max_reps: int, warm: bool = False) -> float:
     flush = _l2_flush_buffer(device)
-    fn()  # compile / allocate outside the measurement
-    torch.cuda.synchronize(device)
+    if not warm:
+        fn()  # compile / allocate outside the measurement
+        torch.cuda.synchronize(device)
 
     # Rough per-call cost (flush included) to size the warm-up and the number of repeats.
+    probes = 1 if warm else 3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(3):
+    for _ in range(probes):
         flush.zero_()
         fn()
     end.record()
     torch.cuda.synchronize(device)
-    estimate_ms = max(start.elapsed_time(end) / 3, 1e-3)
+    estimate_ms = max(start.elapsed_time(end) / probes, 1e-3)
 
     for _ in range(max(1, int(warmup_ms / estimate_ms))):
         fn()
@@ -191,7 +193,8 @@ def time_op(fn: Callable[[], Any], device: torch.device, *, warmup_ms: float = 2
     min_run_time : float
         CPU only: seconds of measurement for ``Timer.blocked_autorange``.
     warm : bool
-        CPU only: ``fn`` already ran once here (skip the untimed first call).
+        ``fn`` already ran here: skip the untimed first call (and, on CUDA, size the repeats
+        from one probe call instead of three).
 
     Returns
     -------
@@ -201,7 +204,7 @@ def time_op(fn: Callable[[], Any], device: torch.device, *, warmup_ms: float = 2
     """
     if device.type == "cuda":
         with torch.cuda.device(device):
-            return _time_cuda(fn, device, warmup_ms, rep_ms, min_reps, max_reps)
+            return _time_cuda(fn, device, warmup_ms, rep_ms, min_reps, max_reps, warm)
     return _time_cpu(fn, min_run_time, warm)
 
 
@@ -310,8 +313,9 @@ def measure(row: "Row", competitors: Dict[str, Optional[Callable[[], Any]]], dev
                 for key in ("min_run_time", "rep_ms", "warmup_ms"):
                     if key in budget:
                         budget[key] = budget[key] / rounds
-                if device.type != "cuda":
-                    budget["warm"] = True
+                if device.type == "cuda":  # the rounds together make up the repeats
+                    budget["min_reps"] = max(2, budget.get("min_reps", 10) // rounds)
+                budget["warm"] = True
                 try:
                     samples[name].append(time_op(live[name], device, **budget) * 1e6)
                 except Exception as error:
