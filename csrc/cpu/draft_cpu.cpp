@@ -71,28 +71,6 @@ void dot_rows(const double* a, const double* rows, int64_t padded, double* out) 
   }
 }
 
-// sum_k a[k] * b[k] for one long pair of rows (the RNN joint layer, the confidence head): four
-// accumulator chains over interleaved vectors, then added in a fixed order.
-double dot(const double* a, const double* b, int64_t padded) {
-  constexpr int64_t kChains = 4;
-  VecD acc[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
-  int64_t k = 0;
-  for (; k + kChains * VecD::size() <= padded; k += kChains * VecD::size()) {
-    for (int64_t c = 0; c < kChains; ++c) {
-      const int64_t at = k + c * VecD::size();
-      acc[c] = at::vec::fmadd(VecD::loadu(a + at), VecD::loadu(b + at), acc[c]);
-    }
-  }
-  for (; k < padded; k += VecD::size()) {
-    acc[0] = at::vec::fmadd(VecD::loadu(a + k), VecD::loadu(b + k), acc[0]);
-  }
-  double lanes[VecD::size()];
-  ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
-  double s = 0.0;
-  for (int i = 0; i < VecD::size(); ++i) s += lanes[i];
-  return s;
-}
-
 // a[0, VecD::size()) widened from float32 to float64 (exact).
 VecD widen(const float* a) {
 #if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
@@ -103,21 +81,11 @@ VecD widen(const float* a) {
   return VecD::loadu(lanes);
 }
 
-// dot() of a float32 row, widened as it is loaded (the same sum, term for term and in the same
-// order, as dot() of the row converted to float64 first, without writing that copy).
-double dot_widened(const float* a, const double* b, int64_t padded) {
-  constexpr int64_t kChains = 4;
-  VecD acc[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
-  int64_t k = 0;
-  for (; k + kChains * VecD::size() <= padded; k += kChains * VecD::size()) {
-    for (int64_t c = 0; c < kChains; ++c) {
-      const int64_t at = k + c * VecD::size();
-      acc[c] = at::vec::fmadd(widen(a + at), VecD::loadu(b + at), acc[c]);
-    }
-  }
-  for (; k < padded; k += VecD::size()) {
-    acc[0] = at::vec::fmadd(widen(a + k), VecD::loadu(b + k), acc[0]);
-  }
+VecD load_row(const double* a) { return VecD::loadu(a); }
+VecD load_row(const float* a) { return widen(a); }
+
+// The four chains of a dot product added in a fixed order, then their lanes.
+double sum_chains(const VecD* acc) {
   double lanes[VecD::size()];
   ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
   double s = 0.0;
@@ -125,7 +93,27 @@ double dot_widened(const float* a, const double* b, int64_t padded) {
   return s;
 }
 
-// dot_widened() of two rows against the same b at once: each row keeps its own four chains (the
+// sum_k a[k] * b[k] for one long pair of rows (the RNN joint layer, the confidence head): four
+// accumulator chains over interleaved vectors, then added in a fixed order. A float32 row is
+// widened as it is loaded: the same sum, term for term, as of the row converted first.
+template <typename A>
+double dot(const A* a, const double* b, int64_t padded) {
+  constexpr int64_t kChains = 4;
+  VecD acc[kChains] = {VecD(0.0), VecD(0.0), VecD(0.0), VecD(0.0)};
+  int64_t k = 0;
+  for (; k + kChains * VecD::size() <= padded; k += kChains * VecD::size()) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      const int64_t at = k + c * VecD::size();
+      acc[c] = at::vec::fmadd(load_row(a + at), VecD::loadu(b + at), acc[c]);
+    }
+  }
+  for (; k < padded; k += VecD::size()) {
+    acc[0] = at::vec::fmadd(load_row(a + k), VecD::loadu(b + k), acc[0]);
+  }
+  return sum_chains(acc);
+}
+
+// dot() of two float32 rows against the same b at once: each row keeps its own four chains (the
 // same sums in the same order), and the eight independent chains share the loads of b.
 void dot_widened2(const float* a0, const float* a1, const double* b, int64_t padded, double* out) {
   constexpr int64_t kChains = 4;
@@ -145,15 +133,8 @@ void dot_widened2(const float* a0, const float* a1, const double* b, int64_t pad
     acc0[0] = at::vec::fmadd(widen(a0 + k), y, acc0[0]);
     acc1[0] = at::vec::fmadd(widen(a1 + k), y, acc1[0]);
   }
-  double lanes[VecD::size()];
-  const VecD* accs[2] = {acc0, acc1};
-  for (int r = 0; r < 2; ++r) {
-    const VecD* acc = accs[r];
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
-    double s = 0.0;
-    for (int i = 0; i < VecD::size(); ++i) s += lanes[i];
-    out[r] = s;
-  }
+  out[0] = sum_chains(acc0);
+  out[1] = sum_chains(acc1);
 }
 
 // Per-request sampling constants of one slot.
@@ -866,7 +847,7 @@ at::Tensor draft_confidence_cpu(const at::Tensor& hidden, const at::Tensor& prev
           }
           if (i < end) {
             stage(i, staged.data());
-            finish(i, dot_widened(staged.data(), w.data(), padded));
+            finish(i, dot(staged.data(), w.data(), padded));
           }
         });
       });
