@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "to_float.h"
 #include "../args/attention_args.h"
 #include "../common/dispatch.h"
 #include "../ops.h"
@@ -29,21 +30,6 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kKeyTile = 256;
-
-template <typename T>
-void to_float(const T* src, int64_t n, float* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    int64_t i = 0;
-    for (; i + Vec::size() <= n; i += Vec::size()) {
-      Vec v;
-      at::vec::load_to_float<T>(src + i, v);
-      v.store(dst + i);
-    }
-    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  }
-}
 
 constexpr int64_t kRowBlock = 4;   // query rows per micro-kernel call
 constexpr int64_t kColBlock = 16;  // two float vectors of keys or value columns

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "to_float.h"
 #include "../args/draft_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/draft_math.h"
@@ -439,22 +440,6 @@ void fast_dot(const float* a, const float* rows, int64_t padded, float* out) {
   }
 }
 
-// src[0, n) as float32 into dst, eight at a time.
-template <typename W>
-void row_to_float(const W* src, int64_t n, float* dst) {
-  if constexpr (std::is_same_v<W, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    int64_t k = 0;
-    for (; k + VecF::size() <= n; k += VecF::size()) {
-      VecF v;
-      at::vec::load_to_float<W>(src + k, v);
-      v.store(dst + k);
-    }
-    for (; k < n; ++k) dst[k] = static_cast<float>(src[k]);
-  }
-}
-
 // sum_k x[k]^2 over a zero-padded row, in float32.
 float squared_norm(const float* x, int64_t padded) {
   VecF acc0(0.f), acc1(0.f);
@@ -500,7 +485,7 @@ void fast_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank, cons
             std::fill(dst, dst + rank, 0.f);
             continue;
           }
-          row_to_float(w2 + (v + i) * w2_stride, rank, dst);
+          to_float(w2 + (v + i) * w2_stride, rank, dst);
           if (measure) {
             const float sq = squared_norm(dst, padded);
             if (!(sq <= norm2)) norm2 = std::isnan(sq) ? INFINITY : sq;
@@ -765,7 +750,7 @@ DraftResult rnn_draft_cpu(const at::Tensor& base_logits, const at::Tensor& ancho
             std::vector<float> staged(width);
             for (int64_t i = begin; i < end; ++i) {
               const W* src = a.joint_weight.const_data_ptr<W>() + i * a.joint_weight.stride(0);
-              row_to_float(src, width, staged.data());  // exact, with vector loads
+              to_float(src, width, staged.data());  // exact, with vector loads
               for (int64_t k = 0; k < width; ++k) row[k] = staged[k];
               const double bias = load_double(a.joint_bias.const_data_ptr<W>(), i);
               for (int64_t b = 0; b < a.batch; ++b) {
@@ -823,12 +808,12 @@ at::Tensor draft_confidence_cpu(const at::Tensor& hidden, const at::Tensor& prev
           std::vector<float> staged(2 * padded, 0.f);
           const auto stage = [&](int64_t i, float* dst) {
             const int64_t b = i / a.block, j = i % a.block;
-            row_to_float(hidden + b * h_stride0 + j * h_stride1, a.hidden_size, dst);
+            to_float(hidden + b * h_stride0 + j * h_stride1, a.hidden_size, dst);
             const int64_t id = read_id(ids, b * id_stride0 + j * id_stride1);
             if (id < 0 || id >= vocab) {
               std::fill(dst + a.hidden_size, dst + width, 0.f);
             } else {
-              row_to_float(w1 + id * w1_stride, a.rank, dst + a.hidden_size);
+              to_float(w1 + id * w1_stride, a.rank, dst + a.hidden_size);
             }
           };
           const auto finish = [&](int64_t i, double dot_value) {
