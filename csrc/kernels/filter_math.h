@@ -106,12 +106,21 @@ inline uint32_t choose_bucket(const uint32_t* count, const double* aggregate, ui
 // candidates are the keys >= lower; a candidate is kept iff the aggregate over the candidates with
 // a larger key is below the bound; returns t such that exactly the candidates with key >= t are
 // kept. The aggregate is the count (bound = limit) or, by_weight, the sum of weights (bound =
-// limit x the candidates' total weight, which `total` receives).
+// limit x the candidates' total weight, which `total` receives). After the first digit (or from
+// the start, when `lower` already cuts the row down) the remaining candidates are listed, so the
+// later digits visit only them, in the same index order.
 inline uint32_t select_threshold(const uint32_t* keys, const float* weights, int64_t n,
                                  uint32_t lower, bool by_weight, double limit, double* total) {
   double bound = limit;
   std::vector<uint32_t> count(kFilterBuckets);
   std::vector<double> aggregate(kFilterBuckets);
+  std::vector<int64_t> listed;
+  bool use_list = lower > logit_key(-INFINITY);
+  if (use_list) {
+    for (int64_t x = 0; x < n; ++x) {
+      if (keys[x] >= lower) listed.push_back(x);  // kNoCandidate is below every lower
+    }
+  }
   uint32_t prefix = 0;
   double above = 0.0;
   for (int level = 0; level < kFilterDigits; ++level) {
@@ -120,12 +129,17 @@ inline uint32_t select_threshold(const uint32_t* keys, const float* weights, int
     const uint32_t high = filter_fixed_bits(level);
     std::fill(count.begin(), count.end(), 0u);
     std::fill(aggregate.begin(), aggregate.end(), 0.0);
-    for (int64_t x = 0; x < n; ++x) {
+    const auto add = [&](int64_t x) {
       const uint32_t key = keys[x];
-      if (key == kNoCandidate || key < lower || (key & high) != prefix) continue;
+      if (key == kNoCandidate || key < lower || (key & high) != prefix) return;
       const uint32_t d = (key >> shift) & mask;
       ++count[d];
       aggregate[d] += by_weight ? static_cast<double>(weights[x]) : 1.0;
+    };
+    if (use_list) {
+      for (const int64_t x : listed) add(x);
+    } else {
+      for (int64_t x = 0; x < n; ++x) add(x);
     }
     if (level == 0 && by_weight) {
       double sum = 0.0;
@@ -134,18 +148,34 @@ inline uint32_t select_threshold(const uint32_t* keys, const float* weights, int
       bound = limit * sum;
     }
     prefix |= choose_bucket(count.data(), aggregate.data(), mask + 1, bound, above) << shift;
+    if (level + 1 == kFilterDigits) break;
+    // Keep listed only the candidates that share the digits chosen so far.
+    const uint32_t fixed = filter_fixed_bits(level + 1);
+    const auto shares = [&](int64_t x) {
+      const uint32_t key = keys[x];
+      return key != kNoCandidate && key >= lower && (key & fixed) == prefix;
+    };
+    if (use_list) {
+      int64_t kept = 0;
+      for (const int64_t x : listed) {
+        if (shares(x)) listed[kept++] = x;
+      }
+      listed.resize(kept);
+    } else {
+      for (int64_t x = 0; x < n; ++x) {
+        if (shares(x)) listed.push_back(x);
+      }
+      use_list = true;
+    }
   }
   return prefix;
 }
 
-// The filters of one row of logits z[0, n) (non-finite entries -inf), max row_max, on the CPU:
-// the tokens they drop are set to -inf in z. keys and weights are scratch rows of n entries.
-inline FilterResult filter_row(float* z, int64_t n, float row_max, float inv_temperature,
-                               const FilterSpec& spec, uint32_t* keys, float* weights) {
-  for (int64_t x = 0; x < n; ++x) {
-    keys[x] = z[x] == -INFINITY ? kNoCandidate : logit_key(z[x]);
-    weights[x] = z[x] == -INFINITY ? 0.f : softmax_weight(z[x], row_max, inv_temperature);
-  }
+// The filters of one row of logits z[0, n) (non-finite entries -inf) whose keys (logit_key, or
+// kNoCandidate for -inf) and weights (softmax_weight, 0 for -inf) are given: the tokens they drop
+// are set to -inf in z.
+inline FilterResult filter_prepared_row(float* z, int64_t n, const FilterSpec& spec,
+                                        const uint32_t* keys, const float* weights) {
   uint32_t threshold = logit_key(-INFINITY);  // every finite logit is above it
   if (spec.top_k > 0) threshold = select_threshold(keys, weights, n, threshold, false, spec.top_k, nullptr);
   if (spec.top_p < 1.f) {
@@ -163,6 +193,16 @@ inline FilterResult filter_row(float* z, int64_t n, float row_max, float inv_tem
   }
   f.kept_sum = static_cast<float>(kept);
   return f;
+}
+
+// The same with the keys and weights computed here into the scratch rows keys and weights.
+inline FilterResult filter_row(float* z, int64_t n, float row_max, float inv_temperature,
+                               const FilterSpec& spec, uint32_t* keys, float* weights) {
+  for (int64_t x = 0; x < n; ++x) {
+    keys[x] = z[x] == -INFINITY ? kNoCandidate : logit_key(z[x]);
+    weights[x] = z[x] == -INFINITY ? 0.f : softmax_weight(z[x], row_max, inv_temperature);
+  }
+  return filter_prepared_row(z, n, spec, keys, weights);
 }
 
 }  // namespace dspark_ops
