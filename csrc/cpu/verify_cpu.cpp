@@ -1,12 +1,18 @@
 // CPU kernel of verify (docs/semantics.md §3.1).
 //
-// One request per task (at::parallel_for over the batch). A request walks its rows in order and
-// stops at the first rejection, so rows after it are never read. Each row is first copied into a
-// float32 scratch row (non-finite logits become -inf, the tail is padded with -inf to a whole number
-// of vectors) so every later pass is a branch-free vectorised loop over cached data: max, argmax
-// and sum of weights for the acceptance test, then, for the one row that emits a token, the
-// exponential race over r = max(p - q, 0) with Philox noise. The scalar math is the shared
-// kernels/verify_math.h, so CPU and CUDA apply the same rule with the same random numbers.
+// A request walks its rows in order and stops at the first rejection, so rows after it are never
+// read. Each row is first copied into a float32 scratch row (non-finite logits become -inf, the
+// tail is padded with -inf to a whole number of lane groups) so every later pass is a branch-free
+// vectorised loop over cached data: max and first argmax while copying, the sum of weights for the
+// acceptance test, then, for the one row that emits a token, the exponential race over
+// r = max(p - q, 0) with Philox noise. The scalar math is the shared kernels/verify_math.h, so CPU
+// and CUDA apply the same rule with the same random numbers.
+//
+// Every pass works block by block (kBlock elements) and keeps each block's partial result (max,
+// float32 sum, race winner), merged in block order, so nothing depends on how the blocks are
+// spread over threads. A batch that keeps every thread busy runs one request per task; a smaller
+// one walks its requests in turn and spreads each pass's blocks over the threads instead (one
+// level of parallelism either way: at::parallel_for inside a task runs inline).
 //
 // Sampling filters (kernels/filter_math.h): a disallowed token is dropped as the row is copied; a
 // row whose request has top-k / top-p / min-p gets its thresholds from the serial radix descent
@@ -23,6 +29,7 @@
 #include "../kernels/filter_math.h"
 #include "../kernels/verify_math.h"
 #include "../ops.h"
+#include "philox_lanes.h"
 
 namespace dspark_ops {
 namespace {
@@ -30,30 +37,19 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 // Rows are padded to whole lane groups: whole Philox blocks (4 words) and two whole vectors.
 constexpr int64_t kLanes = 32;
-static_assert(kLanes % 4 == 0 && kLanes % (2 * Vec::size()) == 0, "lane group too small");
+static_assert(kLanes % (2 * Vec::size()) == 0, "lane group too small");
 
-// Elements per float32 partial sum of a row's weights (a multiple of kLanes).
-constexpr int64_t kSumBlock = 1024;
-static_assert(kSumBlock % kLanes == 0, "sum blocks must hold whole lane groups");
+// Elements per block: the unit of work of a pass and of a float32 partial sum.
+constexpr int64_t kBlock = 1024;
+static_assert(kBlock % kLanes == 0, "blocks must hold whole lane groups");
 
 int64_t padded_length(int64_t vocab) { return (vocab + kLanes - 1) / kLanes * kLanes; }
+int64_t block_count(int64_t vocab) { return (padded_length(vocab) + kBlock - 1) / kBlock; }
 
-// Copies a logit row to float32, non-finite values as -inf, padded with -inf.
-template <typename T>
-void load_row(const T* src, int64_t vocab, float* dst) {
-  for (int64_t x = 0; x < vocab; ++x) {
-    const float v = static_cast<float>(src[x]);
-    dst[x] = v - v == 0.f ? v : -INFINITY;  // false for +-inf and NaN
-  }
-  for (int64_t x = vocab; x < padded_length(vocab); ++x) dst[x] = -INFINITY;
-}
-
-// Drops the tokens whose bit in the allowed-token bitmask row is clear.
-void drop_disallowed(const int32_t* mask_row, int64_t vocab, float* row) {
-  for (int64_t x = 0; x < vocab; ++x) {
-    if (!((static_cast<uint32_t>(mask_row[x >> 5]) >> (x & 31)) & 1u)) row[x] = -INFINITY;
-  }
-}
+// A batch smaller than this many requests per thread spreads each row's blocks over the threads,
+// if rows are long enough for a pass to outlast a fork/join many times over.
+constexpr int64_t kRequestsPerThread = 4;
+constexpr int64_t kMinSplitVocab = 32768;
 
 float horizontal_max(Vec v) {
   float lanes[Vec::size()];
@@ -71,38 +67,6 @@ float horizontal_sum(Vec v) {
   return s;
 }
 
-// Max and first argmax; the sum of weights only for sampled rows (inv_temperature > 0).
-SoftmaxStats row_stats(const float* row, int64_t vocab, bool with_sum, float inv_temperature) {
-  const int64_t padded = padded_length(vocab);
-  Vec m(-INFINITY);
-  for (int64_t x = 0; x < padded; x += Vec::size()) m = at::vec::maximum(m, Vec::loadu(row + x));
-  SoftmaxStats stats{horizontal_max(m), 0.f, -1};
-  if (stats.max == -INFINITY) return stats;
-  for (int64_t x = 0; x < vocab; ++x) {
-    if (row[x] == stats.max) {
-      stats.argmax = static_cast<int32_t>(x);
-      break;
-    }
-  }
-  if (with_sum) {
-    // float32 lanes within blocks of kSumBlock elements, the blocks added in float64: a single
-    // float32 accumulation over V = 151,936 drifts by ~1e-4 relative, visible in the logprobs.
-    const Vec max_v(stats.max), inv_t(inv_temperature);
-    double total = 0.0;
-    for (int64_t x0 = 0; x0 < padded; x0 += kSumBlock) {
-      const int64_t x1 = std::min(padded, x0 + kSumBlock);
-      Vec s0(0.f), s1(0.f);
-      for (int64_t x = x0; x < x1; x += 2 * Vec::size()) {
-        s0 += ((Vec::loadu(row + x) - max_v) * inv_t).exp();
-        s1 += ((Vec::loadu(row + x + Vec::size()) - max_v) * inv_t).exp();
-      }
-      total += horizontal_sum(s0 + s1);
-    }
-    stats.sum = static_cast<float>(total);
-  }
-  return stats;
-}
-
 // What the emitted token is drawn against: r = max(p - q, 0) with q one of these.
 struct Proposal {
   enum Kind { kNone, kOneHot, kDistribution } kind = kNone;
@@ -112,46 +76,169 @@ struct Proposal {
   float inv_temperature = 1.f;        // kDistribution
 };
 
-// Exponential race over r = max(p - q, 0): returns the winner, and the residual mass through
-// `mass`. With q = none, r = p.
-int64_t race(const float* target, int64_t vocab, const SoftmaxStats& t, float inv_t,
-             const Proposal& q, int64_t seed, int64_t position, float* mass) {
-  const int64_t padded = padded_length(vocab);
-  const Vec t_max(t.max), t_inv_t(inv_t), t_inv_sum(1.f / t.sum), zero(0.f);
-  const Vec q_max(q.stats.max), q_inv_t(q.inv_temperature), q_inv_sum(1.f / q.stats.sum);
-  Vec mass_v(0.f);
-  RaceCandidate best = empty_candidate();
-  alignas(64) float u[kLanes], r[kLanes], key[kLanes];
-  for (int64_t x0 = 0; x0 < padded; x0 += kLanes) {
-    for (int64_t g = 0; g < kLanes / 4; ++g) {
-      const auto block = philox_block(seed, position, kPurposeResample,
-                                      static_cast<uint32_t>((x0 >> 2) + g));
-      for (int k = 0; k < 4; ++k) u[4 * g + k] = uniform_from_bits(block.x[k]);
-    }
-    for (int64_t i = 0; i < kLanes; i += Vec::size()) {
-      const Vec p = ((Vec::loadu(target + x0 + i) - t_max) * t_inv_t).exp() * t_inv_sum;
-      Vec ri = p;
-      if (q.kind == Proposal::kDistribution) {
-        const Vec qd = ((Vec::loadu(q.row + x0 + i) - q_max) * q_inv_t).exp() * q_inv_sum;
-        ri = at::vec::maximum(p - qd, zero);
+// One request's passes over a row, block by block, over the threads when `split`.
+class RowPasses {
+ public:
+  RowPasses(int64_t vocab, bool split)
+      : vocab_(vocab), blocks_(block_count(vocab)), split_(split), block_max_(blocks_),
+        block_sum_(blocks_), block_mass_(blocks_), block_best_(blocks_) {}
+
+  // Copies a logit row into `dst` as float32 (non-finite values and the padding as -inf, tokens
+  // whose bit in `mask_row` is clear too) and returns its max and first argmax.
+  template <typename T>
+  SoftmaxStats load(const T* src, const int32_t* mask_row, float* dst) {
+    for_each_block([&](int64_t k, int64_t x0, int64_t x1) {
+      const int64_t end = std::min(x1, vocab_);
+      for (int64_t x = x0; x < end; ++x) {
+        const float v = static_cast<float>(src[x]);
+        dst[x] = v - v == 0.f ? v : -INFINITY;  // false for +-inf and NaN
       }
-      ri.store(r + i);
+      for (int64_t x = std::max(x0, end); x < x1; ++x) dst[x] = -INFINITY;
+      if (mask_row != nullptr) {
+        for (int64_t x = x0; x < end; ++x) {
+          if (!((static_cast<uint32_t>(mask_row[x >> 5]) >> (x & 31)) & 1u)) dst[x] = -INFINITY;
+        }
+      }
+      Vec m(-INFINITY);
+      for (int64_t x = x0; x < x1; x += Vec::size()) m = at::vec::maximum(m, Vec::loadu(dst + x));
+      block_max_[k] = horizontal_max(m);
+    });
+    SoftmaxStats stats{-INFINITY, 0.f, -1};
+    int64_t first = 0;
+    for (int64_t k = 0; k < blocks_; ++k) {
+      if (block_max_[k] > stats.max) {
+        stats.max = block_max_[k];
+        first = k;
+      }
     }
-    if (q.kind == Proposal::kOneHot && q.token >= x0 && q.token < x0 + kLanes) {
-      r[q.token - x0] = 0.f;  // max(p - 1, 0), as p <= 1
+    if (stats.max == -INFINITY) return stats;
+    for (int64_t x = first * kBlock;; ++x) {  // the first block attaining the max holds the argmax
+      if (dst[x] == stats.max) {
+        stats.argmax = static_cast<int32_t>(x);
+        break;
+      }
     }
-    for (int64_t i = 0; i < kLanes; i += Vec::size()) {
-      const Vec ri = Vec::loadu(r + i);
-      mass_v += ri;
-      (ri / -(-Vec::loadu(u + i)).log1p()).store(key + i);
+    return stats;
+  }
+
+  // Sum of weights exp((z - max) / T): float32 lanes within each block, the blocks added in order
+  // in float64 (a single float32 accumulation over V = 151,936 drifts by ~1e-4 relative, visible
+  // in the logprobs).
+  float weight_sum(const float* row, float row_max, float inv_temperature) {
+    const Vec max_v(row_max), inv_t(inv_temperature);
+    for_each_block([&](int64_t k, int64_t x0, int64_t x1) {
+      Vec s0(0.f), s1(0.f);
+      for (int64_t x = x0; x < x1; x += 2 * Vec::size()) {
+        s0 += ((Vec::loadu(row + x) - max_v) * inv_t).exp();
+        s1 += ((Vec::loadu(row + x + Vec::size()) - max_v) * inv_t).exp();
+      }
+      block_sum_[k] = horizontal_sum(s0 + s1);
+    });
+    double total = 0.0;
+    for (int64_t k = 0; k < blocks_; ++k) total += block_sum_[k];
+    return static_cast<float>(total);
+  }
+
+  // The filters' inputs (kernels/filter_math.h): order-preserving keys and weights of a row.
+  void filter_inputs(const float* row, float row_max, float inv_temperature, uint32_t* keys,
+                     float* weights) {
+    const Vec max_v(row_max), inv_t(inv_temperature);
+    const int64_t vocab = vocab_;
+    for_each_block([&](int64_t, int64_t x0, int64_t x1) {
+      const int64_t end = std::min(x1, vocab);
+      for (int64_t x = x0; x < end; ++x) keys[x] = row[x] == -INFINITY ? kNoCandidate : logit_key(row[x]);
+      int64_t x = x0;
+      for (; x + Vec::size() <= end; x += Vec::size()) {
+        ((Vec::loadu(row + x) - max_v) * inv_t).exp().store(weights + x);  // exp(-inf) = 0
+      }
+      for (; x < end; ++x) weights[x] = row[x] == -INFINITY ? 0.f : softmax_weight(row[x], row_max, inv_temperature);
+    });
+  }
+
+  // Exponential race over r = max(p - q, 0): returns the winner, and the residual mass through
+  // `mass`. With q = none, r = p.
+  int64_t race(const float* target, const SoftmaxStats& t, float inv_t, const Proposal& q,
+               int64_t seed, int64_t position, float* mass) {
+    const Vec t_max(t.max), t_inv_t(inv_t), t_inv_sum(1.f / t.sum), zero(0.f);
+    const Vec q_max(q.stats.max), q_inv_t(q.inv_temperature), q_inv_sum(1.f / q.stats.sum);
+    for_each_block([&](int64_t k, int64_t x0, int64_t x1) {
+      Vec mass_v(0.f);
+      RaceCandidate best = empty_candidate();
+      alignas(64) float u[kLanes], key[kLanes];
+      for (int64_t g0 = x0; g0 < x1; g0 += kLanes) {
+        // A group whose target logits are all -inf (dropped by a filter, or padding) has r = 0.
+        Vec z[kLanes / Vec::size()];
+        Vec z_max(-INFINITY);
+        for (int64_t v = 0; v < kLanes / Vec::size(); ++v) {
+          z[v] = Vec::loadu(target + g0 + v * Vec::size());
+          z_max = at::vec::maximum(z_max, z[v]);
+        }
+        if ((z_max == Vec(-INFINITY)).zero_mask() == 0) continue;
+        philox_uniforms32(seed, position, kPurposeResample, static_cast<uint32_t>(g0 >> 2), u);
+        Vec group_max(-INFINITY);
+        for (int64_t i = 0; i < kLanes; i += Vec::size()) {
+          const Vec p = ((z[i / Vec::size()] - t_max) * t_inv_t).exp() * t_inv_sum;
+          Vec r = p;
+          if (q.kind == Proposal::kDistribution) {
+            const Vec qd = ((Vec::loadu(q.row + g0 + i) - q_max) * q_inv_t).exp() * q_inv_sum;
+            r = at::vec::maximum(p - qd, zero);
+          } else if (q.kind == Proposal::kOneHot && q.token >= g0 + i &&
+                     q.token < g0 + i + Vec::size()) {
+            alignas(64) float lanes[Vec::size()];
+            r.store(lanes);
+            lanes[q.token - g0 - i] = 0.f;  // max(p - 1, 0), as p <= 1
+            r = Vec::loadu(lanes);
+          }
+          mass_v += r;
+          // Only r > 0 competes: the others' keys are -inf.
+          const Vec k_i = Vec::blendv(Vec(-INFINITY), r / -(-Vec::loadu(u + i)).log1p(), r > zero);
+          k_i.store(key + i);
+          group_max = at::vec::maximum(group_max, k_i);
+        }
+        // Ties go to the lower index: a group only takes over with a strictly larger key, and
+        // then with its first lane holding it.
+        const float top = horizontal_max(group_max);
+        if (top > best.key) {
+          int64_t i = 0;
+          while (key[i] != top) ++i;
+          best = RaceCandidate{top, static_cast<int32_t>(g0 + i)};
+        }
+      }
+      block_mass_[k] = horizontal_sum(mass_v);
+      block_best_[k] = best;
+    });
+    RaceCandidate best = empty_candidate();
+    double total = 0.0;
+    for (int64_t k = 0; k < blocks_; ++k) {
+      best = better_candidate(best, block_best_[k]);
+      total += block_mass_[k];
     }
-    for (int64_t i = 0; i < kLanes; ++i) {
-      if (r[i] > 0.f) best = better_candidate(best, RaceCandidate{key[i], static_cast<int32_t>(x0 + i)});
+    *mass = static_cast<float>(total);
+    return best.index;
+  }
+
+ private:
+  // Runs body(block, x0, x1) on every block [x0, x1) of the padded row.
+  template <typename F>
+  void for_each_block(const F& body) {
+    const int64_t padded = padded_length(vocab_);
+    const auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {
+        body(k, k * kBlock, std::min(padded, (k + 1) * kBlock));
+      }
+    };
+    if (split_) {
+      at::parallel_for(0, blocks_, 1, run);
+    } else {
+      run(0, blocks_);
     }
   }
-  *mass = horizontal_sum(mass_v);
-  return best.index;
-}
+
+  int64_t vocab_, blocks_;
+  bool split_;
+  std::vector<float> block_max_, block_sum_, block_mass_;
+  std::vector<RaceCandidate> block_best_;
+};
 
 template <typename TargetT, typename DraftT>
 struct RequestVerifier {
@@ -162,8 +249,19 @@ struct RequestVerifier {
   int32_t* num_accepted;
   bool* valid;
   float* logprobs;  // null unless asked for
+  RowPasses passes;
   std::vector<float> target_row, draft_row, weights;
   std::vector<uint32_t> keys;
+
+  RequestVerifier(const VerifyArgs& args, const TargetT* target_logits, const DraftT* draft_logits,
+                  at::Tensor& tokens_out, at::Tensor& num_accepted_out, at::Tensor& valid_out,
+                  at::Tensor& logprobs_out, bool split)
+      : a(args), target(target_logits), draft(draft_logits),
+        tokens(tokens_out.data_ptr<int64_t>()), num_accepted(num_accepted_out.data_ptr<int32_t>()),
+        valid(valid_out.data_ptr<bool>()),
+        logprobs(args.return_logprobs ? logprobs_out.data_ptr<float>() : nullptr),
+        passes(args.vocab, split), target_row(padded_length(args.vocab)),
+        draft_row(draft_logits ? padded_length(args.vocab) : 0) {}
 
   int64_t draft_token(int64_t b, int64_t j) const {
     const auto& t = a.draft_tokens;
@@ -178,8 +276,8 @@ struct RequestVerifier {
       keys.resize(a.vocab);
       weights.resize(a.vocab);
     }
-    t.sum = filter_row(target_row.data(), a.vocab, t.max, inv_t, spec, keys.data(), weights.data())
-                .kept_sum;
+    passes.filter_inputs(target_row.data(), t.max, inv_t, keys.data(), weights.data());
+    t.sum = filter_prepared_row(target_row.data(), a.vocab, spec, keys.data(), weights.data()).kept_sum;
   }
 
   void operator()(int64_t b) {
@@ -208,6 +306,7 @@ struct RequestVerifier {
     const auto log_prob = [&](const SoftmaxStats& s, int64_t x) {
       return logf(softmax_prob(target_row[x], s.max, 1.f / s.sum, inv_t));
     };
+    const int64_t mask_words = a.allowed_token_mask.defined() ? a.allowed_token_mask.size(1) : 0;
 
     // Walk the rows; stop at the first rejection (j == n is the bonus row).
     int64_t j = 0;
@@ -217,21 +316,25 @@ struct RequestVerifier {
       const int64_t row = start + j;
       target_invalid = row < 0 || row >= a.rows;  // only on inputs the value checks reject
       if (target_invalid) break;
-      load_row(target + row * a.target.stride(0), vocab, target_row.data());
-      if (a.allowed_token_mask.defined()) {
-        const int64_t words = a.allowed_token_mask.size(1);
-        drop_disallowed(a.allowed_token_mask.const_data_ptr<int32_t>() + row * words, vocab,
-                        target_row.data());
-      }
-      t = row_stats(target_row.data(), vocab, need_distribution, inv_t);
+      const int32_t* mask_row =
+          mask_words ? a.allowed_token_mask.const_data_ptr<int32_t>() + row * mask_words : nullptr;
+      t = passes.load(target + row * a.target.stride(0), mask_row, target_row.data());
       target_invalid = t.max == -INFINITY;
-      if (!target_invalid && need_distribution && spec.active()) filter_target_row(spec, inv_t, t);
+      if (!target_invalid && need_distribution) {
+        if (spec.active()) {
+          filter_target_row(spec, inv_t, t);  // the kept weight is the sum
+        } else {
+          t.sum = passes.weight_sum(target_row.data(), t.max, inv_t);
+        }
+      }
       if (target_invalid || j == n) break;
       const int64_t x = draft_token(b, j);
       if (use_draft) {
         const auto* src = draft + b * a.draft_logits.stride(0) + j * a.draft_logits.stride(1);
-        load_row(src, vocab, draft_row.data());
-        d = row_stats(draft_row.data(), vocab, !draft_greedy, inv_td);
+        d = passes.load(src, nullptr, draft_row.data());
+        if (d.max != -INFINITY && !draft_greedy) {
+          d.sum = passes.weight_sum(draft_row.data(), d.max, inv_td);
+        }
       }
       draft_invalid = x < 0 || x >= vocab || (use_draft && d.max == -INFINITY);
       if (draft_invalid) break;
@@ -270,9 +373,9 @@ struct RequestVerifier {
       }
       const int64_t pos = position + 1 + j;
       float mass = 0.f;
-      token = race(target_row.data(), vocab, t, inv_t, q, seed, pos, &mass);
+      token = passes.race(target_row.data(), t, inv_t, q, seed, pos, &mass);
       if (!(mass > kMinResidualMass)) {
-        token = race(target_row.data(), vocab, t, inv_t, Proposal{}, seed, pos, &mass);
+        token = passes.race(target_row.data(), t, inv_t, Proposal{}, seed, pos, &mass);
       }
     }
 
@@ -293,18 +396,17 @@ void verify_batch(const VerifyArgs& a, at::Tensor& tokens, at::Tensor& num_accep
                   at::Tensor& valid, at::Tensor& logprobs) {
   const auto* target = a.target.const_data_ptr<TargetT>();
   const auto* draft = a.draft_logits.defined() ? a.draft_logits.const_data_ptr<DraftT>() : nullptr;
+  const bool split = a.batch < kRequestsPerThread * at::get_num_threads() &&
+                     a.vocab >= kMinSplitVocab && at::get_num_threads() > 1;
+  if (split) {
+    RequestVerifier<TargetT, DraftT> verifier(a, target, draft, tokens, num_accepted, valid,
+                                              logprobs, /*split=*/true);
+    for (int64_t b = 0; b < a.batch; ++b) verifier(b);
+    return;
+  }
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
-    RequestVerifier<TargetT, DraftT> verifier{a,
-                                              target,
-                                              draft,
-                                              tokens.data_ptr<int64_t>(),
-                                              num_accepted.data_ptr<int32_t>(),
-                                              valid.data_ptr<bool>(),
-                                              a.return_logprobs ? logprobs.data_ptr<float>() : nullptr,
-                                              std::vector<float>(padded_length(a.vocab)),
-                                              std::vector<float>(draft ? padded_length(a.vocab) : 0),
-                                              {},
-                                              {}};
+    RequestVerifier<TargetT, DraftT> verifier(a, target, draft, tokens, num_accepted, valid,
+                                              logprobs, /*split=*/false);
     for (int64_t b = begin; b < end; ++b) verifier(b);
   });
 }
