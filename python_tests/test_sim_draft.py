@@ -562,6 +562,9 @@ CONFIDENCE_CASES = [
     (16, 7, 1000, 40, 64, F16, BF16, BF16, True, True, I64),
     (5, 3, 50, 100, 33, F32, F32, F16, False, True, I32),
     (9, 2, 300, 20, 130, BF16, F32, F32, True, True, I32),
+    # Rows longer than a staged weight segment (2048), 16-byte vectors plus a tail.
+    (2, 3, 40, 264, 4100, BF16, BF16, BF16, True, False, I64),
+    (3, 2, 30, 16, 2053, F32, F16, F32, False, True, I32),
 ]
 
 
@@ -570,15 +573,22 @@ CONFIDENCE_CASES = [
                              f"-h{DTYPE_IDS[c[5]]}-w1{DTYPE_IDS[c[6]]}-w{DTYPE_IDS[c[7]]}"
                              f"{'-bias' if c[8] else ''}{'-calib' if c[9] else ''}"
                              f"-{DTYPE_IDS[c[10]]}"))
-def test_draft_confidence_matches_cpu_and_reference(sim, params):
-    """draft_confidence (one warp per row, lane-strided dot product and a shuffle reduction)
-    within test_draft's tolerances of the reference, the float64 logit and the CPU kernel, with
-    and without bias and calibration, hidden/rank below and above 32 lanes, int32/int64 ids."""
+@pytest.mark.parametrize("layout", ["contiguous", "offset"])
+def test_draft_confidence_matches_cpu_and_reference(sim, params, layout):
+    """draft_confidence (one warp per row, weights staged in shared memory segment by segment,
+    16-byte row loads or element by element, a shuffle reduction) within test_draft's tolerances
+    of the reference, the float64 logit and the CPU kernel, with and without bias and calibration,
+    hidden/rank below and above 32 lanes and one segment, int32/int64 ids; ``offset``: hidden and
+    W1 rows that start one element past a 16-byte boundary."""
     batch, block, vocab, rank, d, hidden, w1, weight, bias, calib, ids = params
     case = make_confidence_case(batch, block, vocab, rank, d, seed=stable_seed("sim-conf", params),
                                 hidden_dtype=hidden, w1_dtype=w1, weight_dtype=weight, bias=bias,
                                 calib=calib, ids_dtype=ids)
-    if rank > 8:
+    if layout == "offset":
+        case.w1 = row_layout(case.w1, "offset")
+        storage = torch.full((batch * block * d + 1,), NAN, dtype=case.hidden.dtype)
+        case.hidden = storage[1:].view(batch, block, d).copy_(case.hidden)
+    elif rank > 8:
         case.w1 = row_layout(case.w1, "padded")
     got = case.call(sim)
     assert got.dtype == torch.float32 and got.shape == (batch, block)

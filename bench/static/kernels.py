@@ -424,13 +424,30 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                                                variant="sampled" if sampled else "greedy"))
 
 
+CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft.cuh kConfidenceThreads, kConfidenceSegment
+
+
 def confidence_op(binary: Binary, batch: int, block: int, hidden: int, rank: int) -> Op:
     k = binary.find(r"draft_confidence_kernelI13__nv_bfloat16E")
     rows = batch * block
-    dot = LoopSpec("hidden . weight", {r"^LDG\.E\.U16": 2, r"^FFMA": 1}, 1, (r"^FFMA", 1))
     nbytes = rows * hidden * BF16 + rows * rank * BF16 + (hidden + rank) * BF16 + rows * 12
-    launches = [Launch(k, "dot + sigmoid (warp per row)", DRAFT_THREADS, (rows + 7) // 8, 0,
-                       [term(binary, k, dot, rows * (hidden + rank))], nbytes)]
+    # Since: weights staged in shared memory CONFIDENCE_SEGMENT at a time, each lane's eight
+    # 16-byte row loads issued before its multiply-adds, four rows per block. Before: one
+    # element per lane and iteration, both operands from global memory, eight rows per block.
+    staged = LoopSpec("row . weight (16-byte loads)", {r"^LDG\.E\.128": 8, r"^FFMA": 64}, 64,
+                      (r"^LDG\.E\.128", 8))
+    scalar = LoopSpec("hidden . weight", {r"^LDG\.E\.U16": 2, r"^FFMA": 1}, 1, (r"^FFMA", 1))
+    if first_matching(binary, k, [staged, scalar]) == 0:
+        segments = -(-hidden // CONFIDENCE_SEGMENT) + -(-rank // CONFIDENCE_SEGMENT)
+        rows_per_block = CONFIDENCE_THREADS // 32
+        launches = [Launch(k, "stage weights, dot + sigmoid (warp per row)", CONFIDENCE_THREADS,
+                           -(-rows // rows_per_block), 0,
+                           [term(binary, k, staged, rows * (hidden + rank))], nbytes,
+                           serial_round_trips=segments, barrier_stages=2 * segments,
+                           note=f"{segments} weight segments staged in turn")]
+    else:
+        launches = [Launch(k, "dot + sigmoid (warp per row)", DRAFT_THREADS, (rows + 7) // 8, 0,
+                           [term(binary, k, scalar, rows * (hidden + rank))], nbytes)]
     return Op("draft_confidence", f"B={batch} G={block} d={hidden} r={rank}", "calibrated",
               nbytes, launches, launch_bound=True,
               match=dict(op="draft_confidence", params=dict(B=batch, G=block, d=hidden, r=rank),
