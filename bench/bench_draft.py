@@ -78,13 +78,15 @@ HIDDEN = 2560  # Qwen3-4B
 
 # Default shape: B=64, G=7, V=151936, r=256, bf16 (docs/semantics.md §4 at G=7). CPU keeps the
 # vocabulary, which sets the cost (W2 is read once per slot), at a small batch.
+# bf16_logits: one more sampled markov_draft row at the default batch with
+# draft_logits_dtype=torch.bfloat16 (half the draft_logits write).
 GPU_PLAN = dict(batch=64, block=7, vocab=151936, rank=256, batches=(1, 256), rnn_batch=64,
-                confidence_batch=64, compile=True)
+                confidence_batch=64, compile=True, bf16_logits=True)
 GPU_QUICK = dict(GPU_PLAN, batches=(), compile=False)
 CPU_PLAN = dict(batch=4, block=7, vocab=151936, rank=256, batches=(), rnn_batch=4,
-                confidence_batch=64, compile=True)
+                confidence_batch=64, compile=True, bf16_logits=True)
 CPU_QUICK = dict(CPU_PLAN, batch=2, variants=("sampled", "greedy"), rnn_batch=None,
-                 compile=False)
+                 compile=False, bf16_logits=False)
 
 _SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -118,6 +120,7 @@ class DraftCase:
     hidden: Optional[torch.Tensor] = None  # [B, G, d] (rnn_draft)
     joint_weight: Optional[torch.Tensor] = None  # [3r, 2r + d]
     joint_bias: Optional[torch.Tensor] = None  # [3r]
+    logits_dtype: torch.dtype = torch.float32  # draft_logits_dtype of ours and the reference
 
     @property
     def batch(self) -> int:
@@ -341,13 +344,14 @@ def eager_draft_confidence(hidden, prev_tokens, w1, weight, bias, calib_temperat
 
 
 def markov_bytes(case: DraftCase) -> int:
-    """Bytes ``markov_draft`` must move: W2 once per slot, base logits in, float32 logits out,
+    """Bytes ``markov_draft`` must move: W2 once per slot, base logits in, float32 (or bfloat16,
+    ``case.logits_dtype``) logits out,
     the ``B * G`` embedded W1 rows (docs/semantics.md §4); ``rnn_draft`` adds the joint weight once
     per slot and the hidden states."""
     batch, block, vocab, rank = case.batch, case.block, case.vocab, case.rank
     w = case.w1.element_size()
     total = (block * vocab * rank * w + case.base_logits.numel() * case.base_logits.element_size()
-             + batch * block * vocab * 4 + batch * block * rank * w)
+             + batch * block * vocab * case.logits_dtype.itemsize + batch * block * rank * w)
     if case.hidden is not None:
         total += block * (case.joint_weight.numel() + case.joint_bias.numel()) * w
         total += case.hidden.numel() * case.hidden.element_size()
@@ -400,7 +404,8 @@ def _compare(row: Row, out, want) -> None:
     tokens, logits = (t.to(want.tokens.device) for t in out)
     row.extra["match"] = f"{int((tokens == want.tokens).sum())}/{tokens.numel()}"
     same = same_prefix(tokens, want.tokens)
-    row.extra["dz"] = f"{max_logit_difference(logits[same], want.draft_logits[same]):.1e}"
+    dz = max_logit_difference(logits[same].float(), want.draft_logits[same].float())
+    row.extra["dz"] = f"{dz:.1e}"
 
 
 def same_prefix(tokens: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -432,10 +437,12 @@ def bench_walk(case: DraftCase, device: torch.device, timing: Timing,
     args = case.rnn_args() if rnn else case.markov_args()
     eager = eager_rnn_draft if rnn else eager_markov_draft
 
-    def ref():
-        return getattr(reference, op)(*args)
+    dtype = dict(draft_logits_dtype=case.logits_dtype)
 
-    ours, out = _ours(op, lambda: getattr(dspark_ops, op)(*args), device)
+    def ref():
+        return getattr(reference, op)(*args, **dtype)
+
+    ours, out = _ours(op, lambda: getattr(dspark_ops, op)(*args, **dtype), device)
     want = ref()
     row = Row(op=op, shape=case.shape, variant=_variant_label(case))
     row.extra["dtypes"] = case.dtypes
@@ -499,10 +506,11 @@ def _finish(row: Row, device: torch.device, nbytes: int, copy_gbps: Optional[flo
 
 
 def _variant_label(case: DraftCase) -> str:
+    suffix = " bf16-logits" if case.logits_dtype == torch.bfloat16 else ""
     if case.variant == "greedy":
-        return "greedy"
+        return "greedy" + suffix
     t = float(case.temperature.max())
-    return f"{case.variant} T={t:g}"
+    return f"{case.variant} T={t:g}{suffix}"
 
 
 def plan(device: torch.device, quick: bool) -> dict:
@@ -541,10 +549,13 @@ def run(device: torch.device, quick: bool = False, use_compile: bool = True,
 
     specs = [dict(batch=p["batch"], variant=v) for v in p.get("variants", VARIANTS)]
     specs += [dict(batch=b, variant="sampled") for b in p["batches"]]
+    if p.get("bf16_logits"):
+        specs.append(dict(batch=p["batch"], variant="sampled", logits_dtype=torch.bfloat16))
     for i, spec in enumerate(specs):
         started = time.perf_counter()
         case = make_draft_inputs(spec["batch"], **shape, variant=spec["variant"], device=device,
-                                 seed=i)
+                                 seed=0 if "logits_dtype" in spec else i)
+        case.logits_dtype = spec.get("logits_dtype", torch.float32)
         compile_it = p["compile"] and use_compile and i == 0
         row = bench_walk(case, device, timing, copy_gbps, compile_it=compile_it,
                          default_row=i == 0)

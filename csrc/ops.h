@@ -35,7 +35,8 @@ using DraftResult = std::tuple<at::Tensor, at::Tensor>;  // tokens, draft_logits
                                      const at::Tensor& position,                               \
                                      const std::optional<at::Tensor>& top_k,                   \
                                      const std::optional<at::Tensor>& top_p,                   \
-                                     const std::optional<at::Tensor>& min_p);                  \
+                                     const std::optional<at::Tensor>& min_p,                   \
+                                     std::optional<at::ScalarType> draft_logits_dtype);        \
   DraftResult rnn_draft_##backend(const at::Tensor& base_logits, const at::Tensor& anchor,     \
                                   const at::Tensor& hidden, const at::Tensor& w1,              \
                                   const at::Tensor& w2, const at::Tensor& joint_weight,        \
@@ -43,7 +44,8 @@ using DraftResult = std::tuple<at::Tensor, at::Tensor>;  // tokens, draft_logits
                                   const at::Tensor& seed, const at::Tensor& position,          \
                                   const std::optional<at::Tensor>& top_k,                      \
                                   const std::optional<at::Tensor>& top_p,                      \
-                                  const std::optional<at::Tensor>& min_p);                     \
+                                  const std::optional<at::Tensor>& min_p,                      \
+                                  std::optional<at::ScalarType> draft_logits_dtype);           \
   at::Tensor draft_confidence_##backend(const at::Tensor& hidden, const at::Tensor& prev_tokens, \
                                         const at::Tensor& w1, const at::Tensor& weight,         \
                                         const std::optional<at::Tensor>& bias,                  \

@@ -19,14 +19,16 @@ inline constexpr const char* kSchemas[] = {
   // each slot's logits corrected by W2 . W1[previous token] (Markov head) or W2 . tanh(o) (RNN
   // head) and sampled from the draft stream; returns the tokens and the corrected
   // pre-temperature logits, -inf where the sampling filters (README "Sampling filters") drop a
-  // token.
+  // token; float32, or bfloat16 with draft_logits_dtype (the token then drawn from the rounded
+  // logits).
   "markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, Tensor w2, Tensor temperature, "
       "Tensor seed, Tensor position, Tensor? top_k=None, Tensor? top_p=None, "
-      "Tensor? min_p=None) -> (Tensor tokens, Tensor draft_logits)",
+      "Tensor? min_p=None, ScalarType? draft_logits_dtype=None) "
+      "-> (Tensor tokens, Tensor draft_logits)",
   "rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, Tensor w1, Tensor w2, "
       "Tensor joint_weight, Tensor joint_bias, Tensor temperature, Tensor seed, Tensor position, "
-      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
-      "-> (Tensor tokens, Tensor draft_logits)",
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, "
+      "ScalarType? draft_logits_dtype=None) -> (Tensor tokens, Tensor draft_logits)",
   // Conditional draft confidences sigmoid((w . [h_j; W1[x_j]] + b) / tau_j), float32 [B, G].
   "draft_confidence(Tensor hidden, Tensor prev_tokens, Tensor w1, Tensor weight, "
       "Tensor? bias=None, Tensor? calib_temperature=None) -> Tensor",

@@ -254,8 +254,9 @@ def verify(
 #
 # Slot j drafts x_{j+1} from z_j = base_logits[:, j] + W2 . bias_input_j, where bias_input_j is
 # W1[x_j] (Markov head) or tanh(o_j) (RNN head), x_0 the anchor. The head's arithmetic runs in
-# float64 (every product of two float32 numbers is exact there) and z_j is rounded to float32 once;
-# the stored z_j is the proposal: x_{j+1} ~ softmax(z_j / T), drawn by the Gumbel-max rule
+# float64 (every product of two float32 numbers is exact there) and z_j is rounded to float32 once
+# (then to bfloat16, nearest even, with draft_logits_dtype=torch.bfloat16); the stored z_j is the
+# proposal: x_{j+1} ~ softmax(z_j / T), drawn by the Gumbel-max rule
 #   x = argmax_v  z_j(v) * (1/T) - log(E(v)),   E(v) = -log1p(-u_v),
 # u_v element v of the draft stream at position p0 + 1 + j (greedy, T <= 1e-5: argmax z_j, ties to
 # the lowest id). Non-finite z never wins; a row without a finite z yields token 0. An id outside
@@ -281,39 +282,56 @@ def draft_sample(
     return torch.where(torch.isfinite(z), key, float("-inf")).argmax(-1)
 
 
-def _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2, filters):
+def _logits_dtype(dtype):
+    if dtype is None:
+        return torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"'draft_logits_dtype' must be a torch.dtype, got {type(dtype).__name__}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"'draft_logits_dtype' must be torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2, filters,
+                 logits_dtype=None):
     """The sequential walk shared by both heads; bias_input(j, prev) gives the [B, r] float64
     vector that W2 maps to the logit bias of slot j; `filters` (top_k, top_p, min_p) are applied
-    to each slot's z before it is sampled and stored."""
+    to each slot's z before it is sampled and stored. With bfloat16 `logits_dtype` the float32
+    z is rounded to bfloat16 (nearest even) first, and the filters, the draw and the stored
+    logits all use the rounded values."""
+    logits_dtype = _logits_dtype(logits_dtype)
     w2 = w2.double()
     prev = anchor.long()
     tokens, logits = [], []
     for j in range(base_logits.shape[1]):
         bias = bias_input(j, prev) @ w2.T
         z = (bias + base_logits[:, j].double()).float()
+        if logits_dtype == torch.bfloat16:
+            z = z.to(torch.bfloat16).float()
         if any(f is not None for f in filters.values()):
             z = filter_logits(z, temperature, **filters)
         prev = draft_sample(z, temperature, seed, position + 1 + j)
         tokens.append(prev)
-        logits.append(z)
+        logits.append(z.to(logits_dtype))
     batch, block, vocab = base_logits.shape
     if block == 0:
         return DraftOutput(anchor.new_empty((batch, 0), dtype=torch.int64),
-                           base_logits.new_empty((batch, 0, vocab), dtype=torch.float32))
+                           base_logits.new_empty((batch, 0, vocab), dtype=logits_dtype))
     return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1))
 
 
 def markov_draft(base_logits, anchor, w1, w2, temperature, seed, position, *, top_k=None,
-                 top_p=None, min_p=None) -> DraftOutput:
+                 top_p=None, min_p=None, draft_logits_dtype=None) -> DraftOutput:
     """Markov head (README "Drafting"): z_j = base_logits[:, j] + W2 . W1[x_j], one slot at a
     time, filtered by :func:`filter_logits` when filters are given."""
     return _draft_block(base_logits, anchor, temperature, seed, position,
                         lambda j, prev: _embed(w1, prev), w2,
-                        dict(top_k=top_k, top_p=top_p, min_p=min_p))
+                        dict(top_k=top_k, top_p=top_p, min_p=min_p), draft_logits_dtype)
 
 
 def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed,
-              position, *, top_k=None, top_p=None, min_p=None) -> DraftOutput:
+              position, *, top_k=None, top_p=None, min_p=None,
+              draft_logits_dtype=None) -> DraftOutput:
     """RNN head (docs/semantics.md §1 step 3): [g; c; o] = J [s_j; W1[x_j]; h_j] + b, bias
     W2 . tanh(o), then s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), s_0 = 0."""
     rank = w1.shape[1]
@@ -329,7 +347,7 @@ def rnn_draft(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, tem
         return torch.tanh(output)
 
     return _draft_block(base_logits, anchor, temperature, seed, position, bias_input, w2,
-                        dict(top_k=top_k, top_p=top_p, min_p=min_p))
+                        dict(top_k=top_k, top_p=top_p, min_p=min_p), draft_logits_dtype)
 
 
 def draft_confidence(hidden, prev_tokens, w1, weight, bias=None, calib_temperature=None):

@@ -116,6 +116,16 @@ def test_opcheck_draft(device, combo):
     torch.library.opcheck(op.default, _draft_args(device, **options))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_opcheck_draft_bf16_logits(device, head):
+    # draft_logits_dtype=torch.bfloat16: the fake registration must give the bfloat16 output.
+    op = torch.ops.dspark_ops.rnn_draft if head == "rnn" else torch.ops.dspark_ops.markov_draft
+    kwargs = dict(draft_logits_dtype=torch.bfloat16)
+    torch.library.opcheck(op.default, _draft_args(device, head=head), kwargs)
+    assert op(*_draft_args(device, head=head), **kwargs)[1].dtype == torch.bfloat16
+
+
 def _confidence_args(device, *, bias=False, calib=False, dtype=torch.float32,
                      id_dtype=torch.int64):
     """draft_confidence's schema arguments: B=3, G=4, V=37, r=8, d=16."""
@@ -385,12 +395,14 @@ def test_schemas():
     assert schemas == {
         "markov_draft": "dspark_ops::markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, "
                         "Tensor w2, Tensor temperature, Tensor seed, Tensor position, "
-                        "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) -> "
+                        "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, "
+                        "ScalarType? draft_logits_dtype=None) -> "
                         "(Tensor tokens, Tensor draft_logits)",
         "rnn_draft": "dspark_ops::rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, "
                      "Tensor w1, Tensor w2, Tensor joint_weight, Tensor joint_bias, "
                      "Tensor temperature, Tensor seed, Tensor position, Tensor? top_k=None, "
-                     "Tensor? top_p=None, Tensor? min_p=None) -> "
+                     "Tensor? top_p=None, Tensor? min_p=None, "
+                     "ScalarType? draft_logits_dtype=None) -> "
                      "(Tensor tokens, Tensor draft_logits)",
         "draft_confidence": "dspark_ops::draft_confidence(Tensor hidden, Tensor prev_tokens, "
                             "Tensor w1, Tensor weight, Tensor? bias=None, "

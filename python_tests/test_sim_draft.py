@@ -711,7 +711,7 @@ def test_filter_launches(sim):
     case.call(sim)
     case.call(sim, top_p=torch.full((3,), 0.5))
     got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
-    assert got == {"draft_slot_kernel<float, float, false>": 8, "draft_filter_kernel": 4}
+    assert got == {"draft_slot_kernel<float, float, false>": 8, "draft_filter_kernel<float>": 4}
 
 
 def _fault_cases():
@@ -760,3 +760,112 @@ def test_shuffle_off_by_one_is_caught(sim):
         expected = conf.call(reference)
         assert emulator.caught(lambda: torch.testing.assert_close(conf.call(sim), expected, rtol=1e-5,
                                                          atol=1e-6))
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16 draft_logits (draft_logits_dtype=torch.bfloat16: the epilogue rounds z, stores
+# bfloat16 and takes the keys of the rounded value; the filter kernel reads and writes bfloat16)
+# --------------------------------------------------------------------------------------------
+
+BF16_LOGITS = dict(draft_logits_dtype=BF16)
+
+
+def as_float(out) -> dspark_ops.DraftOutput:
+    return dspark_ops.DraftOutput(out.tokens, out.draft_logits.float())
+
+
+def check_bf16_draft(sim, case: DraftCase, **filters):
+    """The emulated op with bfloat16 logits: float32 z within the CUDA tolerance of the drafts'
+    own teacher-forced z, rounded (so up to half a bfloat16 ulp more), every draft the Gumbel-max
+    winner of its own stored rounded row (greedy: exactly, ties to the lowest id), and the drafts
+    and values of the CPU kernel and the reference (which round the float64 z; up to near-ties)."""
+    got = dspark_ops.DraftOutput(*case.call(sim, **BF16_LOGITS, **filters))
+    assert got.draft_logits.dtype == BF16 and got.draft_logits.shape == case.base_logits.shape
+    assert got.tokens.dtype == torch.int64
+    assert ((got.tokens >= 0) & (got.tokens < case.vocab)).all()
+    forced = teacher_forced_logits(case, got.tokens)
+    tol = sim_tolerance(case, forced)
+    tol = dict(rtol=tol["rtol"] + 2.0**-8, atol=tol["atol"])
+    finite = torch.isfinite(got.draft_logits)
+    if not filters:
+        torch.testing.assert_close(got.draft_logits.float(), forced, equal_nan=True, **tol)
+        assert_sampled_from_stored_logits(case, as_float(got))
+    else:
+        torch.testing.assert_close(got.draft_logits.float()[finite], forced[finite], **tol)
+        assert finite.gather(-1, got.tokens[..., None]).all(), "a draft outside the kept set"
+    for ops, name in ((dspark_ops, "the CPU kernel"), (reference, "the reference")):
+        want = case.call(ops, **BF16_LOGITS, **filters)
+        assert want.draft_logits.dtype == BF16
+        if filters:
+            same = (got.tokens == want.tokens).all(1)
+            assert int((~same).sum()) <= 1, (got.tokens, want.tokens)
+            assert torch.equal(finite[same], torch.isfinite(want.draft_logits)[same])
+        else:
+            assert_same_drafts(case, as_float(got), as_float(want), tol, name)
+    return got
+
+
+@pytest.mark.parametrize("params", [
+    (5, 3, 300, 40, "bf16", BF16, I64, "mixed", "aligned"),
+    (9, 2, 8193, 20, "f32", F32, I32, "sampled", "padded"),
+    (65, 2, 100, 64, "f16", F16, I64, "greedy", "aligned"),
+    (3, 7, 17, 1, "bf16", F32, I64, "mixed", "offset"),
+], ids=[_markov_id(c) for c in [
+    (5, 3, 300, 40, "bf16", BF16, I64, "mixed", "aligned"),
+    (9, 2, 8193, 20, "f32", F32, I32, "sampled", "padded"),
+    (65, 2, 100, 64, "f16", F16, I64, "greedy", "aligned"),
+    (3, 7, 17, 1, "bf16", F32, I64, "mixed", "offset")]])
+def test_bf16_logits_markov(sim, params):
+    case = markov_case(params)
+    got = check_bf16_draft(sim, case)
+    # The float32 op draws from the unrounded z: its stored rows round to these (same drafts).
+    f32 = run_sim(sim, case)
+    same = (f32.tokens == got.tokens).all(1)
+    assert torch.equal(f32.draft_logits[same].to(BF16), got.draft_logits[same])
+
+
+@pytest.mark.parametrize("weights", ["bf16", "f32"])
+def test_bf16_logits_rnn(sim, weights):
+    case = make_case(6, 3, 500, 20, seed=stable_seed("sim-bf16-rnn", weights), head="rnn",
+                     weights=weights, temperature="mixed")
+    check_bf16_draft(sim, case)
+
+
+def test_bf16_logits_greedy_ties_of_rounded_values(sim):
+    # Distinct float32 logits that round to one bfloat16 value, spread over warps and blocks:
+    # the lowest id among them wins (float32 logits: the largest).
+    batch, vocab = 3, 8193
+    case = make_case(batch, 1, vocab, 8, seed=231, weights="bf16", temperature="greedy")
+    base = torch.zeros(batch, 1, vocab)
+    ids = torch.tensor([7000, 4100, 300, 5000])
+    base[:, 0, ids] = 3.0 + torch.arange(4, dtype=torch.float32) * 2.0**-12
+    case = case.replace(base_logits=base, w2=torch.zeros_like(case.w2))
+    got = check_bf16_draft(sim, case)
+    assert (got.tokens == 300).all()
+    assert (run_sim(sim, case).tokens == 5000).all()
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_bf16_logits_filtered(sim, head):
+    batch, block, vocab = 5, 3, 300
+    case = make_case(batch, block, vocab, 20, seed=stable_seed("sim-bf16-filters", head),
+                     head=head, weights="bf16", temperature="mixed")
+    filters = filter_case(batch, vocab, dict(top_k=[2, 0, 9, 40], top_p=[0.9, 0.6, 1.0, 0.95],
+                                             min_p=[0.0, 0.05, 0.3, 0.01]), 0)
+    check_bf16_draft(sim, case, **filters)
+
+
+def test_bf16_logits_verify_accepts_every_draft(sim):
+    # p = q: the target rows are the stored bfloat16 rows; the emulated verify accepts them all.
+    batch, block, vocab = 16, 4, 700
+    case = make_case(batch, block, vocab, 16, seed=232, weights="bf16", temperature="sampled")
+    draft = dspark_ops.DraftOutput(*case.call(sim, **BF16_LOGITS))
+    target = torch.cat([draft.draft_logits.float(), torch.randn(batch, 1, vocab)], 1)
+    n = torch.full((batch,), block, dtype=torch.int32)
+    expected = reference.verify(target, draft.tokens, n, case.temperature, case.seed,
+                                case.position, draft_logits=draft.draft_logits,
+                                draft_temperature=case.temperature)
+    assert (expected.num_accepted == block).all(), expected.num_accepted
+    out = sim.verify(target, draft.tokens, n, case.temperature, case.seed, case.position,
+                     draft_logits=draft.draft_logits, draft_temperature=case.temperature)
+    assert torch.equal(out[0], expected.tokens) and torch.equal(out[1], expected.num_accepted)

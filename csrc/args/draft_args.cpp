@@ -56,8 +56,14 @@ DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::
                        const at::Tensor& seed, const at::Tensor& position,
                        const std::optional<at::Tensor>& top_k,
                        const std::optional<at::Tensor>& top_p,
-                       const std::optional<at::Tensor>& min_p) {
+                       const std::optional<at::Tensor>& min_p,
+                       std::optional<at::ScalarType> draft_logits_dtype) {
   DraftArgs a;
+  const at::ScalarType logits_dtype = draft_logits_dtype.value_or(at::kFloat);
+  TORCH_CHECK_VALUE(logits_dtype == at::kFloat || logits_dtype == at::kBFloat16, op,
+                    "(): 'draft_logits_dtype' must be torch.float32 or torch.bfloat16, got ",
+                    logits_dtype);
+  a.logits_bf16 = logits_dtype == at::kBFloat16;
   check_dim(op, "base_logits", base_logits, {3}, "3-D [B, G, V]");
   check_dtype(op, "base_logits", base_logits, kFloatTypes);
   a.batch = base_logits.size(0);
@@ -93,9 +99,10 @@ DraftArgs check_markov_draft_args(const at::Tensor& base_logits, const at::Tenso
                                   const at::Tensor& position,
                                   const std::optional<at::Tensor>& top_k,
                                   const std::optional<at::Tensor>& top_p,
-                                  const std::optional<at::Tensor>& min_p) {
+                                  const std::optional<at::Tensor>& min_p,
+                                  std::optional<at::ScalarType> draft_logits_dtype) {
   return check_common("markov_draft", base_logits, anchor, w1, w2, temperature, seed, position,
-                      top_k, top_p, min_p);
+                      top_k, top_p, min_p, draft_logits_dtype);
 }
 
 DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
@@ -105,10 +112,11 @@ DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& 
                                const at::Tensor& seed, const at::Tensor& position,
                                const std::optional<at::Tensor>& top_k,
                                const std::optional<at::Tensor>& top_p,
-                               const std::optional<at::Tensor>& min_p) {
+                               const std::optional<at::Tensor>& min_p,
+                               std::optional<at::ScalarType> draft_logits_dtype) {
   constexpr const char* kOp = "rnn_draft";
   auto a = check_common(kOp, base_logits, anchor, w1, w2, temperature, seed, position, top_k,
-                        top_p, min_p);
+                        top_p, min_p, draft_logits_dtype);
   check_device(kOp, "hidden", hidden, base_logits, "base_logits");
   check_dtype(kOp, "hidden", hidden, kFloatTypes);
   check_dim(kOp, "hidden", hidden, {3}, "3-D [B, G, d]");
@@ -130,7 +138,8 @@ DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> allocate_draft_outputs(const DraftArgs& a) {
   const auto options = a.base.options();
   return {at::empty({a.batch, a.block}, options.dtype(at::kLong)),
-          at::empty({a.batch, a.block, a.vocab}, options.dtype(at::kFloat))};
+          at::empty({a.batch, a.block, a.vocab},
+                    options.dtype(a.logits_bf16 ? at::kBFloat16 : at::kFloat))};
 }
 
 ConfidenceArgs check_confidence_args(const at::Tensor& hidden, const at::Tensor& prev_tokens,

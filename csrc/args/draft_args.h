@@ -19,6 +19,7 @@ struct DraftArgs {
   at::Tensor seed;         // int64 [B], contiguous
   at::Tensor position;     // int64 [B], contiguous
   FilterArgs filters;      // top_k / top_p / min_p of the proposal
+  bool logits_bf16 = false;  // draft_logits in bfloat16: z rounded before it is sampled
   // rnn_draft only (undefined for markov_draft).
   at::Tensor hidden;        // [B, G, d], unit stride along d
   at::Tensor joint_weight;  // [3r, 2r + d] in w1's dtype, unit stride along columns
@@ -35,7 +36,8 @@ DraftArgs check_markov_draft_args(const at::Tensor& base_logits, const at::Tenso
                                   const at::Tensor& position,
                                   const std::optional<at::Tensor>& top_k,
                                   const std::optional<at::Tensor>& top_p,
-                                  const std::optional<at::Tensor>& min_p);
+                                  const std::optional<at::Tensor>& min_p,
+                                  std::optional<at::ScalarType> draft_logits_dtype);
 
 DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
                                const at::Tensor& hidden, const at::Tensor& w1,
@@ -44,9 +46,11 @@ DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& 
                                const at::Tensor& seed, const at::Tensor& position,
                                const std::optional<at::Tensor>& top_k,
                                const std::optional<at::Tensor>& top_p,
-                               const std::optional<at::Tensor>& min_p);
+                               const std::optional<at::Tensor>& min_p,
+                               std::optional<at::ScalarType> draft_logits_dtype);
 
-// tokens int64 [B, G] and draft_logits float32 [B, G, V] (contiguous) on the inputs' device.
+// tokens int64 [B, G] and draft_logits float32 or bfloat16 (args.logits_bf16) [B, G, V]
+// (contiguous) on the inputs' device.
 std::tuple<at::Tensor, at::Tensor> allocate_draft_outputs(const DraftArgs& args);
 
 struct ConfidenceArgs {

@@ -16,15 +16,20 @@
 // request's whole row is redone in float64 exactly as the reference (the exact head), which then
 // also stores that row's draft_logits bit for bit. Elsewhere draft_logits are the float32 head's,
 // within that bound of the reference, and the token is still the Gumbel-max of the stored row.
+// With bfloat16 draft_logits both heads sample z rounded to bfloat16; the few elements whose float32
+// z lies within the bound of a rounding midpoint are recomputed in float64 (fix_rounding), so the
+// stored rows are the exact head's on every row and the tokens need no margin.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -144,7 +149,11 @@ struct SlotSampling {
   std::vector<char> greedy;
   std::vector<int64_t> seed, position;  // position of this slot's draw: p0 + 1 + j
   std::vector<FilterSpec> filter;
+  bool round_bf16 = false;  // bfloat16 draft_logits: keys are those of z rounded to bfloat16
 };
+
+// z rounded to bfloat16 (nearest even, torch's conversion), as a float.
+float round_bf16(float z) { return static_cast<float>(c10::BFloat16(z)); }
 
 // The two best Gumbel-max keys of a request over a range: the winner and the largest key of any
 // other candidate (-inf when there is none).
@@ -178,6 +187,9 @@ TopTwo best_key(const float* z, int64_t x0, int64_t x1, const SlotSampling& s, i
   for (int64_t x = x0; x < x1; x += 32) {
     const int64_t n = std::min<int64_t>(32, x1 - x);
     for (int64_t i = 0; i < 32; ++i) zs[i] = i < n ? z[x + i] : -INFINITY;
+    if (s.round_bf16) {
+      for (int64_t i = 0; i < n; ++i) zs[i] = round_bf16(zs[i]);
+    }
     if (s.greedy[b]) {
       for (int64_t i = 0; i < 32; ++i) key[i] = zs[i];
     } else {
@@ -409,6 +421,88 @@ int64_t certified_filtered_token(float* z, int64_t vocab, const SlotSampling& s,
   return t.best.index < 0 ? 0 : t.best.index;
 }
 
+// ---- bfloat16 draft_logits ---------------------------------------------------------------
+//
+// Both heads then store and sample r = bf16(z) (round to nearest even, which is monotone): the
+// exact head r_e = bf16(z_e), the fast head r_f = bf16(z_f), with |z_f - z_e| <= Dz (step 2).
+// Let lo <= hi be float32 values with lo <= z_f - Dz and hi >= z_f + Dz (rounded outwards): z_e
+// lies in [lo, hi], so if bf16(lo) == bf16(hi) then r_e = r_f exactly (the element is certain).
+// The others (z_f within Dz of a rounding midpoint, a small fraction of a row) are uncertain:
+// fix_rounding recomputes their z_e in float64 exactly as the exact head does (same products,
+// same order: dot_rows), so afterwards every element of the row holds z_e or a z_f that rounds
+// as z_e does, and the stored row is the exact head's, bit for bit, on every row.
+// Tokens: keys come from r, u and 1/T by the same code in both heads (best_key), so the fast
+// winner w over the r_f row stays the winner unless an element's r changed; then w is compared
+// with the changed elements' new keys (their 32-key blocks, ties to the lower id), or, if w's own
+// r changed, the row's keys are taken again. Filtered rows are filtered from the fixed row with
+// the exact head's code. No margin on the keys is needed.
+
+// Whether every z_e with |z - z_e| <= dz rounds to bf16(z).
+bool rounding_certain(float z, double dz) {
+  if (!std::isfinite(z) || dz == 0.0) return true;  // non-finite z_f are the exact head's too
+  const double lo_d = static_cast<double>(z) - dz, hi_d = static_cast<double>(z) + dz;
+  float lo = static_cast<float>(lo_d), hi = static_cast<float>(hi_d);
+  if (lo > lo_d) lo = std::nextafter(lo, -INFINITY);
+  if (hi < hi_d) hi = std::nextafter(hi, INFINITY);
+  return round_bf16(lo) == round_bf16(hi);
+}
+
+// A cheap sufficient test of rounding_certain: z = R + m ulp32(z) with R a bfloat16 value and m
+// its low 16 bits, so the nearest rounding midpoint is at least min(|m - 2^15|, m + 2^14) float32
+// ulps away (2^14: the midpoint below a power of two, in the finer binade under it).
+bool far_from_midpoint(float z, double dz) {
+  uint32_t bits;
+  std::memcpy(&bits, &z, sizeof(bits));
+  const uint32_t e = (bits >> 23) & 0xFFu;
+  if (e == 0xFFu) return true;
+  const int m = static_cast<int>(bits & 0xFFFFu);
+  const int steps = std::min(std::abs(m - 0x8000), m + 0x4000);
+  const uint64_t ulp_bits = static_cast<uint64_t>((e == 0 ? 1 : static_cast<int>(e)) - 150 + 1023)
+                            << 52;
+  double ulp;
+  std::memcpy(&ulp, &ulp_bits, sizeof(ulp));
+  return steps * ulp > dz;
+}
+
+// Replaces the uncertain elements of request b's fast row z by their exact z_e and returns the
+// ids whose bfloat16 value changed (ascending). `w2_row` is scratch of `padded_rank` doubles.
+template <typename W, typename BaseT>
+std::vector<int64_t> fix_rounding(float* z, int64_t vocab, double dz, const W* w2,
+                                  int64_t w2_stride, int64_t rank, int64_t padded_rank,
+                                  const double* input, const BaseT* base_row,
+                                  std::vector<double>& w2_row) {
+  std::vector<int64_t> changed;
+  for (int64_t v = 0; v < vocab; ++v) {
+    if (far_from_midpoint(z[v], dz) || rounding_certain(z[v], dz)) continue;
+    const W* src = w2 + v * w2_stride;
+    for (int64_t k = 0; k < rank; ++k) w2_row[k] = load_double(src, k);
+    double bias;
+    dot_rows<1>(input, w2_row.data(), padded_rank, &bias);
+    const float exact = static_cast<float>(bias + load_double(base_row, v));
+    if (round_bf16(exact) != round_bf16(z[v])) changed.push_back(v);
+    z[v] = exact;
+  }
+  return changed;
+}
+
+// Request b's token from its fixed row z (unfiltered): `fast` is the fast head's winner over the
+// row before fix_rounding changed the bfloat16 values of `changed`.
+int64_t rounded_token(const float* z, int64_t vocab, const SlotSampling& s, int64_t b,
+                      RaceCandidate fast, const std::vector<int64_t>& changed) {
+  if (std::binary_search(changed.begin(), changed.end(), static_cast<int64_t>(fast.index))) {
+    fast = best_key(z, 0, vocab, s, b).best;
+  } else {
+    int64_t done = -1;
+    for (const int64_t v : changed) {
+      const int64_t x0 = v / 32 * 32;
+      if (x0 == done) continue;
+      done = x0;
+      fast = better_candidate(fast, best_key(z, x0, std::min(x0 + 32, vocab), s, b).best);
+    }
+  }
+  return fast.index < 0 ? 0 : fast.index;
+}
+
 // out[i] = sum_k a[k] * rows[i][k] in float32 for kRows zero-padded rows (one accumulator per
 // lane and row, then the lanes added in order: the n = padded / L + L of the certificate), and
 // the largest |out[i]| (infinity for a NaN) into dot_max.
@@ -549,6 +643,9 @@ void exact_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
       const int64_t b = redo[i];
       float* zb = z_out + b * z_stride;
       if (s.filter[b].active()) {
+        if (s.round_bf16) {
+          for (int64_t x = 0; x < vocab; ++x) zb[x] = round_bf16(zb[x]);
+        }
         token[b * token_stride] = filtered_token(zb, vocab, s, b);
       } else {
         const RaceCandidate m = best_key(zb, 0, vocab, s, b).best;
@@ -600,16 +697,35 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
   }
   std::vector<char> redo_flag(batch, 0);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> w2_row(s.round_bf16 ? padded_rank : 0, 0.0);
     for (int64_t b = begin; b < end; ++b) {
       const double dot_err = dot_bound(rank, x_norm[b], w_max);
+      const double inv_t = s.inv_temperature[b];
+      float* zb = z_out + b * z_stride;
+      if (s.round_bf16) {
+        const double dz = logit_bound(dot_err, row[b].z_max, row[b].dot_max, inv_t);
+        if (dz < 0) {
+          redo_flag[b] = 1;
+          continue;
+        }
+        const std::vector<int64_t> changed =
+            fix_rounding<W, BaseT>(zb, vocab, dz * scale, w2, w2_stride, rank, padded_rank,
+                                   input.data() + b * padded_rank, base + b * base_stride, w2_row);
+        if (s.filter[b].active()) {
+          for (int64_t x = 0; x < vocab; ++x) zb[x] = round_bf16(zb[x]);
+          token[b * token_stride] = filtered_token(zb, vocab, s, b);
+        } else {
+          token[b * token_stride] = rounded_token(zb, vocab, s, b, row[b].top.best, changed);
+        }
+        continue;
+      }
       if (s.filter[b].active()) {
-        const int64_t t = certified_filtered_token(z_out + b * z_stride, vocab, s, b, dot_err,
-                                                   row[b].dot_max, scale);
+        const int64_t t = certified_filtered_token(zb, vocab, s, b, dot_err, row[b].dot_max,
+                                                   scale);
         if (t < 0) redo_flag[b] = 1;
         else token[b * token_stride] = t;
         continue;
       }
-      const double inv_t = s.inv_temperature[b];
       const double dz = logit_bound(dot_err, row[b].z_max, row[b].dot_max, inv_t);
       if (!certify_gap(row[b].top, dz, row[b].z_max, s.greedy[b], inv_t, scale)) {
         redo_flag[b] = 1;
@@ -640,6 +756,7 @@ SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
     s.filter.push_back(
         make_filter_spec(f.top_k_data(), f.top_p_data(), f.min_p_data(), b, a.vocab));
   }
+  s.round_bf16 = a.logits_bf16;
   return s;
 }
 
@@ -670,15 +787,28 @@ void draft_block(const DraftArgs& a, at::Tensor& tokens, at::Tensor& draft_logit
   std::vector<int64_t> prev(a.batch);
   for (int64_t b = 0; b < a.batch; ++b) prev[b] = read_id(a.anchor, b);
   auto* out_tokens = tokens.data_ptr<int64_t>();
-  auto* z = draft_logits.data_ptr<float>();
+  // bfloat16 logits: each slot's float32 rows (z_f, or z_e where recomputed, rounded in place
+  // where filtered) are staged, then rounded into draft_logits.
+  std::vector<float> staged(a.logits_bf16 ? a.batch * a.vocab : 0);
   const auto* base = a.base.const_data_ptr<BaseT>();
   double w_max = -1.0;  // the largest W2 row norm, once measured
   for (int64_t j = 0; j < a.block; ++j) {
     next_input(j, prev, input, padded_rank);
+    float* z = a.logits_bf16 ? staged.data() : draft_logits.data_ptr<float>() + j * a.vocab;
+    const int64_t z_stride = a.logits_bf16 ? a.vocab : a.block * a.vocab;
     draft_slot<W, BaseT>(a.w2.const_data_ptr<W>(), a.w2.stride(0), a.vocab, a.rank, input,
-                         a.batch, base + j * a.base.stride(1), a.base.stride(0),
-                         z + j * a.vocab, a.block * a.vocab, slot_sampling(a, j),
-                         out_tokens + j, a.block, w_max);
+                         a.batch, base + j * a.base.stride(1), a.base.stride(0), z, z_stride,
+                         slot_sampling(a, j), out_tokens + j, a.block, w_max);
+    if (a.logits_bf16) {
+      auto* out = draft_logits.data_ptr<at::BFloat16>() + j * a.vocab;
+      at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const float* src = z + b * a.vocab;
+          at::BFloat16* dst = out + b * a.block * a.vocab;
+          for (int64_t x = 0; x < a.vocab; ++x) dst[x] = c10::BFloat16(src[x]);
+        }
+      });
+    }
     for (int64_t b = 0; b < a.batch; ++b) prev[b] = out_tokens[b * a.block + j];
   }
 }
@@ -699,9 +829,10 @@ DraftResult markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& an
                              const at::Tensor& temperature, const at::Tensor& seed,
                              const at::Tensor& position, const std::optional<at::Tensor>& top_k,
                              const std::optional<at::Tensor>& top_p,
-                             const std::optional<at::Tensor>& min_p) {
+                             const std::optional<at::Tensor>& min_p,
+                             std::optional<at::ScalarType> draft_logits_dtype) {
   const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position,
-                                         top_k, top_p, min_p);
+                                         top_k, top_p, min_p, draft_logits_dtype);
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   dispatch_draft_types(a, [&](auto w_tag, auto base_tag) {
     using W = decltype(w_tag);
@@ -720,9 +851,11 @@ DraftResult rnn_draft_cpu(const at::Tensor& base_logits, const at::Tensor& ancho
                           const at::Tensor& temperature, const at::Tensor& seed,
                           const at::Tensor& position, const std::optional<at::Tensor>& top_k,
                           const std::optional<at::Tensor>& top_p,
-                          const std::optional<at::Tensor>& min_p) {
+                          const std::optional<at::Tensor>& min_p,
+                          std::optional<at::ScalarType> draft_logits_dtype) {
   const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
-                                      joint_bias, temperature, seed, position, top_k, top_p, min_p);
+                                      joint_bias, temperature, seed, position, top_k, top_p, min_p,
+                                      draft_logits_dtype);
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   const int64_t rank = a.rank, width = 2 * a.rank + a.hidden_size;
   const int64_t padded_width = round_up(width, VecD::size());

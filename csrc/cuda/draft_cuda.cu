@@ -51,7 +51,8 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
   p.top_p = f.top_p_data();
   p.min_p = f.min_p_data();
   p.tokens = tokens.data_ptr<int64_t>();
-  p.draft_logits = logits.data_ptr<float>();
+  p.logits_bf16 = a.logits_bf16;
+  p.draft_logits = logits.data_ptr();
   p.batch = static_cast<int>(a.batch);
   p.block = static_cast<int>(a.block);
   p.rank = static_cast<int>(a.rank);
@@ -122,9 +123,10 @@ DraftResult markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& a
                               const at::Tensor& position,
                               const std::optional<at::Tensor>& top_k,
                               const std::optional<at::Tensor>& top_p,
-                              const std::optional<at::Tensor>& min_p) {
+                              const std::optional<at::Tensor>& min_p,
+                              std::optional<at::ScalarType> draft_logits_dtype) {
   const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position,
-                                         top_k, top_p, min_p);
+                                         top_k, top_p, min_p, draft_logits_dtype);
   const c10::cuda::CUDAGuard guard(base_logits.device());
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
@@ -139,10 +141,11 @@ DraftResult rnn_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anch
                            const at::Tensor& position,
                            const std::optional<at::Tensor>& top_k,
                            const std::optional<at::Tensor>& top_p,
-                           const std::optional<at::Tensor>& min_p) {
+                           const std::optional<at::Tensor>& min_p,
+                           std::optional<at::ScalarType> draft_logits_dtype) {
   const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
                                       joint_bias, temperature, seed, position, top_k, top_p,
-                                      min_p);
+                                      min_p, draft_logits_dtype);
   const c10::cuda::CUDAGuard guard(base_logits.device());
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};

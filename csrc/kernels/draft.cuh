@@ -11,7 +11,8 @@
 //   tile each warp multiplies 16 rows of W2 by all of them with mma.sync m16n8k16 (bf16/fp16 in,
 //   float32 accumulate; float32 weights use CUDA-core FMAs in the same register layout), so W2 is
 //   read from HBM once per slot for up to 64 requests. The epilogue (base logits of the kernel's
-//   Base type) adds the base logits, stores z = draft_logits, and computes Gumbel-max keys
+//   Base type) adds the base logits, stores z = draft_logits (float32, or z rounded to bfloat16,
+//   a runtime choice: the key is then that of the rounded value), and computes Gumbel-max keys
 //   z/T - log(-log1p(-u)) with Philox uniforms (a lane computes one Philox block and a 4 x 4
 //   transpose by shuffles hands each lane its words, so no block is computed twice). A token's
 //   logarithms are needed only when a cheap exact bound of its key (key_bound: no logarithm)
@@ -105,8 +106,9 @@ struct DraftParams {
   const int32_t* top_k;  // [B] or null (off), as the three filters
   const float* top_p;
   const float* min_p;
-  int64_t* tokens;      // [B, G]
-  float* draft_logits;  // [B, G, V]
+  int64_t* tokens;     // [B, G]
+  void* draft_logits;  // [B, G, V]: float32, or bfloat16 when logits_bf16
+  bool logits_bf16;    // z rounded to bfloat16 before it is stored and sampled
   // rnn_draft only.
   const void* hidden;  // [B, G, d], unit stride along d, LogitType hidden_type
   int hidden_type;
@@ -293,7 +295,7 @@ struct GroupSampling {
   int64_t position[kMaxGroup];  // p0 + 1 + j
   int64_t source[kMaxGroup];    // W1 row (Markov) or request (RNN) of the bias input; -1: zero
   const void* base_row[kMaxGroup];  // base_logits[b, j] (of the kernel's Base type)
-  float* out_row[kMaxGroup];        // draft_logits[b, j]
+  void* out_row[kMaxGroup];         // draft_logits[b, j] (float32 or bfloat16)
   // Best key known so far per request as pack_candidate's high word (0: none): this block's own
   // and, refreshed every tile, the grid's. A token whose key is below it cannot win.
   uint32_t seen[kMaxGroup];
@@ -322,7 +324,10 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
     s.base_row[i] = i < members ? static_cast<const Base*>(p.base) + int64_t{b} * p.base_stride_b +
                                       int64_t{p.slot} * p.base_stride_j
                                 : nullptr;
-    s.out_row[i] = i < members ? p.draft_logits + (int64_t{b} * p.block + p.slot) * p.vocab : nullptr;
+    s.out_row[i] = i < members ? static_cast<char*>(p.draft_logits) +
+                                     (int64_t{b} * p.block + p.slot) * p.vocab *
+                                         (p.logits_bf16 ? 2 : 4)
+                               : nullptr;
     int64_t source = -1;
     if (i < members && kRnn) source = b;
     if (i < members && !kRnn) {
@@ -444,7 +449,7 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
   bool member[2], greedy[2];
   float inv_t[2], threshold[2];
   uint32_t seen[2];
-  float* out_row[2];
+  void* out_row[2];
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int i = nt * 8 + 2 * t + q;
@@ -473,8 +478,15 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
     const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q; u[e] is its uniform
     const int64_t v = row0 + g + 8 * h;
     const bool valid = member[q] && v < p.vocab;
-    const float z = c[e] + base[e];
-    if (valid) out_row[q][v] = z;
+    // bfloat16 logits: z is rounded first, and the key below is that of the stored value.
+    float z = c[e] + base[e];
+    if (p.logits_bf16) {
+      const __nv_bfloat16 rounded = __float2bfloat16_rn(z);
+      z = __bfloat162float(rounded);
+      if (valid) static_cast<__nv_bfloat16*>(out_row[q])[v] = rounded;
+    } else if (valid) {
+      static_cast<float*>(out_row[q])[v] = z;
+    }
     const bool finite = valid && isfinite(z);
     const float zt = z * inv_t[q];
     const bool may_win = key_bound(zt, u[e]) >= threshold[q];
@@ -599,7 +611,9 @@ __host__ __device__ inline bool has_filters(const DraftParams& p) {
 }
 
 // The sampling filters of slot p.slot (see the file header): block b filters request b's row in
-// place and redraws its token. Dynamic shared memory: FilterShared.
+// place and redraws its token. Dynamic shared memory: FilterShared. Logit: the stored rows' type
+// (float, or __nv_bfloat16 with p.logits_bf16: the values the slot kernel sampled from).
+template <typename Logit>
 __global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const DraftParams p) {
   const int b = blockIdx.x;
   const FilterSpec spec = make_filter_spec(p.top_k, p.top_p, p.min_p, b, p.vocab);
@@ -610,11 +624,12 @@ __global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const Draft
   DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
   FilterShared& sh = *reinterpret_cast<FilterShared*>(filter_shared_raw);
   __shared__ unsigned long long candidate_scratch[32];
-  float* z = p.draft_logits + (int64_t{b} * p.block + p.slot) * p.vocab;
+  Logit* z = static_cast<Logit*>(p.draft_logits) + (int64_t{b} * p.block + p.slot) * p.vocab;
   const auto load8 = [&](int64_t x, float (&v)[kFilterValues]) {
 #pragma unroll
     for (int k = 0; k < kFilterValues; ++k) {
-      v[k] = x + k < p.vocab ? (isfinite(z[x + k]) ? z[x + k] : -INFINITY) : -INFINITY;
+      const float value = x + k < p.vocab ? to_float(z[x + k]) : -INFINITY;
+      v[k] = isfinite(value) ? value : -INFINITY;
     }
   };
 
@@ -648,7 +663,7 @@ __global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const Draft
     for (int k = 0; k < kFilterValues; ++k) {
       if (x + k >= p.vocab) break;
       if (v[k] == -INFINITY || !filter_keeps(f, v[k], softmax_weight(v[k], m, inv_t))) {
-        z[x + k] = -INFINITY;  // dropped (and non-finite values, as the filtered row stores them)
+        z[x + k] = from_float<Logit>(-INFINITY);  // dropped (and non-finite values, as stored)
         continue;
       }
       const float key = greedy ? v[k] : v[k] * inv_t - logf(-log1pf(-u[k]));
@@ -743,6 +758,14 @@ int draft_blocks_per_sm(int device, int shared_bytes) {
   return cache[{device, shared_bytes}] = n > 0 ? n : 1;
 }
 
+// One draft_filter_kernel launch over rows of type Logit.
+template <typename Logit>
+cudaError_t launch_draft_filter(const DraftParams& p, cudaStream_t stream) {
+  DSPARK_LAUNCH(dim3(p.batch), kDraftThreads, sizeof(FilterShared), stream,
+                draft_filter_kernel<Logit>)(p);
+  return cudaGetLastError();
+}
+
 // Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).
 // `grid_tiles` blocks per group walk the p.num_tiles vocabulary tiles.
 template <typename W, typename Base, bool kRnn>
@@ -764,9 +787,8 @@ cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
     cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
     if (has_filters(p)) {
-      DSPARK_LAUNCH(dim3(p.batch), kDraftThreads, sizeof(FilterShared), stream,
-                    draft_filter_kernel)(p);
-      error = cudaGetLastError();
+      error = p.logits_bf16 ? launch_draft_filter<__nv_bfloat16>(p, stream)
+                            : launch_draft_filter<float>(p, stream);
       if (error != cudaSuccess) return error;
     }
   }

@@ -52,13 +52,23 @@ _SHARED_SAMPLING = """
         where a filter dropped a token (greedy requests: filters at ``T = 1``), so the same
         filters in :func:`verify` see exactly the proposal distribution."""
 
+_SHARED_DTYPE = """
+    draft_logits_dtype : torch.dtype, optional
+        ``torch.float32`` (default) or ``torch.bfloat16``. With bfloat16 each ``z_j`` is rounded
+        to bfloat16 (round to nearest even) as soon as it is computed, and everything after it
+        (the filters, the Gumbel-max keys, the greedy argmax) uses the rounded value, which is
+        what ``draft_logits`` stores: :func:`verify` still sees exactly the proposal. It halves
+        the largest traffic of a step (the ``[B, G, V]`` write here and its read in
+        :func:`verify`: 311 MB of float32 at B = 64, G = 8, V = 151936, 156 MB in bfloat16)."""
+
 _SHARED_RETURNS = """
     Returns
     -------
     DraftOutput
         ``tokens`` int64 ``[B, G]`` (``x_1..x_G``, always in ``[0, V)``: a slot with no finite
         logit yields 0, which :func:`verify` then reports as invalid) and ``draft_logits``
-        float32 ``[B, G, V]``: ``z_j`` before temperature, exactly the values ``x_{j+1}`` was
+        ``[B, G, V]`` in ``draft_logits_dtype``: ``z_j`` before temperature (rounded to
+        bfloat16 with that option), exactly the values ``x_{j+1}`` was
         sampled from. Pass them to :func:`verify` as ``draft_logits`` with
         ``draft_temperature=temperature``.
 
@@ -72,7 +82,10 @@ _SHARED_RETURNS = """
     filter decision) is within their error bound is recomputed in float64; ``draft_logits`` are
     within ``gamma(n + 1) * ||x|| * max_v ||W2[v]|| * (1 + 2**-12) + 2**-22 * |z|`` of the
     reference (``gamma(n) = n 2**-24 / (1 - n 2**-24)``, ``n = ceil(r / 8) + 8``, ``x`` the bias
-    input), bit-exact on recomputed rows. On CUDA the dot products are float32 (tensor cores for
+    input), bit-exact on recomputed rows. With bfloat16 ``draft_logits`` both the CPU tokens
+    and the stored values are the reference's bit for bit: the few elements whose float32 ``z``
+    lies within that bound of a bfloat16 rounding midpoint (so might round either way) are
+    recomputed in float64. On CUDA the dot products are float32 (tensor cores for
     16-bit weights) and tokens equal the reference's except at float-rounding near-ties. No host
     synchronisation on CUDA; value checks (ids, positions, temperatures) always run on CPU and on
     CUDA with ``DSPARK_OPS_DEBUG=1``. Without them an out-of-range id embeds as
@@ -83,6 +96,19 @@ def _seed_or_draw(seed, batch, device, generator):
     if seed is not None:
         return seed
     return torch.randint(0, 2**62, (batch,), generator=generator, device=device, dtype=torch.int64)
+
+
+def _logits_dtype(op, dtype):
+    """``draft_logits_dtype`` checked on every device: float32 (default) or bfloat16."""
+    if dtype is None:
+        return torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{op}(): 'draft_logits_dtype' must be a torch.dtype (torch.float32 or "
+                        f"torch.bfloat16), got {type(dtype).__name__}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{op}(): 'draft_logits_dtype' must be torch.float32 or torch.bfloat16, "
+                         f"got {dtype}")
+    return dtype
 
 
 def _sampling_args(op, base_logits, temperature, top_k, top_p, min_p):
@@ -107,12 +133,14 @@ def markov_draft(
     top_p: Union[torch.Tensor, float, None] = None,
     min_p: Union[torch.Tensor, float, None] = None,
     generator: Optional[torch.Generator] = None,
+    draft_logits_dtype: Optional[torch.dtype] = None,
 ) -> DraftOutput:
+    dtype = _logits_dtype("markov_draft", draft_logits_dtype)
     temperature, top_k, top_p, min_p = _sampling_args("markov_draft", base_logits, temperature,
                                                       top_k, top_p, min_p)
     seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
     tokens, draft_logits = torch.ops.dspark_ops.markov_draft(
-        base_logits, anchor, w1, w2, temperature, seed, position, top_k, top_p, min_p
+        base_logits, anchor, w1, w2, temperature, seed, position, top_k, top_p, min_p, dtype
     )
     return DraftOutput(tokens, draft_logits)
 
@@ -130,7 +158,7 @@ markov_draft.__doc__ = f"""Drafts a whole block with the Markov head in one call
         ``[V, r]`` logit projection (``markov_head.markov_w2.weight``, the ``nn.Linear(r, V)``
         weight), in ``w1``'s dtype (float32, bfloat16 or float16); ``1 <= r <= 1024``.{_SHARED_SAMPLING}
     generator : torch.Generator, optional
-        Only used to draw ``seed`` when it is ``None``.
+        Only used to draw ``seed`` when it is ``None``.{_SHARED_DTYPE}
 {_SHARED_RETURNS}
     """
 
@@ -151,13 +179,15 @@ def rnn_draft(
     top_p: Union[torch.Tensor, float, None] = None,
     min_p: Union[torch.Tensor, float, None] = None,
     generator: Optional[torch.Generator] = None,
+    draft_logits_dtype: Optional[torch.dtype] = None,
 ) -> DraftOutput:
+    dtype = _logits_dtype("rnn_draft", draft_logits_dtype)
     temperature, top_k, top_p, min_p = _sampling_args("rnn_draft", base_logits, temperature,
                                                       top_k, top_p, min_p)
     seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
     tokens, draft_logits = torch.ops.dspark_ops.rnn_draft(
         base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position,
-        top_k, top_p, min_p,
+        top_k, top_p, min_p, dtype,
     )
     return DraftOutput(tokens, draft_logits)
 
@@ -180,7 +210,7 @@ rnn_draft.__doc__ = f"""Drafts a block with the RNN head in one call (docs/seman
     joint_bias : torch.Tensor
         ``[3r]`` in ``w1``'s dtype.{_SHARED_SAMPLING}
     generator : torch.Generator, optional
-        Only used to draw ``seed`` when it is ``None``.
+        Only used to draw ``seed`` when it is ``None``.{_SHARED_DTYPE}
 {_SHARED_RETURNS}
     """
 
@@ -329,17 +359,19 @@ def fit_sequential_temperatures(
 
 @torch.library.register_fake("dspark_ops::markov_draft")
 def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position, top_k=None,
-                       top_p=None, min_p=None):
-    torch._check(base_logits.dim() == 3, lambda: "markov_draft(): 'base_logits' must be 3-D")
+                       top_p=None, min_p=None, draft_logits_dtype=None, op="markov_draft"):
+    torch._check(base_logits.dim() == 3, lambda: f"{op}(): 'base_logits' must be 3-D")
     batch, block, _ = base_logits.shape
+    dtype = _logits_dtype(op, draft_logits_dtype)
     return (base_logits.new_empty((batch, block), dtype=torch.int64),
-            base_logits.new_empty(base_logits.shape, dtype=torch.float32))
+            base_logits.new_empty(base_logits.shape, dtype=dtype))
 
 
 @torch.library.register_fake("dspark_ops::rnn_draft")
 def _rnn_draft_fake(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature,
-                    seed, position, top_k=None, top_p=None, min_p=None):
-    return _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position)
+                    seed, position, top_k=None, top_p=None, min_p=None, draft_logits_dtype=None):
+    return _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position,
+                              draft_logits_dtype=draft_logits_dtype, op="rnn_draft")
 
 
 @torch.library.register_fake("dspark_ops::draft_confidence")
