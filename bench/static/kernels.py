@@ -286,6 +286,7 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
 # markov_draft / rnn_draft (csrc/kernels/draft.cuh, csrc/cuda/draft_cuda.cu)
 
 DRAFT_THREADS, TILE_ROWS, MAX_GROUP, K_CHUNK = 256, 128, 64, 32
+FILTER_THREADS = 1024  # draft.cuh kFilterThreads
 
 
 def draft_shared(group: int, rank: int, passes: int) -> int:
@@ -400,13 +401,20 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                            load_bytes=w2 + batch * vocab * BF16, note=note))
     if filtered:
         filt = binary.find(r"draft_filter_kernel")
+        # Since: 1024 threads a block, two 16-byte loads per 8 elements; before: 256 threads,
+        # 8 scalar loads.
+        scan_vec = LoopSpec("row max", {r"^LDG\.E\.128": 2}, 8, (r"^LDG\.E\.128", 2))
         scan = LoopSpec("row max", {r"^LDG\.E$": 8}, 8, (r"^LDG\.E$", 8))
-        hist = LoopSpec("first-digit histogram", {r"^LDG\.E$": 8, r"^ATOMS\.ADD": 8}, 8,
+        vector = first_matching(binary, filt, [scan_vec, scan]) == 0
+        load = (r"^LDG\.E\.128", 2) if vector else (r"^LDG\.E$", 8)
+        scan = scan_vec if vector else scan
+        hist = LoopSpec("first-digit histogram", {load[0]: load[1], r"^ATOMS\.ADD": 8}, 8,
                         (r"^ATOMS\.ADD", 8))
-        redraw = LoopSpec("drop + redraw", {r"^LDG\.E$": 8, r"^STG\.E$": 8,
+        redraw = LoopSpec("drop + redraw", {load[0]: load[1], r"^STG\.E$": 8,
                                             PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^STG\.E$", 8))
         n = batch * vocab
-        launches.append(Launch(filt, "top-k filter + redraw (block per request)", DRAFT_THREADS,
+        threads = FILTER_THREADS if vector else DRAFT_THREADS
+        launches.append(Launch(filt, "top-k filter + redraw (block per request)", threads,
                                batch, filter_shared_bytes(),
                                [term(binary, filt, scan, n), term(binary, filt, hist, n),
                                 term(binary, filt, redraw, n)],

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "philox_lanes.h"
 #include "to_float.h"
 #include "../args/draft_args.h"
 #include "../common/dispatch.h"
@@ -193,11 +194,7 @@ TopTwo best_key(const float* z, int64_t x0, int64_t x1, const SlotSampling& s, i
     if (s.greedy[b]) {
       for (int64_t i = 0; i < 32; ++i) key[i] = zs[i];
     } else {
-      for (int g = 0; g < 8; ++g) {
-        const auto block = philox_block(s.seed[b], s.position[b], kPurposeDraft,
-                                        static_cast<uint32_t>((x >> 2) + g));
-        for (int k = 0; k < 4; ++k) u[4 * g + k] = uniform_from_bits(block.x[k]);
-      }
+      philox_uniforms32(s.seed[b], s.position[b], kPurposeDraft, static_cast<uint32_t>(x >> 2), u);
       const VecF inv_t(s.inv_temperature[b]);
       for (int64_t i = 0; i < 32; i += VecF::size()) {
         const VecF log_e = (-(-VecF::loadu(u + i)).log1p()).log();

@@ -29,9 +29,10 @@
 //   part (two MMAs against the same W2 fragments: ~16-bit mantissa instead of 8), and its blocks
 //   advance the state.
 // Sampling filters (top-k / top-p / min-p): after each slot launch, draft_filter_kernel gives every
-//   filtered request one block that computes the filters over its stored row (kernels/filter.cuh),
-//   writes -inf into draft_logits where they drop a token and redraws the token over the kept ones
-//   with the same keys, before the next slot reads it. Requests without filters return at once.
+//   filtered request one block of 1024 threads that computes the filters over its stored row
+//   (kernels/filter.cuh), writes -inf into draft_logits where they drop a token and redraws the
+//   token over the kept ones with the same keys, before the next slot reads it. Requests without
+//   filters return at once.
 // draft_confidence: one warp per (request, slot) row; the block stages the weight vector in shared
 //   memory as float32, each lane reads its share of [h_j; W1[x_j]] with 16-byte loads (eight in
 //   flight), float32 dot product, warp reduction.
@@ -47,6 +48,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <cuda/atomic>
 #include <map>
 #include <utility>
@@ -613,8 +615,10 @@ __host__ __device__ inline bool has_filters(const DraftParams& p) {
 // The sampling filters of slot p.slot (see the file header): block b filters request b's row in
 // place and redraws its token. Dynamic shared memory: FilterShared. Logit: the stored rows' type
 // (float, or __nv_bfloat16 with p.logits_bf16: the values the slot kernel sampled from).
+constexpr int kFilterThreads = 1024;  // one block per request: as many row loads in flight as fit
+
 template <typename Logit>
-__global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const DraftParams p) {
+__global__ void __launch_bounds__(kFilterThreads) draft_filter_kernel(const DraftParams p) {
   const int b = blockIdx.x;
   const FilterSpec spec = make_filter_spec(p.top_k, p.top_p, p.min_p, b, p.vocab);
   if (!spec.active()) return;
@@ -625,10 +629,26 @@ __global__ void __launch_bounds__(kDraftThreads) draft_filter_kernel(const Draft
   FilterShared& sh = *reinterpret_cast<FilterShared*>(filter_shared_raw);
   __shared__ unsigned long long candidate_scratch[32];
   Logit* z = static_cast<Logit*>(p.draft_logits) + (int64_t{b} * p.block + p.slot) * p.vocab;
+  // 16-byte loads where the row starts on a 16-byte boundary (x is a multiple of 8); plain loads,
+  // as the last pass writes the row.
+  const bool vector_row = (reinterpret_cast<uintptr_t>(z) & 15) == 0;
   const auto load8 = [&](int64_t x, float (&v)[kFilterValues]) {
+    Logit raw[kFilterValues];
+    if (vector_row && x + kFilterValues <= p.vocab) {
+      constexpr int kChunks = kFilterValues * sizeof(Logit) / 16;
+      uint4 chunk[kChunks];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) chunk[c] = reinterpret_cast<const uint4*>(z + x)[c];
+      memcpy(raw, chunk, sizeof(raw));
+    } else {
+#pragma unroll
+      for (int k = 0; k < kFilterValues; ++k) {
+        raw[k] = x + k < p.vocab ? z[x + k] : from_float<Logit>(-INFINITY);
+      }
+    }
 #pragma unroll
     for (int k = 0; k < kFilterValues; ++k) {
-      const float value = x + k < p.vocab ? to_float(z[x + k]) : -INFINITY;
+      const float value = to_float(raw[k]);
       v[k] = isfinite(value) ? value : -INFINITY;
     }
   };
@@ -761,7 +781,7 @@ int draft_blocks_per_sm(int device, int shared_bytes) {
 // One draft_filter_kernel launch over rows of type Logit.
 template <typename Logit>
 cudaError_t launch_draft_filter(const DraftParams& p, cudaStream_t stream) {
-  DSPARK_LAUNCH(dim3(p.batch), kDraftThreads, sizeof(FilterShared), stream,
+  DSPARK_LAUNCH(dim3(p.batch), kFilterThreads, sizeof(FilterShared), stream,
                 draft_filter_kernel<Logit>)(p);
   return cudaGetLastError();
 }
