@@ -399,7 +399,8 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                            imbalance=imbalance, serial_round_trips=1,
                            load_bytes=w2 + batch * vocab * BF16, note=note))
     if filtered:
-        filt = binary.find(r"draft_filter_kernel")
+        # float32 rows: the float instantiation (before it the only, untemplated kernel).
+        _, filt = binary.find_first(r"draft_filter_kernelIfE", r"draft_filter_kernelENS")
         scan = LoopSpec("row max", {r"^LDG\.E$": 8}, 8, (r"^LDG\.E$", 8))
         hist = LoopSpec("first-digit histogram", {r"^LDG\.E$": 8, r"^ATOMS\.ADD": 8}, 8,
                         (r"^ATOMS\.ADD", 8))
