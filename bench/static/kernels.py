@@ -400,7 +400,8 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                            imbalance=imbalance, serial_round_trips=1,
                            load_bytes=w2 + batch * vocab * BF16, note=note))
     if filtered:
-        filt = binary.find(r"draft_filter_kernel")
+        # float32 rows: the float instantiation (before it the only, untemplated kernel).
+        _, filt = binary.find_first(r"draft_filter_kernelIfE", r"draft_filter_kernelENS")
         # Since: 1024 threads a block, two 16-byte loads per 8 elements; before: 256 threads,
         # 8 scalar loads.
         scan_vec = LoopSpec("row max", {r"^LDG\.E\.128": 2}, 8, (r"^LDG\.E\.128", 2))

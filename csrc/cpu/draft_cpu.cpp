@@ -462,22 +462,33 @@ bool far_from_midpoint(float z, double dz) {
 }
 
 // Replaces the uncertain elements of request b's fast row z by their exact z_e and returns the
-// ids whose bfloat16 value changed (ascending). `w2_row` is scratch of `padded_rank` doubles.
+// ids whose bfloat16 value changed (ascending). The rows are converted and dotted kRowsPerGroup at
+// a time as in exact_slot (the same per-row sums). `rows` and `staged` are scratch of
+// kRowsPerGroup * padded_rank doubles (zero past the rank) and rank floats.
 template <typename W, typename BaseT>
 std::vector<int64_t> fix_rounding(float* z, int64_t vocab, double dz, const W* w2,
                                   int64_t w2_stride, int64_t rank, int64_t padded_rank,
                                   const double* input, const BaseT* base_row,
-                                  std::vector<double>& w2_row) {
-  std::vector<int64_t> changed;
+                                  std::vector<double>& rows, std::vector<float>& staged) {
+  std::vector<int64_t> uncertain, changed;
   for (int64_t v = 0; v < vocab; ++v) {
-    if (far_from_midpoint(z[v], dz) || rounding_certain(z[v], dz)) continue;
-    const W* src = w2 + v * w2_stride;
-    for (int64_t k = 0; k < rank; ++k) w2_row[k] = load_double(src, k);
-    double bias;
-    dot_rows<1>(input, w2_row.data(), padded_rank, &bias);
-    const float exact = static_cast<float>(bias + load_double(base_row, v));
-    if (round_bf16(exact) != round_bf16(z[v])) changed.push_back(v);
-    z[v] = exact;
+    if (!far_from_midpoint(z[v], dz) && !rounding_certain(z[v], dz)) uncertain.push_back(v);
+  }
+  const int64_t count = static_cast<int64_t>(uncertain.size());
+  for (int64_t i0 = 0; i0 < count; i0 += kRowsPerGroup) {
+    const int64_t n = std::min<int64_t>(kRowsPerGroup, count - i0);
+    for (int64_t i = 0; i < n; ++i) {
+      to_float(w2 + uncertain[i0 + i] * w2_stride, rank, staged.data());  // exact
+      for (int64_t k = 0; k < rank; ++k) rows[i * padded_rank + k] = staged[k];
+    }
+    double bias[kRowsPerGroup];
+    dot_rows<kRowsPerGroup>(input, rows.data(), padded_rank, bias);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = uncertain[i0 + i];
+      const float exact = static_cast<float>(bias[i] + load_double(base_row, v));
+      if (round_bf16(exact) != round_bf16(z[v])) changed.push_back(v);
+      z[v] = exact;
+    }
   }
   return changed;
 }
@@ -694,7 +705,8 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
   }
   std::vector<char> redo_flag(batch, 0);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> w2_row(s.round_bf16 ? padded_rank : 0, 0.0);
+    std::vector<double> fix_rows(s.round_bf16 ? kRowsPerGroup * padded_rank : 0, 0.0);
+    std::vector<float> fix_staged(s.round_bf16 ? rank : 0);
     for (int64_t b = begin; b < end; ++b) {
       const double dot_err = dot_bound(rank, x_norm[b], w_max);
       const double inv_t = s.inv_temperature[b];
@@ -707,7 +719,8 @@ void draft_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank,
         }
         const std::vector<int64_t> changed =
             fix_rounding<W, BaseT>(zb, vocab, dz * scale, w2, w2_stride, rank, padded_rank,
-                                   input.data() + b * padded_rank, base + b * base_stride, w2_row);
+                                   input.data() + b * padded_rank, base + b * base_stride,
+                                   fix_rows, fix_staged);
         if (s.filter[b].active()) {
           for (int64_t x = 0; x < vocab; ++x) zb[x] = round_bf16(zb[x]);
           token[b * token_stride] = filtered_token(zb, vocab, s, b);
