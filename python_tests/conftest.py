@@ -83,7 +83,13 @@ def non_contiguous(t: torch.Tensor, kind: str = "strided") -> torch.Tensor:
     trailing dimension of 2 and sliced), so even a 1-D tensor is non-contiguous.
     ``padded``: the last dimension keeps unit stride but rows are padded (allocated wider and
     sliced), the layout of a logit slice taken out of a larger buffer; needs ``t.dim() >= 2``.
+    ``transposed``: a 2-D ``t`` stored column-major (no gaps; the row stride is the smaller).
     """
+    if kind == "transposed":
+        assert t.dim() == 2 and min(t.shape) > 1, "transposed layout needs a 2-D [>1, >1] tensor"
+        out = t.t().contiguous().t()
+        assert not out.is_contiguous() and out.stride(0) < out.stride(1)
+        return out
     if kind == "strided":
         storage = torch.full((*t.shape, 2), _poison(t.dtype), dtype=t.dtype, device=t.device)
         out = storage[..., 0]
