@@ -1618,7 +1618,7 @@ CONFIDENCE_VALUE_ERRORS = [
     # The CPU checks read the data through its strides: offenders at the last element read, in
     # non-contiguous layouts, and int64 ids beyond int32.
     ("prev_tokens-last-strided",
-     lambda d: dict(prev_tokens=non_contiguous(i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 100]))),
+     lambda d: dict(prev_tokens=non_contiguous(i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 100]), fill=7)),
      ValueError, r"'prev_tokens' values must lie in \[0, 99\], got 100 at index \[2, 3\]"),
     ("prev_tokens-last-transposed-int32",
      lambda d: dict(prev_tokens=non_contiguous(i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -1]),
@@ -1629,7 +1629,7 @@ CONFIDENCE_VALUE_ERRORS = [
      ValueError,
      r"'prev_tokens' values must lie in \[0, 99\], got 4294967297 at index \[2, 3\]"),
     ("calib-nan-last-strided",
-     lambda d: dict(calib_temperature=non_contiguous(f32(1.0, 1.0, 1.0, NAN))), ValueError,
+     lambda d: dict(calib_temperature=non_contiguous(f32(1.0, 1.0, 1.0, NAN), fill=1.0)), ValueError,
      r"'calib_temperature' must be finite and > 0, got nan at index \[3\]"),
 ]
 

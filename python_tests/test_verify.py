@@ -1439,7 +1439,7 @@ VALUE_ERRORS = [
     # The CPU checks read the data through its strides: offenders at the last element read (of
     # a request's drafts, of the tensor), in non-contiguous layouts, and int64 ids beyond int32.
     ("draft_token-last-drafted-strided",
-     lambda d: dict(draft_tokens=non_contiguous(i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4]))),
+     lambda d: dict(draft_tokens=non_contiguous(i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4]), fill=7)),
      ValueError, r"'draft_tokens' values must lie in \[0, 99\], got 100 at index \[1, 1\]"),
     ("draft_token-last-transposed-int32",
      lambda d: dict(draft_tokens=non_contiguous(i32([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 100]),
