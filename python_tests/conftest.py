@@ -76,21 +76,30 @@ def _poison(dtype: torch.dtype):
     return torch.iinfo(dtype).min
 
 
-def non_contiguous(t: torch.Tensor, kind: str = "strided") -> torch.Tensor:
-    """The same values in a non-contiguous layout whose gaps hold poison (NaN / iinfo.min).
+def non_contiguous(t: torch.Tensor, kind: str = "strided", fill=None) -> torch.Tensor:
+    """The same values in a non-contiguous layout whose gaps hold poison (NaN / iinfo.min), or
+    ``fill`` (a valid value, so that a check reading the gaps instead of the values passes).
 
     ``strided``: every dimension's stride is doubled, including the last (allocated with an extra
     trailing dimension of 2 and sliced), so even a 1-D tensor is non-contiguous.
     ``padded``: the last dimension keeps unit stride but rows are padded (allocated wider and
     sliced), the layout of a logit slice taken out of a larger buffer; needs ``t.dim() >= 2``.
+    ``transposed``: a 2-D ``t`` stored column-major (no gaps; the row stride is the smaller).
     """
+    if kind == "transposed":
+        assert t.dim() == 2 and min(t.shape) > 1, "transposed layout needs a 2-D [>1, >1] tensor"
+        out = t.t().contiguous().t()
+        assert not out.is_contiguous() and out.stride(0) < out.stride(1)
+        return out
     if kind == "strided":
-        storage = torch.full((*t.shape, 2), _poison(t.dtype), dtype=t.dtype, device=t.device)
+        gap = _poison(t.dtype) if fill is None else fill
+        storage = torch.full((*t.shape, 2), gap, dtype=t.dtype, device=t.device)
         out = storage[..., 0]
     elif kind == "padded":
         assert t.dim() >= 2, "padded layout needs at least two dimensions"
         storage = torch.full(
-            (*t.shape[:-1], t.shape[-1] + 3), _poison(t.dtype), dtype=t.dtype, device=t.device
+            (*t.shape[:-1], t.shape[-1] + 3), _poison(t.dtype) if fill is None else fill,
+            dtype=t.dtype, device=t.device,
         )
         out = storage[..., 1 : t.shape[-1] + 1]
     else:

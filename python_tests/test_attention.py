@@ -849,6 +849,18 @@ VALUE_ERRORS = [
      r"'num_new' values must lie in \[0, 4\], got 5 at index \[1\]"),
     ("num_new-negative", APP, lambda: dict(num_new=i32(-1, 2, 4)), ValueError,
      r"'num_new' values must lie in \[0, 4\], got -1 at index \[0\]"),
+    # The CPU checks read the data through its strides: offenders at the last element read, in
+    # non-contiguous layouts.
+    ("cache_seqlens-last-strided", ["block_draft_attention"],
+     lambda: dict(cache_seqlens=non_contiguous(i32(0, 3, 7), fill=0)), ValueError,
+     r"'cache_seqlens' values must lie in \[0, 6\], got 7 at index \[2\]"),
+    ("cache_slot-last-strided", BOTH, lambda: dict(cache_slot=non_contiguous(i32(4, 0, 5), fill=1)),
+     ValueError, r"'cache_slot' values must lie in \[0, 4\], got 5 at index \[2\]"),
+    ("cache_slot-duplicate-last-strided", APP,
+     lambda: dict(cache_slot=non_contiguous(i32(0, 4, 4), fill=1)), ValueError,
+     r"'cache_slot' values must be distinct \(two requests would write the same cache row\)"),
+    ("num_new-last-strided", APP, lambda: dict(num_new=non_contiguous(i32(0, 2, 5), fill=0)), ValueError,
+     r"'num_new' values must lie in \[0, 4\], got 5 at index \[2\]"),
 ]
 
 

@@ -1594,6 +1594,11 @@ DRAFT_VALUE_ERRORS = [
      r"'temperature' must be finite and >= 0, got nan at index \[0\]"),
     ("temperature-inf", lambda d: dict(temperature=f32(0.0, 1.0, INF)), ValueError,
      r"'temperature' must be finite and >= 0, got inf at index \[2\]"),
+    # Offenders at the last element (the CPU checks loop over the data), int64 beyond int32.
+    ("anchor-int64-beyond-int32-last", lambda d: dict(anchor=i64(0, 5, 2**32)), ValueError,
+     r"'anchor' values must lie in \[0, 99\], got 4294967296 at index \[2\]"),
+    ("temperature-nan-last", lambda d: dict(temperature=f32(0.0, 1.0, NAN)), ValueError,
+     r"'temperature' must be finite and >= 0, got nan at index \[2\]"),
 ]
 
 CONFIDENCE_VALUE_ERRORS = [
@@ -1610,6 +1615,22 @@ CONFIDENCE_VALUE_ERRORS = [
      r"'calib_temperature' must be finite and > 0, got nan at index \[0\]"),
     ("calib-inf", lambda d: dict(calib_temperature=f32(1.0, 1.0, 1.0, INF)), ValueError,
      r"'calib_temperature' must be finite and > 0, got inf at index \[3\]"),
+    # The CPU checks read the data through its strides: offenders at the last element read, in
+    # non-contiguous layouts, and int64 ids beyond int32.
+    ("prev_tokens-last-strided",
+     lambda d: dict(prev_tokens=non_contiguous(i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 100]), fill=7)),
+     ValueError, r"'prev_tokens' values must lie in \[0, 99\], got 100 at index \[2, 3\]"),
+    ("prev_tokens-last-transposed-int32",
+     lambda d: dict(prev_tokens=non_contiguous(i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -1]),
+                                               "transposed")),
+     ValueError, r"'prev_tokens' values must lie in \[0, 99\], got -1 at index \[2, 3\]"),
+    ("prev_tokens-int64-beyond-int32",
+     lambda d: dict(prev_tokens=i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 2**32 + 1])),
+     ValueError,
+     r"'prev_tokens' values must lie in \[0, 99\], got 4294967297 at index \[2, 3\]"),
+    ("calib-nan-last-strided",
+     lambda d: dict(calib_temperature=non_contiguous(f32(1.0, 1.0, 1.0, NAN), fill=1.0)), ValueError,
+     r"'calib_temperature' must be finite and > 0, got nan at index \[3\]"),
 ]
 
 

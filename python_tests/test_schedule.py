@@ -1133,6 +1133,23 @@ VALUE_ERRORS = [
      r"'num_verify' values must lie in \[0, 4\], got 5 at index \[1\]"),
     ("num_verify-negative", PACK, lambda: dict(num_verify=i32(-1, 2, 4)), ValueError,
      r"'num_verify' values must lie in \[0, 4\], got -1 at index \[0\]"),
+    # The CPU checks read the data through its strides: offenders at the last element read, in
+    # non-contiguous layouts.
+    ("confidence-nan-last-strided", SCHEDULERS,
+     lambda: dict(confidence=non_contiguous(
+         f32([0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [1, 1, 1, NAN]), fill=0.5)),
+     ValueError, r"'confidence' must be probabilities in \[0, 1\], got nan at index \[2, 3\]"),
+    ("confidence-above-1-last-transposed", SCHEDULERS,
+     lambda: dict(confidence=non_contiguous(
+         f32([0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [1, 1, 1, 1.5]), "transposed")),
+     ValueError, r"'confidence' must be probabilities in \[0, 1\], got 1.5 at index \[2, 3\]"),
+    ("step_rate-inf-last-strided", WITH_RATE,
+     lambda: dict(step_rate=non_contiguous(f32(*[1.0] * 9, INF), fill=1.0)), ValueError,
+     r"'step_rate' must be finite and > 0, got inf at index \[9\]"),
+    ("max_verify-last-strided", WITH_CAPS, lambda: dict(max_verify=non_contiguous(i32(0, 2, 5), fill=0)),
+     ValueError, r"'max_verify' values must lie in \[0, 4\], got 5 at index \[2\]"),
+    ("num_verify-last-strided", PACK, lambda: dict(num_verify=non_contiguous(i32(0, 2, 5), fill=0)),
+     ValueError, r"'num_verify' values must lie in \[0, 4\], got 5 at index \[2\]"),
 ]
 
 

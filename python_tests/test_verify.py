@@ -1436,6 +1436,25 @@ VALUE_ERRORS = [
     ("target_start+num_draft-past-rows", lambda d: {**_ragged(), "target_start": i32(0, 3, 8)},
      ValueError,
      r"'target_start \+ num_draft' values must lie in \[0, 11\], got 12 at index \[2\]"),
+    # The CPU checks read the data through its strides: offenders at the last element read (of
+    # a request's drafts, of the tensor), in non-contiguous layouts, and int64 ids beyond int32.
+    ("draft_token-last-drafted-strided",
+     lambda d: dict(draft_tokens=non_contiguous(i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4]), fill=7)),
+     ValueError, r"'draft_tokens' values must lie in \[0, 99\], got 100 at index \[1, 1\]"),
+    ("draft_token-last-transposed-int32",
+     lambda d: dict(draft_tokens=non_contiguous(i32([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 100]),
+                                                "transposed")),
+     ValueError, r"'draft_tokens' values must lie in \[0, 99\], got 100 at index \[2, 3\]"),
+    ("draft_token-int64-beyond-int32",
+     lambda d: dict(draft_tokens=i64([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 2**32 + 5])),
+     ValueError,
+     r"'draft_tokens' values must lie in \[0, 99\], got 4294967301 at index \[2, 3\]"),
+    ("temperature-nan-last", lambda d: dict(temperature=f32(0.0, 1.0, NAN)), ValueError,
+     r"'temperature' must be finite and >= 0, got nan at index \[2\]"),
+    ("draft_temperature-inf-last", lambda d: dict(draft_temperature=f32(1.0, 1.0, INF)),
+     ValueError, r"'draft_temperature' must be finite and >= 0, got inf at index \[2\]"),
+    ("position-int64-beyond-int32-last", lambda d: dict(position=i64(5, 9, -(2**32))), ValueError,
+     r"'position' values must lie in \[0, 4611686018427387904\], got -4294967296 at index \[2\]"),
 ]
 
 
@@ -1486,8 +1505,10 @@ def test_ids_past_num_draft_are_not_checked(device):
     drafts = args["draft_tokens"].clone()
     drafts[0, :] = -7        # num_draft 0
     drafts[1, 2:] = V + 123  # num_draft 2
-    for dtype in (torch.int64, torch.int32):
-        case = Case(**{**args, "draft_tokens": drafts.to(dtype)})
+    for dtype, kind in [(torch.int64, None), (torch.int32, None), (torch.int64, "strided"),
+                        (torch.int32, "transposed")]:
+        typed = drafts.to(dtype)
+        case = Case(**{**args, "draft_tokens": non_contiguous(typed, kind) if kind else typed})
         out = check_against_reference(case)
         k = int(out.num_accepted[1])
         assert torch.equal(out.tokens[1, :k], drafts[1, :k].to(device))

@@ -895,6 +895,13 @@ FILTER_VALUE_ERRORS = [
      r"'min_p' must be probabilities in \[0, 1\], got nan at index \[1\]"),
     ("min_p-inf", lambda d: dict(min_p=f32(INF, 0.0, 0.0)), ValueError,
      r"'min_p' must be probabilities in \[0, 1\], got inf at index \[0\]"),
+    # Offenders at the last element (the CPU checks loop over the data).
+    ("top_k-negative-last", lambda d: dict(top_k=i32(0, 5, -1)), ValueError,
+     r"'top_k' values must lie in \[0, 2147483647\], got -1 at index \[2\]"),
+    ("top_p-nan-last", lambda d: dict(top_p=f32(1.0, 0.5, NAN)), ValueError,
+     r"'top_p' must be in \(0, 1\], got nan at index \[2\]"),
+    ("min_p-nan-last", lambda d: dict(min_p=f32(0.0, 0.5, NAN)), ValueError,
+     r"'min_p' must be probabilities in \[0, 1\], got nan at index \[2\]"),
 ]
 
 

@@ -51,14 +51,18 @@ inline void check_device(const char* op, const char* name, const at::Tensor& t,
                     reference.device(), " like '", reference_name, "', got ", t.device());
 }
 
+// On CPU the value checks below first loop over the data and return at once when every value is
+// valid; the ATen ops that find and word the offender run only when one is not (or on CUDA).
+
 // True where value checks run: always on CPU, on CUDA only with DSPARK_OPS_DEBUG=1 (the SIMT
 // emulator's CPU tensors count as CUDA tensors).
 bool value_checks_enabled(const at::Tensor& t);
 
-// Raises unless every selected element of `values` lies in [low, high]; the message names the
-// first offender. `selected` may be undefined (all elements).
+// Raises unless every element of `values` lies in [low, high]; the message names the first
+// offender. With `row_length` (int32 [R], each in [0, C], for `values` [R, C]) only the first
+// row_length[r] elements of each row r are checked.
 void check_values_in_range(const char* op, const char* name, const at::Tensor& values,
-                           int64_t low, int64_t high, const at::Tensor& selected = at::Tensor());
+                           int64_t low, int64_t high, const at::Tensor& row_length = at::Tensor());
 
 // Raise unless every element is finite and >= 0 / finite and > 0 / in [0, 1] (NaN fails all).
 void check_finite_non_negative(const char* op, const char* name, const at::Tensor& values);
