@@ -94,14 +94,16 @@ def term(binary: Binary, kernel: KernelInfo, spec: LoopSpec, elements: float) ->
 
 
 def extra_term(binary: Binary, kernel: KernelInfo, base: LoopSpec, name: str,
-               extra: Dict[str, int], elements: float) -> Term:
+               extra: Dict[str, int], elements: float, copies: int = 1) -> Term:
     """The instructions a conditional block of the loop adds to its iteration: the cheapest path
     with base.need plus ``extra`` less the cheapest with base.need alone, per iteration of the
-    base loop; ``elements`` are those whose iterations run it (a stated fraction)."""
+    base loop, times ``copies`` when the iteration holds that many alike blocks and ``extra``
+    asks for one (a path search with one block's anchors stays small); ``elements`` are those
+    whose iterations run it (a stated fraction)."""
     _, path, unroll, candidates = select_loop(binary, kernel, base)
     both = dataclasses.replace(base, name=name, need={**base.need, **extra})
     _, with_block, _, _ = select_loop(binary, kernel, both)
-    return Term(name, len(with_block) - len(path), base.elems * unroll, elements, 0, 0,
+    return Term(name, (len(with_block) - len(path)) * copies, base.elems * unroll, elements, 0, 0,
                 candidates)
 
 
@@ -372,15 +374,21 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
         # (2 per call). Their fractions of warp calls are ASSUMPTIONS (vote_fraction); each
         # block runs exactly one first tile, so the busiest SM's extra tile (imbalance) is a late
         # one that rarely votes in: the vote blocks' elements are divided by the imbalance.
+        # One column tile's share of the epilogue's anchors with its vote block, times ct: a
+        # path search over all tiles' anchors at once grows too large with the bf16 store path.
+        epi_tile = dataclasses.replace(epi, need={a: n // ct for a, n in epi.need.items()},
+                                       unroll=(store, 4))
         f_red = vote_fraction(grid_tiles, tiles, 1.0)
         f_log = vote_fraction(grid_tiles, tiles, KEY_BOUND_SLACK) if sampled else 0.0
         if sampled:
-            terms.append(extra_term(binary, slot, epi, f"epilogue: logarithms ({100 * f_log:.1f}% "
-                                    "of warp calls, assumed)", {r"^I2FP\.F32\.S32": 8 * ct},
-                                    vocab * batch * f_log / imbalance))
-        terms.append(extra_term(binary, slot, epi, f"epilogue: reductions + atomicMax "
+            terms.append(extra_term(binary, slot, epi_tile,
+                                    f"epilogue: logarithms ({100 * f_log:.1f}% "
+                                    "of warp calls, assumed)", {r"^I2FP\.F32\.S32": 8},
+                                    vocab * batch * f_log / imbalance, copies=ct))
+        terms.append(extra_term(binary, slot, epi_tile, f"epilogue: reductions + atomicMax "
                                 f"({100 * f_red:.1f}% of warp calls, assumed)",
-                                {r"^ATOMG\.E\.MAX": 2 * ct}, vocab * batch * f_red / imbalance))
+                                {r"^ATOMG\.E\.MAX": 2}, vocab * batch * f_red / imbalance,
+                                copies=ct))
         note = (f"vote blocks assumed in {100 * f_log:.1f}% (logarithms) / {100 * f_red:.1f}% "
                 "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
     launches = []
