@@ -86,6 +86,14 @@ def x86_cpu_flags():
     return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"], "avx2"
 
 
+def openmp_flags():
+    """-fopenmp where torch runs on OpenMP: ATen's header-only at::parallel_for runs every loop
+    serially in code compiled without it, so the CPU kernels would use one core."""
+    if sys.platform == "darwin" or os.name == "nt" or not torch.backends.openmp.is_available():
+        return []
+    return ["-fopenmp"]
+
+
 def nvidia_wheel_includes():
     """ATen's CUDA headers include cuSPARSE/cuBLAS headers that pip's nvidia wheels carry."""
     found = []
@@ -95,7 +103,7 @@ def nvidia_wheel_includes():
     return sorted({os.path.realpath(p) for p in found if os.path.isdir(p)})
 
 
-def write_build_info(cpu_isa):
+def write_build_info(cpu_isa, openmp):
     info = {
         "flavour": FLAVOUR,
         "reason": REASON,
@@ -104,6 +112,7 @@ def write_build_info(cpu_isa):
         "cuda_home": CUDA_HOME,
         "cuda_archs": ARCHS,
         "cpu_isa": cpu_isa,
+        "cpu_openmp": openmp,
     }
     with open(os.path.join(ROOT, "dspark_ops", "_build_info.py"), "w") as f:
         f.write("# Written by setup.py at build time.\n")
@@ -112,15 +121,17 @@ def write_build_info(cpu_isa):
 
 def extension():
     cpu_flags, cpu_isa = x86_cpu_flags()
-    write_build_info(cpu_isa)
+    openmp = openmp_flags()
+    write_build_info(cpu_isa, bool(openmp))
     sources = sorted(
         glob.glob("csrc/*.cpp") + glob.glob("csrc/common/*.cpp") + glob.glob("csrc/args/*.cpp")
         + glob.glob("csrc/cpu/*.cpp")
     )
     # -ffp-contract=off: no fused multiply-adds, so float rounding matches the reference's.
-    cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas"] + cpu_flags
+    cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas"] + cpu_flags + openmp
     if FLAVOUR == "cpu":
-        return CppExtension("dspark_ops._C", sources, extra_compile_args={"cxx": cxx})
+        return CppExtension("dspark_ops._C", sources, extra_compile_args={"cxx": cxx},
+                            extra_link_args=openmp)
     nvcc = ["-O3", "--fmad=false", "-lineinfo"]
     if os.environ.get("DSPARK_OPS_PTXAS_VERBOSE") == "1":
         nvcc.append("-Xptxas=-v")
@@ -130,6 +141,7 @@ def extension():
         include_dirs=nvidia_wheel_includes(),
         define_macros=[("DSPARK_OPS_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=openmp,
     )
 
 
