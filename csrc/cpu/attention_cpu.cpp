@@ -59,9 +59,9 @@ void score_tile(const float* q, int64_t rows, int64_t dim, const float* kt, int6
 }
 
 // acc[r] += sum_n p[r][n] v[n] for r < rows (a multiple of kRowBlock), n < keys, dim a multiple
-// of kColBlock; p rows of stride ld.
-void accumulate_tile(const float* p, int64_t ld, int64_t rows, int64_t keys, const float* v,
-                     int64_t dim, float* acc) {
+// of kColBlock; p rows of stride ld, value row n at v[n].
+void accumulate_tile(const float* p, int64_t ld, int64_t rows, int64_t keys,
+                     const float* const* v, int64_t dim, float* acc) {
   for (int64_t r = 0; r < rows; r += kRowBlock) {
     for (int64_t d = 0; d < dim; d += kColBlock) {
       Vec sum[kRowBlock][2];
@@ -70,7 +70,7 @@ void accumulate_tile(const float* p, int64_t ld, int64_t rows, int64_t keys, con
         sum[i][1] = Vec::loadu(acc + (r + i) * dim + d + Vec::size());
       }
       for (int64_t n = 0; n < keys; ++n) {
-        const Vec v0 = Vec::loadu(v + n * dim + d), v1 = Vec::loadu(v + n * dim + d + Vec::size());
+        const Vec v0 = Vec::loadu(v[n] + d), v1 = Vec::loadu(v[n] + d + Vec::size());
         for (int64_t i = 0; i < kRowBlock; ++i) {
           const Vec x(p[(r + i) * ld + n]);
           sum[i][0] = at::vec::fmadd(x, v0, sum[i][0]);
@@ -82,6 +82,39 @@ void accumulate_tile(const float* p, int64_t ld, int64_t rows, int64_t keys, con
         sum[i][1].store(acc + (r + i) * dim + d + Vec::size());
       }
     }
+  }
+}
+
+// kt[d * ld + k] = rows[k][d] for k < n, d < dim (a multiple of 8): eight rows at a time through
+// 8 x 8 register transposes.
+void transpose_rows(const float* const* rows, int64_t n, int64_t dim, float* kt, int64_t ld) {
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  for (; k + 8 <= n; k += 8) {
+    for (int64_t d = 0; d < dim; d += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[k + i] + d);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      // r[0..3] hold columns (0, 1, 2, 3) of rows 0-3 (low lanes: d..d+3, high: d+4..d+7), r[4..7]
+      // the same of rows 4-7.
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(kt + (d + j) * ld + k, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+        _mm256_storeu_ps(kt + (d + j + 4) * ld + k, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+      }
+    }
+  }
+#endif
+  for (; k < n; ++k) {
+    for (int64_t d = 0; d < dim; ++d) kt[d * ld + k] = rows[k][d];
   }
 }
 
@@ -101,8 +134,11 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
   at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t begin_task, int64_t end_task) {
     // Padded query rows stay zero; their results are never written.
     std::vector<float> query(padded_rows * dim, 0.f), acc(padded_rows * dim),
-        key_t(dim * kKeyTile), value(kKeyTile * dim), scores(padded_rows * kKeyTile),
-        row_max(padded_rows), row_sum(padded_rows), key_row(dim);
+        key_t(dim * kKeyTile), scores(padded_rows * kKeyTile), row_max(padded_rows),
+        row_sum(padded_rows);
+    // 16-bit K/V rows are converted to float32 here; float32 rows are read in place.
+    std::vector<float> converted(std::is_same_v<T, float> ? 0 : 2 * kKeyTile * dim);
+    std::vector<const float*> key_rows(kKeyTile), value_rows(kKeyTile);
     for (int64_t task = begin_task; task < end_task; ++task) {
       const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
       const int64_t slot = slots ? slots[b] : b;
@@ -132,10 +168,21 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
         const int64_t tile = std::min(kKeyTile, total - t0);
         const int64_t cols = (tile + kColBlock - 1) / kColBlock * kColBlock;
         for (int64_t k = 0; k < tile; ++k) {
-          to_float(source(t0 + k, kc, a.k_cache, kb, a.k_block), dim, key_row.data());
-          for (int64_t d = 0; d < dim; ++d) key_t[d * kKeyTile + k] = key_row[d];
-          to_float(source(t0 + k, vc, a.v_cache, vb, a.v_block), dim, value.data() + k * dim);
+          const T* key = source(t0 + k, kc, a.k_cache, kb, a.k_block);
+          const T* value = source(t0 + k, vc, a.v_cache, vb, a.v_block);
+          if constexpr (std::is_same_v<T, float>) {
+            key_rows[k] = key;
+            value_rows[k] = value;
+          } else {
+            float* key_f = converted.data() + k * dim;
+            float* value_f = converted.data() + (kKeyTile + k) * dim;
+            to_float(key, dim, key_f);
+            to_float(value, dim, value_f);
+            key_rows[k] = key_f;
+            value_rows[k] = value_f;
+          }
         }
+        transpose_rows(key_rows.data(), tile, dim, key_t.data(), kKeyTile);
         for (int64_t k = tile; k < cols; ++k) {
           for (int64_t d = 0; d < dim; ++d) key_t[d * kKeyTile + k] = 0.f;
         }
@@ -166,7 +213,8 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
           row_sum[r] = row_sum[r] * rescale + sum;
           row_max[r] = new_max;
         }
-        accumulate_tile(scores.data(), kKeyTile, padded_rows, tile, value.data(), dim, acc.data());
+        accumulate_tile(scores.data(), kKeyTile, padded_rows, tile, value_rows.data(), dim,
+                        acc.data());
       }
       for (int64_t g = 0; g < a.block; ++g) {
         for (int64_t i = 0; i < ratio; ++i) {
