@@ -565,6 +565,46 @@ struct ChunkStats {
   float dot_max = 0.f;  // largest |d_f|, infinity for a non-finite one
 };
 
+// z[i] = float32(dots[i] + base[i]) (the addition in float64) for n <= 8 rows, and their stats.
+template <typename BaseT>
+void store_logits(const float* dots, const BaseT* base, int64_t n, float* z, ChunkStats& st) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  if (n == 8) {
+    float base_f[8];
+    to_float(base, 8, base_f);  // exact: every BaseT is a subset of float32
+    const __m256 d = _mm256_loadu_ps(dots), b = _mm256_loadu_ps(base_f);
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)),
+                                                    _mm256_cvtps_pd(_mm256_castps256_ps128(b))));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)),
+                                                    _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1))));
+    const __m256 zv = _mm256_set_m128(hi, lo);
+    _mm256_storeu_ps(z, zv);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 abs_d = _mm256_andnot_ps(sign, d), abs_z = _mm256_andnot_ps(sign, zv);
+    const __m256 finite = _mm256_cmp_ps(abs_z, _mm256_set1_ps(INFINITY), _CMP_LT_OQ);
+    float ad[8], az[8];
+    _mm256_storeu_ps(ad, abs_d);
+    _mm256_storeu_ps(az, _mm256_and_ps(abs_z, finite));  // 0 for the non-finite
+    const bool nan = _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)) != 0;
+    float dot_max = st.dot_max, z_max = st.z_max;
+    for (int i = 0; i < 8; ++i) {
+      dot_max = std::max(dot_max, ad[i]);
+      z_max = std::max(z_max, az[i]);
+    }
+    st.dot_max = nan ? INFINITY : dot_max;
+    st.z_max = z_max;
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float zi = static_cast<float>(static_cast<double>(dots[i]) + load_double(base, i));
+    z[i] = zi;
+    const float ad = std::fabs(dots[i]);
+    if (!(ad <= st.dot_max)) st.dot_max = std::isnan(ad) ? INFINITY : ad;
+    if (std::isfinite(zi)) st.z_max = std::max(st.z_max, std::fabs(zi));
+  }
+}
+
 // The fast float32 head of one slot: z_f rows into z_out, each unfiltered request's chunk keys
 // into stats[c * batch + b] and, when `measure`, each chunk's largest W2 row norm into w_max[c].
 template <typename W, typename BaseT>
@@ -596,16 +636,8 @@ void fast_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank, cons
         for (int64_t b = 0; b < batch; ++b) {
           float dots[kRows];
           fast_dot<kRows>(input + b * padded, rows.data(), padded, dots);
-          const BaseT* base_row = base + b * base_stride;
-          float* zb = z_out + b * z_stride;
-          ChunkStats& st = stats[c * batch + b];
-          for (int64_t i = 0; i < n; ++i) {
-            const float dz = static_cast<float>(static_cast<double>(dots[i]) + load_double(base_row, v + i));
-            zb[v + i] = dz;
-            const float ad = std::fabs(dots[i]);
-            if (!(ad <= st.dot_max)) st.dot_max = std::isnan(ad) ? INFINITY : ad;
-            if (std::isfinite(dz)) st.z_max = std::max(st.z_max, std::fabs(dz));
-          }
+          store_logits(dots, base + b * base_stride + v, n, z_out + b * z_stride + v,
+                       stats[c * batch + b]);
         }
       }
       if (measure) w_max[c] = std::sqrt(norm2);
