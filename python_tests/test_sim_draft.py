@@ -190,10 +190,14 @@ MARKOV_CASES = [
     (4, 2, 8193, 64, "f32", BF16, I32, "mixed", "contiguous"),
     (3, 1, 8193, 40, "f16", F16, I64, "sampled", "contiguous"),
     (1, 2, 8193, 1, "f32", F16, I32, "greedy", "offset"),
-    # Large ranks: the group halves to 32 (f32 r = 200: 58 KB of inputs at 64 requests).
+    # Large ranks: inputs past 48 KB need the shared-memory opt-in (f32 r = 200: 58 KB at 64
+    # requests); past the emulated H200's budget (109 KB: f32 r = 448, bf16 r = 864) the group
+    # halves to 32.
     (40, 2, 100, 200, "f32", F32, I64, "mixed", "contiguous"),
     (33, 1, 300, 400, "bf16", BF16, I32, "mixed", "padded"),
     (34, 1, 200, 352, "f16", F32, I64, "greedy", "aligned"),
+    (40, 2, 100, 448, "f32", F32, I64, "mixed", "contiguous"),
+    (33, 1, 300, 864, "bf16", BF16, I32, "mixed", "padded"),
     # Full-mantissa float32 weights.
     (9, 3, 500, 20, "f32full", F32, I64, "mixed", "padded"),
 ]
@@ -420,13 +424,14 @@ def test_overflowing_keys_across_blocks(sim):
 def test_other_emulated_devices(sim, device):
     """The same checks on the emulated A100 and L4 (compute capability 8.x, so the 16-bit
     tensor-core path is allowed; their launch limits), with halved groups of the largest
-    per-block inputs (just under the 44 KB budget) and the RNN head's two input planes, under
-    each device's own grid plan."""
+    per-block inputs (above each device's budget of half its SM's shared memory less 5 KB: 77 KB
+    on the A100, 45 KB on the L4) and the RNN head's two input planes, under each device's own
+    grid plan."""
     cases = [
-        # f32 r = 172: 64 x 176 x 4 bytes > 44 KB, so groups of 32 (two here).
-        make_case(33, 2, 300, 172, seed=stable_seed("dev", device, 0), weights="f32",
+        # f32 r = 316: 64 x 324 x 4 bytes > 77 KB, so groups of 32 (two here) on both.
+        make_case(33, 2, 300, 316, seed=stable_seed("dev", device, 0), weights="f32",
                   base_dtype=F16),
-        # bf16 r = 352: 64 x 416 x 2 bytes > 44 KB, so groups of 32.
+        # bf16 r = 352: 64 x 416 x 2 bytes: groups of 32 on the L4, of 64 (opted in) on the A100.
         make_case(33, 2, 300, 352, seed=stable_seed("dev", device, 1), weights="bf16",
                   base_dtype=BF16, anchor_dtype=I32),
         make_case(65, 2, 100, 40, seed=stable_seed("dev", device, 2), weights="f16",
@@ -478,11 +483,13 @@ RNN_CASES = [
     (3, 3, 17, 64, 33, "f16", F16, F32, I64, "padded"),
     (65, 2, 17, 8, 16, "bf16", F32, F32, I32, "contiguous"),
     (2, 2, 8193, 20, 16, "f16", BF16, BF16, I64, "contiguous"),
-    # r = 130, 16-bit: two input planes of 64 x 224 x 2 bytes exceed 44 KB, so groups of 32.
+    # r = 130, 16-bit: two input planes of 64 x 224 x 2 bytes (56 KB, past 48 KB: the opt-in).
     (33, 2, 100, 130, 16, "bf16", F16, BF16, I64, "aligned"),
     (33, 1, 50, 130, 8, "f16", BF16, F32, I32, "offset"),
-    # f32 r = 172: 64 x 176 x 4 bytes > 44 KB (one input plane), so groups of 32.
-    (34, 1, 50, 172, 8, "f32", F32, F16, I64, "padded"),
+    # Past the emulated H200's 109 KB budget, so groups of 32: r = 416, 16-bit (two planes of
+    # 64 x 480 x 2 bytes); f32 r = 448 (one plane of 64 x 452 x 4 bytes).
+    (33, 1, 50, 416, 8, "bf16", BF16, BF16, I64, "aligned"),
+    (34, 1, 50, 448, 8, "f32", F32, F16, I64, "padded"),
     (9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
     # A wide hidden input (d = 2560 as in the released checkpoints): rnn_head_kernel's k loop runs
     # its four-step unrolled body many times, then a partial tail.

@@ -297,9 +297,13 @@ def draft_shared(group: int, rank: int, passes: int) -> int:
     return passes * group * stride * BF16
 
 
+# draft.cuh draft_input_budget on the H200: half the SM's shared memory less kSlotSharedReserve.
+DRAFT_INPUT_BUDGET = H200.smem_per_sm // 2 - 5 * 1024
+
+
 def draft_group(batch: int, rank: int, passes: int) -> int:
     size = MAX_GROUP
-    while size > 8 and draft_shared(size, rank, passes) > 44 * 1024:
+    while size > 8 and draft_shared(size, rank, passes) > DRAFT_INPUT_BUDGET:
         size //= 2
     return min(size, max(8, (batch + 7) // 8 * 8))
 
@@ -397,7 +401,14 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
         rows = 3 * rank
         width = 2 * rank + hidden
         head_blocks = ((rows + 31) // 32) * ((batch + 7) // 8)
-        macs = LoopSpec("J x [s; W1[x]; h] (FMA)", {r"^FFMA": 32}, 32, (r"^FFMA", 32))
+        # A lane's step: a pair of columns for 4 rows x 8 requests (64 multiply-adds). The modelled
+        # loop is the bf16 hidden segment's with pair loads (12 32-bit loads; the high halves
+        # unpacked by LOP3), d of the 2r + d columns; before pair loads, the one k loop.
+        pairs = LoopSpec("J x [s; W1[x]; h] (FMA, pair loads)",
+                         {r"^FFMA": 64, r"^LDG\.E\.CONSTANT$": 12, r"^LOP3": 12}, 64,
+                         (r"^FFMA", 64))
+        single = LoopSpec("J x [s; W1[x]; h] (FMA)", {r"^FFMA": 32}, 32, (r"^FFMA", 32))
+        macs = [pairs, single][first_matching(binary, head, [pairs, single])]
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
         launches.append(Launch(head, "rnn head [g;c;o]", DRAFT_THREADS, head_blocks, 0,

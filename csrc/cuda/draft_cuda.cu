@@ -61,12 +61,12 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
   return p;
 }
 
-// Requests per block: up to 64, halved until the bias inputs fit the shared-memory budget.
+// Requests per block: up to 64, halved until the bias inputs fit the device's shared-memory
+// budget (kernels::draft_input_budget).
 template <typename W, bool kRnn>
-int group_size(int64_t batch, int64_t rank) {
+int group_size(int64_t batch, int64_t rank, int budget) {
   int size = kernels::kMaxGroup;
-  while (size > 8 && kernels::draft_shared_bytes<W, kRnn>(size, static_cast<int>(rank)) >
-                         kernels::kMaxInputBytes) {
+  while (size > 8 && kernels::draft_shared_bytes<W, kRnn>(size, static_cast<int>(rank)) > budget) {
     size /= 2;
   }
   // No wider than the batch (rounded up to whole MMA column tiles of 8).
@@ -79,10 +79,11 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
   dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
     using W = cuda_type_t<decltype(w_tag)>;
     const char* op = kRnn ? "rnn_draft" : "markov_draft";
-    TORCH_CHECK_VALUE(sizeof(W) == 4 || compute_capability_major(device_index(a.base)) >= 8, op,
+    const int device = device_index(a.base);
+    TORCH_CHECK_VALUE(sizeof(W) == 4 || compute_capability_major(device) >= 8, op,
                       "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
                       "on CUDA; pass float32 weights on this GPU");
-    p.group_size = group_size<W, kRnn>(a.batch, a.rank);
+    p.group_size = group_size<W, kRnn>(a.batch, a.rank, kernels::draft_input_budget(device));
     const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;
     TORCH_CHECK_VALUE(groups <= 65535 && (a.batch + kernels::kHeadRequests - 1) /
                                              kernels::kHeadRequests <= 65535,
@@ -100,10 +101,10 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
       p.preactivation = p.state + a.batch * a.rank;
     }
     const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
-    const int device = device_index(a.base);
     // The base logits' dtype is a template parameter: no per-element type switch in the epilogue.
     dispatch_logit_type(a.base.scalar_type(), [&](auto base_tag) {
       using Base = cuda_type_t<decltype(base_tag)>;
+      C10_CUDA_CHECK((kernels::allow_draft_shared<W, Base, kRnn>(shared_bytes)));
       const int64_t resident =
           int64_t{kernels::draft_blocks_per_sm<W, Base, kRnn>(device, shared_bytes)} *
           multiprocessor_count(device);

@@ -24,7 +24,7 @@
 //   the next slot's launch reads. A persistent kernel with a grid barrier per slot would save
 //   G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
 // rnn_draft: per slot, rnn_head_kernel computes [g; c; o] = J [s; W1[x]; h] + b for every request
-//   (each warp 4 rows of J x 8 requests, float32, four k steps' loads in flight), then
+//   (each warp 4 rows of J x 8 requests, float32, each lane a pair of columns per step), then
 //   draft_slot_kernel runs as above with the activation tanh(o) split into a high and a low 16-bit
 //   part (two MMAs against the same W2 fragments: ~16-bit mantissa instead of 8), and its blocks
 //   advance the state.
@@ -47,13 +47,16 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <cuda/atomic>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <mutex>
 
+#include "device_cache.cuh"
 #include "draft_math.h"
 #include "filter.cuh"
 #include "mma.cuh"
@@ -68,8 +71,11 @@ constexpr int kTileRows = 16 * kDraftWarps;  // vocabulary rows per block tile: 
 constexpr int kMaxGroup = 64;                // requests per block: 8 MMA column tiles of 8
 constexpr int kKChunk = 32;                  // k per fragment load (two m16n8k16 steps)
 constexpr int kChunksInFlight = 4;           // W2 fragment loads issued before the first MMA
-// Dynamic shared memory per block, below the 48 KB that needs no opt-in (GroupSampling is static).
-constexpr int kMaxInputBytes = 44 * 1024;
+// Shared memory a slot block keeps besides its group's inputs: the static GroupSampling and the
+// 1 KB the runtime reserves per block.
+constexpr int kSlotSharedReserve = 5 * 1024;
+// The group's inputs when the device cannot be queried: below the 48 KB that needs no opt-in.
+constexpr int kFallbackInputBytes = 44 * 1024;
 
 enum LogitType : int { kLogitFloat = 0, kLogitBFloat16 = 1, kLogitHalf = 2 };
 
@@ -304,6 +310,26 @@ struct GroupSampling {
   bool greedy[kMaxGroup];
   bool any_sampled;
 };
+static_assert(sizeof(GroupSampling) + 1024 <= kSlotSharedReserve, "kSlotSharedReserve too small");
+
+// Dynamic shared memory a slot block may take for its group's inputs on `device` (a host query,
+// once per device): __launch_bounds__ lets two blocks share an SM by registers, so half the SM's
+// shared memory, less kSlotSharedReserve, and no more than one block may opt in to.
+__host__ inline int draft_input_budget(int device) {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [device] {
+    int per_sm = 0, per_block = 0;
+    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();  // the query's own error
+      return kFallbackInputBytes;
+    }
+    return std::max(kFallbackInputBytes,
+                    std::min(per_sm / 2, per_block) - kSlotSharedReserve);
+  });
+}
 
 // Fills the group's bias inputs (kPasses planes of [group, stride] W values) and sampling state.
 // Each thread resolves one request's source first, then all loads of the rows are independent:
@@ -701,49 +727,153 @@ __global__ void __launch_bounds__(kFilterThreads) draft_filter_kernel(const Draf
 }
 
 // [g; c; o] = J [s; W1[x]; h] + b for slot p.slot. Grid (3r / 32, ceil(B / 8)): warp w of block
-// (x, y) computes rows 32x + 4w .. +4 of J for requests 8y .. 8y + 8, lanes striding over the input.
+// (x, y) computes rows 32x + 4w .. +4 of J for requests 8y .. 8y + 8, each lane taking pairs of
+// consecutive columns of each input segment: 12 loads (one 32- or 64-bit load per row of J and
+// per request where the segment's rows are pair-aligned) per 64 multiply-adds, no branch in the
+// loop. Rows past 3r and requests past B read the last valid one and are not stored.
 constexpr int kHeadRowsPerWarp = 4;
 constexpr int kHeadRequests = 8;
 
+// Whether pairs (2i, 2i + 1) of rows base + m * stride_a + n * stride_b are 2-element aligned.
+template <typename T>
+__device__ __forceinline__ bool pairs_aligned(const T* base, int64_t stride_a, int64_t stride_b = 0) {
+  return reinterpret_cast<uintptr_t>(base) % (2 * sizeof(T)) == 0 && stride_a % 2 == 0 &&
+         stride_b % 2 == 0;
+}
+
+// at[0] and at[1] as floats: one load when kAligned.
+template <bool kAligned, typename T>
+__device__ __forceinline__ float2 load_pair(const T* at) {
+  if constexpr (!kAligned) {
+    return make_float2(to_float(at[0]), to_float(at[1]));
+  } else if constexpr (sizeof(T) == 4) {
+    return __ldg(reinterpret_cast<const float2*>(at));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // a bfloat16 is a float's high half
+    const unsigned int bits = __ldg(reinterpret_cast<const unsigned int*>(at));
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+  } else {
+    const unsigned int bits = __ldg(reinterpret_cast<const unsigned int*>(at));
+    const uint16_t lo = bits & 0xffffu, hi = bits >> 16;
+    T a, b;
+    memcpy(&a, &lo, sizeof(T));
+    memcpy(&b, &hi, sizeof(T));
+    return make_float2(to_float(a), to_float(b));
+  }
+}
+
+// acc[r][q] += J[row r, k0 + k] * in_q[k] over k in [0, len): the lane's pairs, then the odd last
+// column. `in[q]` is request q's segment row; with kMasked, requests whose bit of `valid` is clear
+// read zeros (an id outside [0, V)).
+template <bool kAligned, bool kMasked, typename W, typename T>
+__device__ __forceinline__ void head_segment(const W* const (&joint)[kHeadRowsPerWarp], int k0,
+                                             int len, const T* const (&in)[kHeadRequests],
+                                             unsigned valid, int lane,
+                                             float (&acc)[kHeadRowsPerWarp][kHeadRequests]) {
+  // The loads' addresses advance by 64 columns a step (no per-load index arithmetic).
+  const W* weight_at[kHeadRowsPerWarp];
+  const T* input_at[kHeadRequests];
+#pragma unroll
+  for (int r = 0; r < kHeadRowsPerWarp; ++r) weight_at[r] = joint[r] + k0 + 2 * lane;
+#pragma unroll
+  for (int q = 0; q < kHeadRequests; ++q) input_at[q] = in[q] + 2 * lane;
+  int k = 2 * lane;
+#pragma unroll 1
+  for (; k + 1 < len; k += 64) {
+    float2 weight[kHeadRowsPerWarp], x[kHeadRequests];
+#pragma unroll
+    for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+      weight[r] = load_pair<kAligned>(weight_at[r]);
+      weight_at[r] += 64;
+    }
+#pragma unroll
+    for (int q = 0; q < kHeadRequests; ++q) {
+      x[q] = !kMasked || (valid >> q & 1u) ? load_pair<kAligned>(input_at[q]) : make_float2(0.f, 0.f);
+      input_at[q] += 64;
+    }
+#pragma unroll
+    for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+#pragma unroll
+      for (int q = 0; q < kHeadRequests; ++q) {
+        acc[r][q] = fmaf(weight[r].y, x[q].y, fmaf(weight[r].x, x[q].x, acc[r][q]));
+      }
+    }
+  }
+  if (k < len) {
+#pragma unroll
+    for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+      const float weight = to_float(joint[r][k0 + k]);
+#pragma unroll
+      for (int q = 0; q < kHeadRequests; ++q) {
+        const float x = !kMasked || (valid >> q & 1u) ? to_float(in[q][k]) : 0.f;
+        acc[r][q] = fmaf(weight, x, acc[r][q]);
+      }
+    }
+  }
+}
+
 template <typename W>
-__global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftParams p) {
+__global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * kDraftWarps + warp) * kHeadRowsPerWarp;
   const int b0 = blockIdx.y * kHeadRequests;
   const int rows = 3 * p.rank;
   if (row0 >= rows) return;
-  const W* joint = static_cast<const W*>(p.joint_weight);
-  const W* w1 = static_cast<const W*>(p.w1);
+  const W* joint_weight = static_cast<const W*>(p.joint_weight);
+  const W* joint[kHeadRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kHeadRowsPerWarp; ++r) {
+    joint[r] = joint_weight + int64_t{min(row0 + r, rows - 1)} * p.joint_stride;
+  }
+  int request[kHeadRequests];
+#pragma unroll
+  for (int q = 0; q < kHeadRequests; ++q) request[q] = min(b0 + q, p.batch - 1);
   float acc[kHeadRowsPerWarp][kHeadRequests] = {};
-  int64_t x[kHeadRequests];
-#pragma unroll
-  for (int q = 0; q < kHeadRequests; ++q) x[q] = b0 + q < p.batch ? previous_token(p, b0 + q) : -1;
-  // The input [s; W1[x]; h] in three segments, so each k step's loads are issued together.
-  const auto segment = [&](int k0, int k1, auto&& input) {
-#pragma unroll 4
-    for (int k = k0 + lane; k < k1; k += 32) {
-      float weight[kHeadRowsPerWarp], in[kHeadRequests];
-#pragma unroll
-      for (int r = 0; r < kHeadRowsPerWarp; ++r) {
-        weight[r] = row0 + r < rows ? to_float(joint[int64_t{row0 + r} * p.joint_stride + k]) : 0.f;
-      }
-#pragma unroll
-      for (int q = 0; q < kHeadRequests; ++q) in[q] = b0 + q < p.batch ? input(q, k - k0) : 0.f;
-#pragma unroll
-      for (int r = 0; r < kHeadRowsPerWarp; ++r) {
-#pragma unroll
-        for (int q = 0; q < kHeadRequests; ++q) acc[r][q] = fmaf(weight[r], in[q], acc[r][q]);
-      }
+  // Each segment's loop runs with pair loads when J's and the segment's rows are pair-aligned.
+  const auto segment = [&](int k0, int len, const auto* const (&in)[kHeadRequests], bool aligned,
+                           unsigned valid, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    if (aligned && pairs_aligned(joint_weight, p.joint_stride, k0)) {
+      head_segment<true, kMasked>(joint, k0, len, in, valid, lane, acc);
+    } else {
+      head_segment<false, kMasked>(joint, k0, len, in, valid, lane, acc);
     }
   };
-  segment(0, p.rank, [&](int q, int k) { return p.state[int64_t{b0 + q} * p.rank + k]; });
-  segment(p.rank, 2 * p.rank, [&](int q, int k) {
-    return x[q] >= 0 && x[q] < p.vocab ? to_float(w1[x[q] * p.w1_stride + k]) : 0.f;
-  });
-  segment(2 * p.rank, 2 * p.rank + p.hidden_size, [&](int q, int k) {
-    return load_float(p.hidden, p.hidden_type,
-                      (b0 + q) * p.hidden_stride_b + p.slot * p.hidden_stride_j + k);
-  });
+  using Unmasked = std::false_type;
+  {  // W1[x_j]: a zero row for an id outside [0, V)
+    const W* w1 = static_cast<const W*>(p.w1);
+    const W* in[kHeadRequests];
+    unsigned valid = 0;
+#pragma unroll
+    for (int q = 0; q < kHeadRequests; ++q) {
+      const int64_t x = previous_token(p, request[q]);
+      const bool ok = x >= 0 && x < p.vocab;
+      valid |= unsigned{ok} << q;
+      in[q] = w1 + (ok ? x : 0) * p.w1_stride;
+    }
+    segment(p.rank, p.rank, in, pairs_aligned(w1, p.w1_stride), valid, std::true_type{});
+  }
+  {  // s_{j-1}
+    const float* in[kHeadRequests];
+#pragma unroll
+    for (int q = 0; q < kHeadRequests; ++q) in[q] = p.state + int64_t{request[q]} * p.rank;
+    segment(0, p.rank, in, pairs_aligned(p.state, p.rank), ~0u, Unmasked{});
+  }
+  // h_j, its dtype dispatched once, outside the loops.
+  const auto hidden_segment = [&](auto* hidden) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(hidden)>>;
+    const T* in[kHeadRequests];
+#pragma unroll
+    for (int q = 0; q < kHeadRequests; ++q) {
+      in[q] = hidden + request[q] * p.hidden_stride_b + p.slot * p.hidden_stride_j;
+    }
+    segment(2 * p.rank, p.hidden_size, in,
+            pairs_aligned(hidden, p.hidden_stride_b, p.hidden_stride_j), ~0u, Unmasked{});
+  };
+  switch (p.hidden_type) {
+    case kLogitBFloat16: hidden_segment(static_cast<const __nv_bfloat16*>(p.hidden)); break;
+    case kLogitHalf: hidden_segment(static_cast<const __half*>(p.hidden)); break;
+    default: hidden_segment(static_cast<const float*>(p.hidden)); break;
+  }
 #pragma unroll
   for (int r = 0; r < kHeadRowsPerWarp; ++r) {
 #pragma unroll
@@ -760,8 +890,16 @@ __global__ void __launch_bounds__(kDraftThreads) rnn_head_kernel(const DraftPara
   }
 }
 
+// Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with this
+// opt-in; it is per device, so it is set on every call).
+template <typename W, typename Base, bool kRnn>
+cudaError_t allow_draft_shared(int shared_bytes) {
+  return cudaFuncSetAttribute(draft_slot_kernel<W, Base, kRnn>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+}
+
 // Blocks of draft_slot_kernel resident per SM on the current device (a host query, cached per
-// instantiation, device and shared-memory size).
+// instantiation, device and shared-memory size; the caller has called allow_draft_shared).
 template <typename W, typename Base, bool kRnn>
 int draft_blocks_per_sm(int device, int shared_bytes) {
   static std::mutex mutex;
@@ -787,7 +925,8 @@ cudaError_t launch_draft_filter(const DraftParams& p, cudaStream_t stream) {
 }
 
 // Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).
-// `grid_tiles` blocks per group walk the p.num_tiles vocabulary tiles.
+// `grid_tiles` blocks per group walk the p.num_tiles vocabulary tiles; the caller has called
+// allow_draft_shared.
 template <typename W, typename Base, bool kRnn>
 cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
   const int groups = (p.batch + p.group_size - 1) / p.group_size;

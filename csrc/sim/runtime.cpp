@@ -702,6 +702,7 @@ cudaError_t device_attribute(int* value, cudaDeviceAttr attribute, int) {
     case cudaDevAttrComputeCapabilityMinor: *value = g_device->minor; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(g_device->shared_optin); break;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = static_cast<int>(g_device->shared_default); break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = static_cast<int>(g_device->shared_per_sm); break;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
     case cudaDevAttrWarpSize: *value = 32; break;
     default:
