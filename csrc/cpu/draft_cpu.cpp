@@ -542,6 +542,39 @@ void fast_dot(const float* a, const float* rows, int64_t padded, float* out) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+// The eight rows of fast_dot<8> for two requests a0, a1 at once: four rows at a time against both
+// (eight accumulators, six loads per eight multiply-adds instead of nine), each dot's chain and
+// its lane tree exactly fast_dot<8>'s.
+void fast_dot_pair(const float* a0, const float* a1, const float* rows, int64_t padded,
+                   float* out0, float* out1) {
+  for (int half = 0; half < 2; ++half) {
+    const float* r = rows + 4 * half * padded;
+    __m256 acc[8];
+    for (auto& x : acc) x = _mm256_setzero_ps();
+    for (int64_t k = 0; k < padded; k += 8) {
+      const __m256 x0 = _mm256_loadu_ps(a0 + k), x1 = _mm256_loadu_ps(a1 + k);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 w = _mm256_loadu_ps(r + i * padded + k);
+        acc[i] = _mm256_fmadd_ps(x0, w, acc[i]);
+        acc[4 + i] = _mm256_fmadd_ps(x1, w, acc[4 + i]);
+      }
+    }
+    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                      _mm256_permute2f128_ps(u0, u1, 0x31));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sums);
+    for (int i = 0; i < 4; ++i) {
+      out0[4 * half + i] = lanes[i];
+      out1[4 * half + i] = lanes[4 + i];
+    }
+  }
+}
+#endif
+
 // sum_k x[k]^2 over a zero-padded row, in float32.
 float squared_norm(const float* x, int64_t padded) {
   VecF acc0(0.f), acc1(0.f);
@@ -628,12 +661,33 @@ void fast_slot(const W* w2, int64_t w2_stride, int64_t vocab, int64_t rank, cons
             continue;
           }
           to_float(w2 + (v + i) * w2_stride, rank, dst);
+          if (v + kRows + i < x1) {
+            // The next group's row i: past this 4 KB page, where the hardware prefetchers stop.
+            const char* next = reinterpret_cast<const char*>(w2 + (v + kRows + i) * w2_stride);
+            for (int64_t byte = 0; byte < rank * int64_t{sizeof(W)}; byte += 64) {
+              __builtin_prefetch(next + byte);
+            }
+          }
           if (measure) {
             const float sq = squared_norm(dst, padded);
             if (!(sq <= norm2)) norm2 = std::isnan(sq) ? INFINITY : sq;
           }
         }
-        for (int64_t b = 0; b < batch; ++b) {
+        int64_t b = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+        if constexpr (kRows == 8 && VecF::size() == 8) {
+          for (; b + 2 <= batch; b += 2) {
+            float dots[2][kRows];
+            fast_dot_pair(input + b * padded, input + (b + 1) * padded, rows.data(), padded,
+                          dots[0], dots[1]);
+            for (int64_t j = 0; j < 2; ++j) {
+              store_logits(dots[j], base + (b + j) * base_stride + v, n,
+                           z_out + (b + j) * z_stride + v, stats[c * batch + b + j]);
+            }
+          }
+        }
+#endif
+        for (; b < batch; ++b) {
           float dots[kRows];
           fast_dot<kRows>(input + b * padded, rows.data(), padded, dots);
           store_logits(dots, base + b * base_stride + v, n, z_out + b * z_stride + v,
