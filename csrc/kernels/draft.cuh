@@ -501,25 +501,33 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
   }
   float key[4];
   bool needs_log[4];
+  // The stored type is chosen once per call (a uniform branch around the loop, not per element).
+  const auto store_and_bound = [&](auto bf16) {
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q; u[e] is its uniform
-    const int64_t v = row0 + g + 8 * h;
-    const bool valid = member[q] && v < p.vocab;
-    // bfloat16 logits: z is rounded first, and the key below is that of the stored value.
-    float z = c[e] + base[e];
-    if (p.logits_bf16) {
-      const __nv_bfloat16 rounded = __float2bfloat16_rn(z);
-      z = __bfloat162float(rounded);
-      if (valid) static_cast<__nv_bfloat16*>(out_row[q])[v] = rounded;
-    } else if (valid) {
-      static_cast<float*>(out_row[q])[v] = z;
+    for (int e = 0; e < 4; ++e) {
+      const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q; u[e] is its uniform
+      const int64_t v = row0 + g + 8 * h;
+      const bool valid = member[q] && v < p.vocab;
+      // bfloat16 logits: z is rounded first, and the key below is that of the stored value.
+      float z = c[e] + base[e];
+      if constexpr (decltype(bf16)::value) {
+        const __nv_bfloat16 rounded = __float2bfloat16_rn(z);
+        z = __bfloat162float(rounded);
+        if (valid) static_cast<__nv_bfloat16*>(out_row[q])[v] = rounded;
+      } else if (valid) {
+        static_cast<float*>(out_row[q])[v] = z;
+      }
+      const bool finite = valid && isfinite(z);
+      const float zt = z * inv_t[q];
+      const bool may_win = key_bound(zt, u[e]) >= threshold[q];
+      needs_log[e] = finite && !greedy[q] && may_win;
+      key[e] = finite && (greedy[q] || may_win) ? zt : -INFINITY;
     }
-    const bool finite = valid && isfinite(z);
-    const float zt = z * inv_t[q];
-    const bool may_win = key_bound(zt, u[e]) >= threshold[q];
-    needs_log[e] = finite && !greedy[q] && may_win;
-    key[e] = finite && (greedy[q] || may_win) ? zt : -INFINITY;
+  };
+  if (p.logits_bf16) {
+    store_and_bound(std::true_type{});
+  } else {
+    store_and_bound(std::false_type{});
   }
   // The logarithms only when some lane needs them: once the best keys are established, most warps
   // skip them as a whole.
