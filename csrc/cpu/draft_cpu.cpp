@@ -511,6 +511,18 @@ int64_t rounded_token(const float* z, int64_t vocab, const SlotSampling& s, int6
   return fast.index < 0 ? 0 : fast.index;
 }
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+// out[i] = the sum of acc[i]'s eight lanes, all eight at once: a tree of depth 3 (within the
+// certificate's n), the same for every dot of the fast head.
+void lane_sums8(const __m256 (&acc)[8], float* out) {
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                      _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+#endif
+
 // out[i] = sum_k a[k] * rows[i][k] in float32 for kRows zero-padded rows (one accumulator per
 // lane and row, then the lanes added in order: the n = padded / L + L of the certificate), and
 // the largest |out[i]| (infinity for a NaN) into dot_max.
@@ -524,12 +536,8 @@ void fast_dot(const float* a, const float* rows, int64_t padded, float* out) {
   }
 #if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
   if constexpr (kRows == 8 && VecF::size() == 8) {
-    // The eight lane sums at once (a tree of depth 3, within the certificate's n).
-    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+    const __m256 lanes[8] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]};
+    lane_sums8(lanes, out);
     return;
   }
 #endif
@@ -560,13 +568,8 @@ void fast_dot_pair(const float* a0, const float* a1, const float* rows, int64_t 
         acc[4 + i] = _mm256_fmadd_ps(x1, w, acc[4 + i]);
       }
     }
-    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                      _mm256_permute2f128_ps(u0, u1, 0x31));
     float lanes[8];
-    _mm256_storeu_ps(lanes, sums);
+    lane_sums8(acc, lanes);
     for (int i = 0; i < 4; ++i) {
       out0[4 * half + i] = lanes[i];
       out1[4 * half + i] = lanes[4 + i];
