@@ -48,8 +48,9 @@ struct Descent {
   double above = 0.0, bound = 0.0;
 };
 
-// One digit of a descent over the candidates `source` visits (source(visit) calls visit(key, w)
-// for this thread's share of them): the candidates with key >= lower that share d.prefix are
+// One digit of a descent over the candidates `source` visits (source(visit) calls
+// visit(key, weight) for this thread's share of them, weight() giving the candidate's softmax
+// weight: a row's weights are computed only where a pass uses them): the candidates with key >= lower that share d.prefix are
 // histogrammed by count (or, by_weight, by weight), and d moves to the chosen bucket. `limit` is
 // the count bound, or the fraction of the level-0 total weight. Every thread calls it alike.
 template <typename Source>
@@ -63,11 +64,11 @@ __device__ void descend_digit(const Source& source, uint32_t lower, bool by_weig
   }
   __syncthreads();
   const uint32_t prefix = d.prefix;
-  source([&](uint32_t key, float w) {
+  source([&](uint32_t key, const auto& weight) {
     if (key < lower || (key & high) != prefix) return;
     const uint32_t b = (key >> shift) & mask;
     atomicAdd(&sh.count[b], 1u);
-    if (by_weight) atomicAdd(&sh.weight[b], static_cast<double>(w));
+    if (by_weight) atomicAdd(&sh.weight[b], static_cast<double>(weight()));
   });
   __syncthreads();
 
@@ -114,13 +115,15 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
       load8(x, v);
 #pragma unroll
       for (int k = 0; k < kFilterValues; ++k) {
-        if (v[k] != -INFINITY) visit(logit_key(v[k]), softmax_weight(v[k], row_max, inv_t));
+        if (v[k] != -INFINITY) {
+          visit(logit_key(v[k]), [&] { return softmax_weight(v[k], row_max, inv_t); });
+        }
       }
     }
   };
   const auto on_chip = [&](const auto& visit) {
     for (uint32_t i = threadIdx.x; i < sh.candidates; i += blockDim.x) {
-      visit(sh.candidate_key[i], sh.candidate_weight[i]);
+      visit(sh.candidate_key[i], [&] { return sh.candidate_weight[i]; });
     }
   };
   bool gathered = false;
@@ -142,12 +145,12 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
     if (threadIdx.x == 0) sh.candidates = 0;
     __syncthreads();
     const uint32_t low = first.prefix;
-    row([&](uint32_t key, float w) {
+    row([&](uint32_t key, const auto& weight) {
       if (key < low) return;
       const uint32_t i = atomicAdd(&sh.candidates, 1u);
       if (i < kFilterCandidates) {
         sh.candidate_key[i] = key;
-        sh.candidate_weight[i] = w;
+        sh.candidate_weight[i] = weight();
       }
     });
     __syncthreads();
@@ -162,8 +165,10 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
   }
   FilterResult f{key_logit(threshold), spec.min_p, 0.f};
   double kept = 0.0;
-  const auto add_kept = [&](uint32_t key, float w) {
-    if (key >= threshold && w >= f.min_weight) kept += w;
+  const auto add_kept = [&](uint32_t key, const auto& weight) {
+    if (key < threshold) return;
+    const float w = weight();
+    if (w >= f.min_weight) kept += w;
   };
   if (gathered) {
     on_chip(add_kept);

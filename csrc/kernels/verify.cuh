@@ -442,10 +442,11 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
     }
 #pragma unroll
     for (int k = 0; k < kElementsPerThread; ++k) {
-      const float p_x = v[k] == -INFINITY ? 0.f : softmax_weight(v[k], t.max, inv_t) * t_inv_sum;
+      // -inf (dropped) elements weigh 0 without a test: both maxima are finite here.
+      const float p_x = softmax_weight(v[k], t.max, inv_t) * t_inv_sum;
       float q_x = 0.f;
       if (q.kind == Proposal::kDistribution) {
-        q_x = w[k] == -INFINITY ? 0.f : softmax_weight(w[k], q.stats.max, q.inv_t) * q_inv_sum;
+        q_x = softmax_weight(w[k], q.stats.max, q.inv_t) * q_inv_sum;
       } else if (q.kind == Proposal::kOneHot && x + k == q.token) {
         q_x = 1.f;
       }
