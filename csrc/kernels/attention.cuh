@@ -8,8 +8,8 @@
 //     shared memory, and every K/V tile of 64 context rows is read once (16-byte loads from the
 //     request's cache row, in place) and used by all of them. Each warp takes 16 keys of the tile:
 //     S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, 16-bit in, float32 accumulators;
-//     S's accumulators are P's A fragment, as in FlashAttention-2), a float32 online softmax in
-//     registers; the four warps' results are merged in shared memory into the split's
+//     S's accumulators are P's A fragment, as in FlashAttention-2), a float32 online softmax (in
+//     base 2) in registers; the four warps' results are merged in shared memory into the split's
 //     unnormalised partial (output, running max, sum).
 //  2. block_attention_merge_kernel, one warp per output row: scores of the row against the G
 //     block keys (the block's K/V are read here and nowhere else, never written), then the splits
@@ -34,6 +34,7 @@
 
 #include <cstdint>
 
+#include "../common/exp2.h"
 #include "mma.cuh"
 #include "device_cache.cuh"
 #include "launch.cuh"
@@ -65,7 +66,9 @@ struct AttentionParams {
   float* partial_stats;          // [B, Hkv, rows, splits, 2]: running max, sum
   int batch, block, heads, kv_heads, length, num_slots;
   int window;  // -1: none
-  float scale;
+  // The softmax scale times log2(e): scores are kept in base 2 (running maxima, the partials'
+  // maxima), so every weight is one exp2_ftz (common/exp2.h).
+  float scale_log2;
   int splits, split_length;  // context rows per split, a multiple of kAttnKeys
 };
 
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * nt + 2 * t + (e & 1);
-        s[nt][e] = key < hi ? s[nt][e] * p.scale : -INFINITY;
+        s[nt][e] = key < hi ? s[nt][e] * p.scale_log2 : -INFINITY;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
       }
     }
@@ -257,7 +260,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
       const float new_max = fmaxf(row_max[r], tile_max[r]);  // finite: a key of the warp is valid
       base[r] = new_max;
-      rescale[r] = expf(row_max[r] - new_max);  // 0 on the first tile
+      rescale[r] = exp2_ftz(row_max[r] - new_max);  // 0 on the first tile
       row_max[r] = new_max;
     }
     // P enters the second MMA rounded to the input type; the sums stay float32 (exact
@@ -269,7 +272,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float weight = expf(s[nt][e] - base[e >> 1]);
+        const float weight = exp2_ftz(s[nt][e] - base[e >> 1]);
         prob[nt][e] = attn_round<T>(weight);
         tile_sum[e >> 1] += weight;
       }
@@ -324,7 +327,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
     if (m != -INFINITY) {  // else no key of this split: (-inf, 0, 0), which the merge skips
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) {
-        const float scale = expf(warp_max[w * kAttnRows + r] - m);  // 0 for an idle warp
+        const float scale = exp2_ftz(warp_max[w * kAttnRows + r] - m);  // 0 for an idle warp
         out = fmaf(warp_out[(w * kAttnRows + r) * D + d], scale, out);
         sum = fmaf(warp_sum[w * kAttnRows + r], scale, sum);
       }
@@ -354,7 +357,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
 #pragma unroll
   for (int c = 0; c < kPerLane; ++c) {
     q[c] = attn_load(static_cast<const T*>(p.q) + b * p.q_stride_b + g * p.q_stride_g +
-                     head * p.q_stride_h + lane + 32 * c) * p.scale;
+                     head * p.q_stride_h + lane + 32 * c) * p.scale_log2;
     acc[c] = 0.f;
   }
   // The block keys' scores (lane n keeps key n's; G <= 32), their loads independent of each other.
@@ -381,21 +384,21 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
   }
   // finite: the block keys are always visible. An empty split is (-inf, 0, 0): weight 0.
-  float row_sum = lane < p.block ? expf(my_score - row_max) : 0.f;
+  float row_sum = lane < p.block ? exp2_ftz(my_score - row_max) : 0.f;
   for (int split = lane; split < p.splits; split += 32) {
-    row_sum += stats[2 * split + 1] * expf(stats[2 * split] - row_max);
+    row_sum += stats[2 * split + 1] * exp2_ftz(stats[2 * split] - row_max);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
 #pragma unroll 4
   for (int split = 0; split < p.splits; ++split) {
-    const float scale = expf(stats[2 * split] - row_max);
+    const float scale = exp2_ftz(stats[2 * split] - row_max);
     const float* o_part = p.partial_out + (at0 + split) * D;
 #pragma unroll
     for (int c = 0; c < kPerLane; ++c) acc[c] = fmaf(o_part[lane + 32 * c], scale, acc[c]);
   }
   for (int n = 0; n < p.block; ++n) {
-    const float weight = expf(__shfl_sync(0xffffffffu, my_score, n) - row_max);
+    const float weight = exp2_ftz(__shfl_sync(0xffffffffu, my_score, n) - row_max);
     const T* v_row = static_cast<const T*>(p.v_block) + b * p.vb_stride_b + n * p.vb_stride_g +
                      h * p.vb_stride_h;
 #pragma unroll
@@ -405,7 +408,8 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
   const float inv = 1.f / row_sum;
 #pragma unroll
   for (int c = 0; c < kPerLane; ++c) attn_store(out + lane + 32 * c, acc[c] * inv);
-  if (p.lse && lane == 0) p.lse[out_row] = row_max + logf(row_sum);
+  // Back to base e: lse = ln 2 * (max + log2(sum)).
+  if (p.lse && lane == 0) p.lse[out_row] = (row_max + log2f(row_sum)) * 0.693147180559945309f;
 }
 
 template <typename T, int D>
