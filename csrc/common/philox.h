@@ -84,7 +84,9 @@ DSPARK_HOST_DEVICE float uniform_from_bits(uint32_t bits) {
 // Uniform number `element` of stream (seed, position, purpose).
 DSPARK_HOST_DEVICE float philox_uniform(int64_t seed, int64_t position, uint32_t purpose,
                                         uint32_t element) {
-  return uniform_from_bits(philox_block(seed, position, purpose, element >> 2).x[element & 3]);
+  const Philox4 block = philox_block(seed, position, purpose, element >> 2);
+  const uint32_t k = element & 3;  // selected, not indexed: a runtime index puts x in local memory
+  return uniform_from_bits(k == 0 ? block.x[0] : k == 1 ? block.x[1] : k == 2 ? block.x[2] : block.x[3]);
 }
 
 }  // namespace dspark_ops
