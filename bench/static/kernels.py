@@ -428,8 +428,10 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
         vector = first_matching(binary, filt, [scan_vec, scan]) == 0
         load = (r"^LDG\.E\.128", 2) if vector else (r"^LDG\.E$", 8)
         scan = scan_vec if vector else scan
-        hist = LoopSpec("first-digit histogram", {load[0]: load[1], r"^ATOMS\.ADD": 8}, 8,
-                        (r"^ATOMS\.ADD", 8))
+        # By count (top-k): one shared increment per element (ATOMS.POPC.INC; the gather pass's
+        # warp-aggregated ATOMS.ADD is a different loop).
+        hist = LoopSpec("first-digit histogram", {load[0]: load[1], r"^ATOMS\.POPC\.INC": 8}, 8,
+                        (r"^ATOMS\.POPC\.INC", 8))
         redraw = LoopSpec("drop + redraw", {load[0]: load[1], r"^STG\.E$": 8,
                                             PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^STG\.E$", 8))
         n = batch * vocab
