@@ -4,8 +4,8 @@
 // On CUDA this is one MUFU.EX2 (ex2.approx.ftz.f32, within 2 ulp: CUDA's exp2f is the same
 // instruction plus a rescale for results below 2^-126; expf is a dozen instructions). The host
 // branch computes the same value up to that approximation, flush included, so the emulated
-// kernels and the CPU kernels see what the GPU sees: a weight below 2^-126 of the row's largest
-// is 0 (it could matter only with probability below 1e-38).
+// kernels (and the CPU kernels' scalar paths) treat a weight below 2^-126 of the row's largest as
+// the GPU does: 0 (it could matter only with probability below 1e-38).
 #pragma once
 
 #include <cfloat>
