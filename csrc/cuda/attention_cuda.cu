@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.length = static_cast<int>(a.length);
   p.num_slots = static_cast<int>(std::min<int64_t>(a.slots, INT32_MAX));
   p.window = a.window >= 0 ? static_cast<int>(std::min<int64_t>(a.window, a.length)) : -1;
-  p.scale_log2 = static_cast<float>(double{a.scale} * 1.4426950408889634074);  // log2(e)
+  p.scale_log2 = a.scale * kLog2e;  // common/exp2.h, as softmax_weight scales 1/T
 
   // Split the visible context (at most L, or the window) so that the blocks fill whole waves even
   // when B * Hkv is small; each split is a whole number of 64-row tiles. A block's work is ~1/s of

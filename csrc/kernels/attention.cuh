@@ -408,8 +408,8 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
   const float inv = 1.f / row_sum;
 #pragma unroll
   for (int c = 0; c < kPerLane; ++c) attn_store(out + lane + 32 * c, acc[c] * inv);
-  // Back to base e: lse = ln 2 * (max + log2(sum)).
-  if (p.lse && lane == 0) p.lse[out_row] = (row_max + log2f(row_sum)) * 0.693147180559945309f;
+  // Back to base e: lse = (max + log2(sum)) / log2(e).
+  if (p.lse && lane == 0) p.lse[out_row] = (row_max + log2f(row_sum)) / kLog2e;
 }
 
 template <typename T, int D>
