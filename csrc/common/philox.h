@@ -86,7 +86,10 @@ DSPARK_HOST_DEVICE float philox_uniform(int64_t seed, int64_t position, uint32_t
                                         uint32_t element) {
   const Philox4 block = philox_block(seed, position, purpose, element >> 2);
   const uint32_t k = element & 3;  // selected, not indexed: a runtime index puts x in local memory
-  return uniform_from_bits(k == 0 ? block.x[0] : k == 1 ? block.x[1] : k == 2 ? block.x[2] : block.x[3]);
+  return uniform_from_bits(k == 0   ? block.x[0]
+                           : k == 1 ? block.x[1]
+                           : k == 2 ? block.x[2]
+                                    : block.x[3]);
 }
 
 }  // namespace dspark_ops

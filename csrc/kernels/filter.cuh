@@ -50,9 +50,10 @@ struct Descent {
 
 // One digit of a descent over the candidates `source` visits (source(visit) calls
 // visit(key, weight) for this thread's share of them, weight() giving the candidate's softmax
-// weight: a row's weights are computed only where a pass uses them): the candidates with key >= lower that share d.prefix are
-// histogrammed by count (or, by_weight, by weight), and d moves to the chosen bucket. `limit` is
-// the count bound, or the fraction of the level-0 total weight. Every thread calls it alike.
+// weight: a row's weights are computed only where a pass uses them): the candidates with
+// key >= lower that share d.prefix are histogrammed by count (or, by_weight, by weight), and d
+// moves to the chosen bucket. `limit` is the count bound, or the fraction of the level-0 total
+// weight. Every thread calls it alike.
 template <typename Source>
 __device__ void descend_digit(const Source& source, uint32_t lower, bool by_weight, double limit,
                               Descent& d, FilterShared& sh) {
