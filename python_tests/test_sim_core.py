@@ -177,6 +177,39 @@ def _selftest_barrier_in(kernel: str, after: str) -> str:
     return f"drop_barrier:selftest.cpp:{line + 1}"
 
 
+# ---- cp.async (kernels/async_copy.cuh): copies land at the wait that completes them
+
+
+def test_async_copy_groups_and_zero_fill(sim):
+    """Two copy groups per thread: the group-0 chunk is read after a wait that leaves one group
+    pending, another thread's group-1 chunk after the last wait and a barrier; chunks at or past
+    n are zero-filled without reading x."""
+    x = torch.randn(256, generator=torch.Generator().manual_seed(6))
+    for n in (256, 100):
+        out = sim.selftest("async_copy", x, n)
+        want = 2 * x.view(64, 4).sum(1) * (torch.arange(64) * 4 < n)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_async_copy_read_before_its_wait_sees_poison(sim):
+    """A group still pending after cp.async.wait_group 1 holds the poison (NaN), not the data."""
+    out = sim.selftest("async_copy_early_read", torch.randn(256), 256)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize(
+    "kernel, message",
+    [
+        ("async_copy_no_wait", "exited with 2 asynchronous copies never waited for"),
+        ("async_copy_uncommitted", "exited with 1 asynchronous copies never waited for"),
+        ("async_copy_misaligned", "16-byte copy .* not aligned to its size"),
+    ],
+)
+def test_async_copy_misuse_is_reported(sim, kernel, message):
+    with pytest.raises(RuntimeError, match=message):
+        sim.selftest(kernel, torch.randn(256), 256)
+
+
 # ---- launch configuration against the emulated device
 
 
@@ -225,6 +258,8 @@ def test_unknown_device_is_an_error(sim):
         ("sum_no_barrier", "data race .* shared"),
         ("global_race", "data race .* global"),
         ("uninitialised", "uninitialised shared memory"),
+        # a race, or (when the reader runs before the issuing thread) an uninitialised read
+        ("async_copy_no_barrier", "data race .* shared|uninitialised shared memory"),
     ],
 )
 def test_races_are_reported(sim, kernel, message):
@@ -233,9 +268,9 @@ def test_races_are_reported(sim, kernel, message):
 
 
 @pytest.mark.skipif(not RACE, reason="the race checker runs in the race flavour")
-@pytest.mark.parametrize("kernel", ["sum", "warp_sum", "global_atomic"])
+@pytest.mark.parametrize("kernel", ["sum", "warp_sum", "global_atomic", "async_copy"])
 def test_correct_kernels_have_no_race(sim, kernel):
-    x = torch.randn(64)
+    x = torch.randn(256 if kernel == "async_copy" else 64)
     out = sim.selftest(kernel, x, 64)
     if kernel == "global_atomic":
         torch.testing.assert_close(out[0], x.sum(), rtol=1e-5, atol=1e-5)
@@ -247,12 +282,13 @@ def test_correct_kernels_have_no_race(sim, kernel):
 @pytest.mark.skipif(not ASAN, reason="bounds checks run in the asan flavour")
 @pytest.mark.parametrize(
     "kernel, n",
-    [("sum_tail", 50), ("shared_overflow", 64), ("dynamic_copy", 32)],
+    [("sum_tail", 50), ("shared_overflow", 64), ("dynamic_copy", 32), ("async_copy_tail", 128)],
 )
 def test_out_of_bounds_is_reported(sim, kernel, n):
-    """One past a global buffer (x has exactly n elements), one past a static __shared__ array,
-    and before the start of the dynamic shared buffer (32 floats for 64 threads)."""
-    x = torch.randn(max(n, 64) if kernel != "sum_tail" else n)
+    """One past a global buffer (x has exactly n elements; for cp.async, a 16-byte copy read at
+    its wait), one past a static __shared__ array, and before the start of the dynamic shared
+    buffer (32 floats for 64 threads)."""
+    x = torch.randn(n if kernel in ("sum_tail", "async_copy_tail") else max(n, 64))
     with pytest.raises(RuntimeError, match="out of bounds"):
         sim.selftest(kernel, x, n)
 
@@ -262,6 +298,7 @@ def test_in_bounds_kernels_are_quiet(sim):
     x = torch.randn(64)
     sim.selftest("sum", x, 64)
     assert torch.equal(sim.selftest("dynamic_copy", x, 64), x)
+    sim.selftest("async_copy_tail", torch.randn(260), 256)
 
 
 # ---- the emulation against the hardware (runs only where a GPU is present: bench/gpu_check.sh)

@@ -391,8 +391,9 @@ _LOAD_BYTES = {"": 4, "U8": 1, "S8": 1, "U16": 2, "S16": 2, "8": 1, "16": 2, "32
 
 
 def global_load_bytes(ins: Instr) -> int:
-    """Bytes a global load instruction reads per thread (0 for anything else)."""
-    if ins.base_op not in ("LDG", "LD"):
+    """Bytes a global load instruction reads per thread (0 for anything else): LDG/LD into
+    registers, or LDGSTS (cp.async) straight into shared memory."""
+    if ins.base_op not in ("LDG", "LD", "LDGSTS"):
         return 0
     width = 4
     for mod in ins.opcode.split(".")[1:]:
@@ -444,6 +445,18 @@ def _first_register(ins: Instr) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _async(ins: Instr) -> bool:
+    """A cp.async copy (LDGSTS): no destination register; outstanding until a DEPBAR waits for
+    its group (LDGDEPBAR commits the copies issued since the last one)."""
+    return ins.base_op == "LDGSTS"
+
+
+def _depbar_pending(ins: Instr) -> Optional[int]:
+    """For ``DEPBAR.LE SB0, N`` (cp.async.wait_group N): the groups that may stay pending."""
+    m = re.match(r"DEPBAR\.LE\s+SB0\s*,\s*(0x[0-9a-fA-F]+|\d+)", ins.body)
+    return int(m.group(1), 0) if m else None
+
+
 def _load_dest(ins: Instr) -> set:
     r = _first_register(ins)
     if r is None:
@@ -465,6 +478,9 @@ def _consumed_loads(path: Path, loads: Optional[str] = None) -> set:
     for k in range(n):
         if not global_load_bytes(seq[k]) or (loads and not matches(seq[k], loads)):
             continue
+        if _async(seq[k]):
+            used.add(k)  # its data goes to shared memory whether or not the path reads it
+            continue
         dest = _load_dest(seq[k])
         for later in seq[k + 1:k + n]:
             if _complement(later.pred, seq[k].pred):
@@ -481,19 +497,30 @@ def _consumed_loads(path: Path, loads: Optional[str] = None) -> set:
 def bytes_in_flight(path: Path, loads: Optional[str] = None) -> int:
     """Most global-load bytes one thread has issued and not yet used along the path (run twice
     in a row, so loads issued for the next iteration count): a load is outstanding from its issue
-    until the first instruction that reads one of its destination registers. Loads whose result
-    the path never reads are left out (predicated off)."""
+    until the first instruction that reads one of its destination registers, a cp.async copy
+    until the DEPBAR that waits for its group. Loads whose result the path never reads are left
+    out (predicated off)."""
     live = _consumed_loads(path, loads)
     n = len(path.instrs)
     outstanding: List[Tuple[set, int, Optional[str]]] = []
+    open_group, groups = 0, []  # cp.async: bytes of the open group, then of each committed one
     most = 0
     for k, ins in enumerate(path.instrs + path.instrs):
         used = _reads(ins)
         outstanding = [(regs, b, p) for regs, b, p in outstanding
                        if not (regs & used) or _complement(ins.pred, p)]
+        if ins.base_op == "LDGDEPBAR":
+            groups.append(open_group)
+            open_group = 0
+        pending = _depbar_pending(ins)
+        if pending is not None:
+            groups = groups[-pending:] if pending else []
         if k % n in live:
-            outstanding.append((_load_dest(ins), global_load_bytes(ins), ins.pred))
-        most = max(most, sum(b for _, b, _ in outstanding))
+            if _async(ins):
+                open_group += global_load_bytes(ins)
+            else:
+                outstanding.append((_load_dest(ins), global_load_bytes(ins), ins.pred))
+        most = max(most, sum(b for _, b, _ in outstanding) + open_group + sum(groups))
     return most
 
 

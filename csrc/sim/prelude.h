@@ -144,6 +144,37 @@ inline T __ldg(const T* p) { return *p; }
 template <typename T>
 inline T __ldcg(const T* p) { return *p; }
 
+// ---- cp.async (kernels/async_copy.cuh): the destination is poisoned at issue (a write of the
+// issuing thread: the hardware's may land any time after it) and the copy is made by the issuing
+// thread at the wait that completes it, through these instrumented loads and stores, so the race
+// checker sees the writes and the bounds checker the source reads.
+namespace dspark_sim {
+inline void copy_async(Site site, void* dst, const void* src, int bytes, int src_bytes) {
+  if (!async_copy_issue(site, AsyncCopy{dst, src, bytes, src_bytes})) return;
+  auto* words = static_cast<uint32_t*>(dst);
+  for (int i = 0; i < bytes / 4; ++i) words[i] = 0xFFFFFFFFu;  // NaN as any float type
+}
+inline void copy_async_commit() { async_copy_commit(); }
+inline void copy_async_wait(int pending) {
+  AsyncCopy done[32];
+  for (int n; (n = async_copy_take(pending, done, 32)) > 0;) {
+    for (int k = 0; k < n; ++k) {
+      auto* dst = static_cast<unsigned char*>(done[k].dst);
+      const auto* src = static_cast<const unsigned char*>(done[k].src);
+      for (int i = 0; i < done[k].bytes; i += 4) {
+        uint32_t word = 0;  // bytes past src_bytes are zero-filled
+        if (i + 4 <= done[k].src_bytes) {
+          word = *reinterpret_cast<const uint32_t*>(src + i);
+        } else {
+          for (int j = i; j < done[k].src_bytes; ++j) word |= uint32_t{src[j]} << (8 * (j - i));
+        }
+        *reinterpret_cast<uint32_t*>(dst + i) = word;
+      }
+    }
+  }
+}
+}  // namespace dspark_sim
+
 // ---- bit casts and integer helpers nvcc provides as device functions
 inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }

@@ -178,6 +178,15 @@ struct Fiber {
   int tid = 0;
   Wait wait = Wait::kReady;
   Site site{};  // where it waits
+  // cp.async: issued copies not yet completed, each with its group (groups below `committed`
+  // are committed; the open group is `committed`) and where it was issued.
+  struct PendingCopy {
+    AsyncCopy copy;
+    int group;
+    Site site;
+  };
+  std::vector<PendingCopy> copies;
+  int committed = 0;
 };
 
 struct Collective {
@@ -296,6 +305,14 @@ void fiber_main() {
   current_thread = &self->state;
   g_block->body(g_block->closure);
   // The thread returned from the kernel.
+  if (!self->copies.empty()) {
+    add_report("cp.async", thread_name(*self) + " exited with " +
+                               std::to_string(self->copies.size()) +
+                               " asynchronous copies never waited for (the first issued at " +
+                               where(self->copies.front().site) + ")",
+               true);
+    self->copies.clear();
+  }
   self->wait = Wait::kExited;
   g_block->live -= 1;
   g_block->exited += 1;
@@ -712,6 +729,60 @@ cudaError_t device_attribute(int* value, cudaDeviceAttr attribute, int) {
   return cudaSuccess;
 }
 
+// ------------------------------------------------------------------------------------------------
+// cp.async: the queue of each thread's copies (PTX ISA "cp.async", "cp.async.wait_group").
+
+bool async_copy_issue(Site site, const AsyncCopy& copy) {
+  if (!g_running) trap(site);
+  Fiber& f = *g_running;
+  const auto misaligned = [&](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(copy.bytes) != 0;
+  };
+  std::ostringstream problem;
+  if (copy.bytes != 4 && copy.bytes != 8 && copy.bytes != 16) {
+    problem << "a copy of " << copy.bytes << " bytes (cp.async copies 4, 8 or 16)";
+  } else if (copy.src_bytes < 0 || copy.src_bytes > copy.bytes) {
+    problem << "a source size of " << copy.src_bytes << " for a copy of " << copy.bytes << " bytes";
+  } else if (misaligned(copy.dst) || misaligned(copy.src)) {
+    problem << "a " << copy.bytes << "-byte copy from " << copy.src << " to " << copy.dst
+            << " not aligned to its size";
+  } else if (g_block->dynamic_shared &&
+             (static_cast<const unsigned char*>(copy.dst) <
+                  static_cast<const unsigned char*>(g_block->dynamic_shared) ||
+              static_cast<const unsigned char*>(copy.dst) + copy.bytes >
+                  static_cast<const unsigned char*>(g_block->dynamic_shared) +
+                      g_block->dynamic_bytes)) {
+    problem << "a copy to " << copy.dst << ", outside the block's " << g_block->dynamic_bytes
+            << " bytes of dynamic shared memory";
+  }
+  if (!problem.str().empty()) {
+    add_report("cp.async", thread_name(f) + " issues " + problem.str() + " at " + where(site),
+               true);
+    return false;
+  }
+  f.copies.push_back({copy, f.committed, site});
+  return true;
+}
+
+void async_copy_commit() {
+  if (!g_running) trap(Site{"cp.async.commit_group", 0});
+  g_running->committed += 1;
+}
+
+int async_copy_take(int pending, AsyncCopy* out, int capacity) {
+  if (!g_running) trap(Site{"cp.async.wait_group", 0});
+  Fiber& f = *g_running;
+  const int complete_below = f.committed - pending;  // groups older than the `pending` newest
+  int n = 0;
+  auto keep = f.copies.begin();
+  for (auto it = f.copies.begin(); it != f.copies.end(); ++it) {
+    if (it->group < complete_below && n < capacity) out[n++] = it->copy;
+    else *keep++ = *it;
+  }
+  f.copies.erase(keep, f.copies.end());
+  return n;
+}
+
 void report(const std::string& kind, const std::string& detail) { add_report(kind, detail, false); }
 
 // ------------------------------------------------------------------------------------------------
@@ -770,6 +841,8 @@ void run_block(BlockRun& b, dim3 block_idx, dim3 grid, dim3 block) {
     f.state.block_dim = block;
     f.state.grid_dim = grid;
     f.wait = Wait::kReady;
+    f.copies.clear();
+    f.committed = 0;
     start_fiber(f);
     b.ready.push_back(t);
   }

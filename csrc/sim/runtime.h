@@ -85,6 +85,23 @@ void mma_m16n8k16(bool f16, float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2
 void* dynamic_shared();
 [[noreturn]] void trap(Site site);
 
+// cp.async (kernels/async_copy.cuh): the running thread's issued copies, queued here until a wait
+// completes them. The copy itself (and the poisoning of its destination at issue) is done by the
+// kernel-side shim in prelude.h, so that the checkers see its loads and stores.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;      // 4, 8 or 16
+  int src_bytes;  // bytes read from src, the rest zero-filled
+};
+// Queues a copy in the thread's open group; false (after a report) for a size or alignment the
+// instruction does not allow.
+bool async_copy_issue(Site site, const AsyncCopy& copy);
+void async_copy_commit();  // closes the open group
+// Moves to `out` (up to `capacity`) the copies of every committed group but the `pending` most
+// recent ones; returns how many.
+int async_copy_take(int pending, AsyncCopy* out, int capacity);
+
 // Host side: the runtime calls the launchers make.
 cudaError_t func_set_attribute(const void* func, cudaFuncAttribute attribute, int value);
 cudaError_t occupancy(int* blocks, const void* func, int threads, size_t dynamic_shared);

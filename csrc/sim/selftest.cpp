@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "../kernels/async_copy.cuh"
 #include "../kernels/launch.cuh"
 #include "../kernels/mma.cuh"
 
@@ -157,6 +158,96 @@ __global__ void dynamic_copy_kernel(const float* x, int n, float* out) {
   out[t] = buffer[n - 1 - t];
 }
 
+// cp.async through kernels/async_copy.cuh, in 2 KB of dynamic shared memory: thread t copies
+// x[4t, 4t + 4) (zero-filled where 4t >= n) as group 0 into chunk t of `own`, and x[4u, 4u + 4),
+// u = 63 - t, as group 1 into chunk t of `swapped`.
+__device__ void issue_two_groups(const float* x, int n, float* shared, float4*& own,
+                                 float4*& swapped) {
+  using namespace dspark_ops::kernels;
+  const int t = threadIdx.x, u = kThreads - 1 - t;
+  own = reinterpret_cast<float4*>(shared);
+  swapped = own + kThreads;
+  copy_async_16(own + t, x + 4 * (4 * t < n ? t : 0), 4 * t < n);
+  copy_async_commit();
+  copy_async_16(swapped + t, x + 4 * (4 * u < n ? u : 0), 4 * u < n);
+  copy_async_commit();
+}
+__device__ float chunk_sum(const float4& v) { return v.x + v.y + v.z + v.w; }
+
+// Correct: out[t] = 2 * sum(x[4t, 4t + 4)): its own group-0 chunk once the wait leaves one group
+// pending, and thread u's group-1 chunk (the same values) after the last wait and a barrier.
+__global__ void __launch_bounds__(64) async_copy_kernel(const float* x, int n, float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  float4 *own, *swapped;
+  issue_two_groups(x, n, shared, own, swapped);
+  const int t = threadIdx.x;
+  dspark_ops::kernels::copy_async_wait<1>();
+  float sum = chunk_sum(own[t]);
+  dspark_ops::kernels::copy_async_wait<0>();
+  __syncthreads();
+  out[t] = sum + chunk_sum(swapped[kThreads - 1 - t]);
+}
+
+// Defect: reads its group-1 chunk while that group may still be pending (poison: NaN).
+__global__ void __launch_bounds__(64) async_copy_early_read_kernel(const float* x, int n,
+                                                                   float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  float4 *own, *swapped;
+  issue_two_groups(x, n, shared, own, swapped);
+  dspark_ops::kernels::copy_async_wait<1>();
+  out[threadIdx.x] = chunk_sum(swapped[threadIdx.x]);
+  dspark_ops::kernels::copy_async_wait<0>();
+}
+
+// Defect: reads another thread's chunk after its own wait but with no barrier (a race).
+__global__ void __launch_bounds__(64) async_copy_no_barrier_kernel(const float* x, int n,
+                                                                   float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  float4 *own, *swapped;
+  issue_two_groups(x, n, shared, own, swapped);
+  dspark_ops::kernels::copy_async_wait<0>();
+  out[threadIdx.x] = chunk_sum(swapped[kThreads - 1 - threadIdx.x]);
+}
+
+// Defect: never waits for its copies.
+__global__ void __launch_bounds__(64) async_copy_no_wait_kernel(const float* x, int n, float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  float4 *own, *swapped;
+  issue_two_groups(x, n, shared, own, swapped);
+  out[threadIdx.x] = 0.f;
+}
+
+// Defect: waits without committing its copy (cp.async.wait_group waits for committed groups only).
+__global__ void __launch_bounds__(64) async_copy_uncommitted_kernel(const float* x, int n,
+                                                                    float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  const int t = threadIdx.x;
+  dspark_ops::kernels::copy_async_16(shared + 4 * t, x + 4 * t, 4 * t + 4 <= n);
+  dspark_ops::kernels::copy_async_wait<0>();
+  out[t] = shared[4 * t];
+}
+
+// Defect: a 16-byte copy from an address 4 bytes past a 16-byte boundary.
+__global__ void __launch_bounds__(64) async_copy_misaligned_kernel(const float* x, int n,
+                                                                   float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  const int t = threadIdx.x;
+  dspark_ops::kernels::copy_async_16(shared + 4 * t, x + 4 * t + 1, 4 * t + 5 <= n);
+  dspark_ops::kernels::copy_async_commit();
+  dspark_ops::kernels::copy_async_wait<0>();
+  out[t] = shared[4 * t];
+}
+
+// Defect: the fill bound is off by one chunk (copies x[n, n + 4) when x has n elements).
+__global__ void __launch_bounds__(64) async_copy_tail_kernel(const float* x, int n, float* out) {
+  DSPARK_EXTERN_SHARED(float, shared);
+  const int t = threadIdx.x;
+  dspark_ops::kernels::copy_async_16(shared + 4 * t, x + 4 * (4 * t <= n ? t : 0), 4 * t <= n);
+  dspark_ops::kernels::copy_async_commit();
+  dspark_ops::kernels::copy_async_wait<0>();
+  out[t] = shared[4 * t];
+}
+
 // One m16n8k16 product through kernels/mma.cuh: lane l's registers are row l of a (4 words),
 // b (2 words) and c (4 floats); d is written in c's layout.
 template <typename T>
@@ -202,6 +293,13 @@ at::Tensor selftest(const std::string& name, const at::Tensor& x, int64_t n) {
   DSPARK_SELFTEST(shuffle_outside_mask, 1, kThreads, 0)
   DSPARK_SELFTEST(global_race, 1, kThreads, 0)
   DSPARK_SELFTEST(global_atomic, 1, kThreads, 0)
+  DSPARK_SELFTEST(async_copy, 1, kThreads, 2 * kThreads * sizeof(float4))
+  DSPARK_SELFTEST(async_copy_early_read, 1, kThreads, 2 * kThreads * sizeof(float4))
+  DSPARK_SELFTEST(async_copy_no_barrier, 1, kThreads, 2 * kThreads * sizeof(float4))
+  DSPARK_SELFTEST(async_copy_no_wait, 1, kThreads, 2 * kThreads * sizeof(float4))
+  DSPARK_SELFTEST(async_copy_uncommitted, 1, kThreads, kThreads * sizeof(float4))
+  DSPARK_SELFTEST(async_copy_misaligned, 1, kThreads, kThreads * sizeof(float4))
+  DSPARK_SELFTEST(async_copy_tail, 1, kThreads, kThreads * sizeof(float4))
   // Launch configurations: n is the parameter under test.
   DSPARK_SELFTEST(dynamic_copy, 1, kThreads, size_t(n) * sizeof(float))
   if (name == "threads_over_bounds") {  // n threads for a __launch_bounds__(64) kernel

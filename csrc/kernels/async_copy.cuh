@@ -1,0 +1,60 @@
+// Asynchronous global -> shared copies (cp.async, sm_80+; PTX ISA "cp.async",
+// "cp.async.commit_group", "cp.async.wait_group"), torch-free.
+//
+// A thread issues 16-byte copies that need no registers to stage the data and are all in flight
+// together; commit_group closes the copies issued since the last commit into a group, and
+// wait_group<N> returns once at most the N most recent groups are still pending. Until then the
+// destination holds undefined bytes, and only the issuing thread's wait makes the data visible to
+// it: other threads see it after a barrier that follows the wait.
+//
+// In the SIMT emulator (csrc/sim/prelude.h) a copy poisons its destination at issue and is
+// performed by the issuing thread at the wait that completes it, through instrumented loads and
+// stores: a read before the wait sees the poison, a read by another thread without a barrier after
+// the wait is a race, and the bounds checker sees the source read. Copies never waited for are
+// reported when the thread exits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dspark_ops::kernels {
+
+// 16 bytes from global `src` to shared `dst`, both 16-byte aligned. With `fill` false nothing is
+// read and dst gets 16 zero bytes; src must still be a valid address (it is not dereferenced).
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool fill) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(src),
+               "r"(fill ? 16 : 0)
+               : "memory");
+#elif defined(DSPARK_OPS_SIM)
+  ::dspark_sim::copy_async(DSPARK_SIM_SITE, dst, src, 16, fill ? 16 : 0);
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif defined(DSPARK_OPS_SIM)
+  ::dspark_sim::copy_async_commit();
+#else
+  __trap();
+#endif
+}
+
+// Returns once at most `kPending` of this thread's most recent committed groups are incomplete.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#elif defined(DSPARK_OPS_SIM)
+  ::dspark_sim::copy_async_wait(kPending);
+#else
+  __trap();
+#endif
+}
+
+}  // namespace dspark_ops::kernels
