@@ -512,13 +512,20 @@ def test_planted_mma_and_shuffle_faults_are_caught(sim, fault):
             check(sim, t, seqlens, fault, cache_slot=cache_slot)
 
 
-def test_planted_tile_barrier_is_caught(sim):
-    """Without the barrier after the K/V tile loads, a warp reads tile rows other warps have not
-    stored yet: the race flavour reports it (uninitialised shared memory, a data race); in the
-    plain flavour the first thread to run always reads the emulator's 0xFF-poisoned shared memory
-    (NaN in 16-bit), so the output holds NaN and fails the comparison."""
-    t, seqlens, cache_slot = fault_case()
-    site = emulator.barrier_site("attention.cuh", "load_kv_tiles<T, D>(k_base, p.kc_stride_l")
+@pytest.mark.parametrize("after", [
+    "copy_async_wait<1>();  // this thread's K(lo)",   # the first K tile (and q) visible
+    "copy_async_wait<0>();  // V(k0)",                 # V visible, K consumed
+    "copy_async_wait<0>();  // K(next)",               # the next K visible, V consumed
+])
+def test_planted_tile_barrier_is_caught(sim, after):
+    """Without one of the barriers around the K/V tile copies, a warp reads tile rows whose
+    copies other threads have not yet waited for, or a copy overwrites a tile another warp still
+    reads: the race flavour reports it (a data race, or uninitialised shared memory); in the
+    plain flavour a copy's destination holds the emulator's 0xFF poison (NaN in 16-bit) from its
+    issue until the issuing thread's wait, so the output holds NaN (the log-sum-exp too where K
+    is read early) and fails the comparison."""
+    t, seqlens, cache_slot = fault_case()  # 4 tiles per split: every barrier is reached
+    site = emulator.barrier_site("attention.cuh", after)
     with emulator.planted("drop_barrier:" + site):
         if RACE:
             with pytest.raises(RuntimeError, match=r"(?s)dspark_sim.*block_attention_split_kernel"
@@ -526,7 +533,7 @@ def test_planted_tile_barrier_is_caught(sim):
                 call(sim, t, seqlens, cache_slot)
         else:
             out, lse = call(sim, t, seqlens, cache_slot)
-            assert out.isnan().any() and lse.isnan().any()
+            assert out.isnan().any() and (lse.isnan().any() or "V(k0)" in after)
             with pytest.raises(AssertionError):
                 check(sim, t, seqlens, "dropped barrier", cache_slot=cache_slot)
 

@@ -530,10 +530,17 @@ def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: i
     kv = 2 * batch * length * kv_heads * dim * BF16
     partial = batch * kv_heads * rows * splits * (dim + 2) * F32
     q = batch * block * heads * dim * BF16
-    tile = LoopSpec("K/V tile: S=QK^T, softmax, O+=PV",
-                    {r"^HMMA": dim // 16 * 2 + dim // 8, r"^LDG\.E\.128": dim // 8},
-                    ATTN_KEYS * dim * 2 / ATTN_THREADS, (r"^HMMA", dim // 16 * 2 + dim // 8),
-                    loads=r"^LDG\.E\.128")  # the scalar loads are the unaligned fallback
+    # The K/V tiles by cp.async (LDGSTS, outstanding until the DEPBAR of their group); before,
+    # 16-byte loads through registers. The scalar loads are the unaligned fallback.
+    mmas = dim // 16 * 2 + dim // 8
+    tile_specs = [LoopSpec("K/V tile: S=QK^T, softmax, O+=PV",
+                           {r"^HMMA": mmas, r"^LDGSTS": dim // 8},
+                           ATTN_KEYS * dim * 2 / ATTN_THREADS, (r"^HMMA", mmas), loads=r"^LDGSTS"),
+                  LoopSpec("K/V tile: S=QK^T, softmax, O+=PV",
+                           {r"^HMMA": mmas, r"^LDG\.E\.128": dim // 8},
+                           ATTN_KEYS * dim * 2 / ATTN_THREADS, (r"^HMMA", mmas),
+                           loads=r"^LDG\.E\.128")]
+    tile = tile_specs[first_matching(binary, split, tile_specs)]
     split_elems = batch * kv_heads * groups * length * dim * 2
     launches = [Launch(split, f"split-KV ({splits} split(s), {groups} row group(s)/head)",
                        ATTN_THREADS, splits * kv_heads * groups * batch, smem,

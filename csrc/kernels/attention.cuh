@@ -16,11 +16,11 @@
 //     and the block keys are merged into the output and the log-sum-exp against one maximum over
 //     all of them (no serial rescaling: the splits' loads are independent).
 // P enters the second MMA rounded to the input type (float32 sums, as FlashAttention-2). The
-// merge's scores use CUDA-core FMAs (G rows per output row). At D = 64 a tile's K and V loads are
-// in flight together (load_kv_tiles); at D = 128 and 256 registers allow that only for one tensor
-// at a time. Not yet done: cp.async double buffering of the K/V tiles (which would need no
-// registers for it), 32 query rows per block (a K/V tile is read once per 16 rows), and ldmatrix
-// for the fragment reads.
+// merge's scores use CUDA-core FMAs (G rows per output row). The K/V tiles are copied by cp.async
+// (async_copy.cuh: no registers hold them in flight, so a thread has D / 16 16-byte copies of a
+// tile outstanding at once), one tensor's tile in flight while the other is used: V's during
+// S = Q K^T, the next K's during O += P V. Not yet done: 32 query rows per block (a K/V tile is
+// read once per 16 rows) and ldmatrix for the fragment reads.
 //
 // append_context_kv: one block per request copies its kept rows in 16-byte chunks where both ends
 // are aligned (unit by unit otherwise, and for a row's tail), all of a thread's loads in flight
@@ -35,8 +35,9 @@
 #include <cstdint>
 
 #include "../common/exp2.h"
-#include "mma.cuh"
+#include "async_copy.cuh"
 #include "device_cache.cuh"
+#include "mma.cuh"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
@@ -115,71 +116,53 @@ __device__ __forceinline__ T attn_round(float v) {
   return out;
 }
 
-// One thread's 16-byte chunks [first, first + kCount) of a K or V tile (kAttnKeys rows of D), zero
-// past `hi`: all loads issued before any is used.
-template <typename T, int D, int kCount>
-__device__ __forceinline__ void fetch_kv_chunks(const T* base, int64_t row_stride, int k0, int hi,
-                                                bool aligned, int first, uint4 (&v)[kCount]) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    const int idx = threadIdx.x + (first + i) * kAttnThreads;
-    const int key = idx / kChunks, c = idx % kChunks, pos = k0 + key;
-    v[i] = make_uint4(0, 0, 0, 0);
-    if (pos < hi) {
-      const T* src = base + int64_t{pos} * row_stride + 8 * c;
-      if (aligned) {
-        v[i] = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
-        T* e = reinterpret_cast<T*>(&v[i]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) e[k] = src[k];
-      }
-    }
-  }
-}
-
-template <typename T, int D, int kCount>
-__device__ __forceinline__ void store_kv_chunks(T* tile, int stride, int first,
-                                                const uint4 (&v)[kCount]) {
-  constexpr int kChunks = D / 8;
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    const int idx = threadIdx.x + (first + i) * kAttnThreads;
-    *reinterpret_cast<uint4*>(tile + (idx / kChunks) * stride + 8 * (idx % kChunks)) = v[i];
-  }
-}
-
-// Copies the K and V tiles to shared memory in batches of independent 16-byte loads per thread,
-// so a warp keeps several KB in flight instead of one load's worth. At D = 64 (4 chunks of each
-// per thread) K's and V's loads are all in flight together: one latency per tile, not two. At
-// D = 128 and 256, 8 and 4 loads per batch (the output accumulators already take 64 and 128
-// registers): K's batches, then V's.
+// Issues the copies of one K or V tile (kAttnKeys context rows of D from row k0) to shared memory
+// as one copy group. Rows at or past `hi` are zero-filled (masked keys' V rows must be finite:
+// 0 x NaN would poison O), their source address kept on row k0. Aligned rows go by cp.async, 16
+// bytes a copy, all of a thread's in flight with no registers to hold them; unaligned rows by
+// element loads, kBatch chunks in flight per thread, stored to the tile at once.
 template <typename T, int D>
-__device__ __forceinline__ void load_kv_tiles(const T* k_base, int64_t k_stride, const T* v_base,
-                                              int64_t v_stride, int k0, int hi, bool aligned,
-                                              T* k_tile, T* v_tile, int stride) {
-  constexpr int kLoads = kAttnKeys * (D / 8) / kAttnThreads;  // per thread and tile: D / 16
-  if constexpr (kLoads <= 4) {
-    uint4 k[kLoads], v[kLoads];
-    fetch_kv_chunks<T, D>(k_base, k_stride, k0, hi, aligned, 0, k);
-    fetch_kv_chunks<T, D>(v_base, v_stride, k0, hi, aligned, 0, v);
-    store_kv_chunks<T, D>(k_tile, stride, 0, k);
-    store_kv_chunks<T, D>(v_tile, stride, 0, v);
+__device__ __forceinline__ void fetch_kv_tile(const T* base, int64_t row_stride, int k0, int hi,
+                                              bool aligned, T* tile, int stride) {
+  constexpr int kChunks = D / 8;                                // 16-byte chunks per row
+  constexpr int kCount = kAttnKeys * kChunks / kAttnThreads;    // per thread: D / 16
+  const auto source = [&](int i, int& key, int& c, bool& valid) {
+    const int idx = threadIdx.x + i * kAttnThreads;
+    key = idx / kChunks, c = idx % kChunks;
+    valid = k0 + key < hi;
+    return base + int64_t{valid ? k0 + key : k0} * row_stride + 8 * c;
+  };
+  if (aligned) {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      int key, c;
+      bool valid;
+      const T* src = source(i, key, c, valid);
+      copy_async_16(tile + key * stride + 8 * c, src, valid);
+    }
   } else {
-    constexpr int kBatch = D == 256 ? 4 : 8;
-    static_assert(kLoads % kBatch == 0, "whole batches");
+    constexpr int kBatch = 4;
+    static_assert(kCount % kBatch == 0, "whole batches");
 #pragma unroll
-    for (int tensor = 0; tensor < 2; ++tensor) {
+    for (int first = 0; first < kCount; first += kBatch) {
+      uint4 chunk[kBatch];
+      T* dst[kBatch];
 #pragma unroll
-      for (int batch = 0; batch < kLoads; batch += kBatch) {
-        uint4 chunk[kBatch];
-        fetch_kv_chunks<T, D>(tensor ? v_base : k_base, tensor ? v_stride : k_stride, k0, hi,
-                              aligned, batch, chunk);
-        store_kv_chunks<T, D>(tensor ? v_tile : k_tile, stride, batch, chunk);
+      for (int i = 0; i < kBatch; ++i) {
+        int key, c;
+        bool valid;
+        const T* src = source(first + i, key, c, valid);
+        dst[i] = tile + key * stride + 8 * c;
+        chunk[i] = make_uint4(0, 0, 0, 0);
+        T* e = reinterpret_cast<T*>(&chunk[i]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) e[k] = valid ? src[k] : attn_round<T>(0.f);
       }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) *reinterpret_cast<uint4*>(dst[i]) = chunk[i];
     }
   }
+  copy_async_commit();
 }
 
 template <typename T, int D>
@@ -221,85 +204,106 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
   const T* k_base = static_cast<const T*>(p.k_cache) + slot * p.kc_stride_n + h * p.kc_stride_h;
   const T* v_base = static_cast<const T*>(p.v_cache) + slot * p.vc_stride_n + h * p.vc_stride_h;
 
+  // One tensor's tile is always in flight while the other is used: V(k0) during S = Q K(k0)^T,
+  // K(next) during O += P V(k0). The two barriers of a tile each make one tile visible and mark
+  // the other consumed, so a copy never overwrites what a warp may still read.
+  if (lo < hi) {
+    fetch_kv_tile<T, D>(k_base, p.kc_stride_l, lo, hi, p.kv_aligned, k_tile, kStride);
+    fetch_kv_tile<T, D>(v_base, p.vc_stride_l, lo, hi, p.kv_aligned, v_tile, kStride);
+  }
+  copy_async_wait<1>();  // this thread's K(lo) copies have landed (V(lo)'s may not)
+  __syncthreads();       // every thread's, and the q tile
   for (int k0 = lo; k0 < hi; k0 += kAttnKeys) {
-    __syncthreads();  // the previous tile is no longer read (and the q tile is written)
-    load_kv_tiles<T, D>(k_base, p.kc_stride_l, v_base, p.vc_stride_l, k0, hi, p.kv_aligned, k_tile,
-                        v_tile, kStride);
-    __syncthreads();
-    const int key0 = k0 + 16 * warp;
-    if (key0 >= hi) continue;  // warp-uniform: no key of this warp in the tile
-
-    // S = Q K^T over this warp's 16 keys: two 16x8 tiles.
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int key0 = k0 + 16 * warp, next = k0 + kAttnKeys;
+    const bool active = key0 < hi;  // warp-uniform: some key of this warp is in the tile
+    // P of this warp's 16 keys (rows g and g + 8), rounded to the input type for the second MMA;
+    // the sums stay float32 (exact log-sum-exp; the output's weights are off by the rounding, up
+    // to 2^-8 relative for bfloat16 and 2^-11 for float16).
+    uint32_t pa[4] = {0u, 0u, 0u, 0u};
+    float rescale[2] = {1.f, 1.f};
+    if (active) {
+      // S = Q K^T over this warp's 16 keys: two 16x8 tiles.
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const T* qa = q_tile + g * kStride + kk * 16 + 2 * t;
-      const uint32_t a0 = attn_word(qa), a1 = attn_word(qa + 8 * kStride);
-      const uint32_t a2 = attn_word(qa + 8), a3 = attn_word(qa + 8 * kStride + 8);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const T* qa = q_tile + g * kStride + kk * 16 + 2 * t;
+        const uint32_t a0 = attn_word(qa), a1 = attn_word(qa + 8 * kStride);
+        const uint32_t a2 = attn_word(qa + 8), a3 = attn_word(qa + 8 * kStride + 8);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const T* kb = k_tile + (16 * warp + 8 * nt + g) * kStride + kk * 16 + 2 * t;
+          mma_m16n8k16<T>(s[nt], a0, a1, a2, a3, attn_word(kb), attn_word(kb + 8));
+        }
+      }
+      // Scale, mask, and the online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3).
+      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const T* kb = k_tile + (16 * warp + 8 * nt + g) * kStride + kk * 16 + 2 * t;
-        mma_m16n8k16<T>(s[nt], a0, a1, a2, a3, attn_word(kb), attn_word(kb + 8));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * nt + 2 * t + (e & 1);
+          s[nt][e] = key < hi ? s[nt][e] * p.scale_log2 : -INFINITY;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+        }
+      }
+      float base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[r], tile_max[r]);  // finite: a key of the warp is valid
+        base[r] = new_max;
+        rescale[r] = exp2_ftz(row_max[r] - new_max);  // 0 on the first tile
+        row_max[r] = new_max;
+      }
+      T prob[2][4];
+      float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float weight = exp2_ftz(s[nt][e] - base[e >> 1]);
+          prob[nt][e] = attn_round<T>(weight);
+          tile_sum[e >> 1] += weight;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+        tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+        row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
+      }
+      // The S accumulators are already P's A fragment (k = the 16 keys).
+      pa[0] = attn_pack(prob[0][0], prob[0][1]), pa[1] = attn_pack(prob[0][2], prob[0][3]);
+      pa[2] = attn_pack(prob[1][0], prob[1][1]), pa[3] = attn_pack(prob[1][2], prob[1][3]);
+    }
+    copy_async_wait<0>();  // V(k0)
+    __syncthreads();       // V(k0) visible; every warp is done with K(k0)
+    if (next < hi) {
+      fetch_kv_tile<T, D>(k_base, p.kc_stride_l, next, hi, p.kv_aligned, k_tile, kStride);
+    }
+    if (active) {
+      // O += P V.
+      const T* vb = v_tile + (16 * warp + 2 * t) * kStride + g;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= rescale[0], o[n][1] *= rescale[0], o[n][2] *= rescale[1], o[n][3] *= rescale[1];
+        const T* col = vb + 8 * n;
+        const uint32_t b0 = attn_pack(col[0], col[kStride]);
+        const uint32_t b1 = attn_pack(col[8 * kStride], col[9 * kStride]);
+        mma_m16n8k16<T>(o[n], pa[0], pa[1], pa[2], pa[3], b0, b1);
       }
     }
-    // Scale, mask, and the online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3).
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + 8 * nt + 2 * t + (e & 1);
-        s[nt][e] = key < hi ? s[nt][e] * p.scale_log2 : -INFINITY;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
-      }
-    }
-    float rescale[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);  // finite: a key of the warp is valid
-      base[r] = new_max;
-      rescale[r] = exp2_ftz(row_max[r] - new_max);  // 0 on the first tile
-      row_max[r] = new_max;
-    }
-    // P enters the second MMA rounded to the input type; the sums stay float32 (exact
-    // log-sum-exp; the output's weights are off by the rounding, up to 2^-8 relative for
-    // bfloat16 and 2^-11 for float16).
-    T prob[2][4];
-    float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float weight = exp2_ftz(s[nt][e] - base[e >> 1]);
-        prob[nt][e] = attn_round<T>(weight);
-        tile_sum[e >> 1] += weight;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
-      tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
-      row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
-    }
-    // O += P V: the S accumulators are already P's A fragment (k = the 16 keys).
-    const uint32_t a0 = attn_pack(prob[0][0], prob[0][1]), a1 = attn_pack(prob[0][2], prob[0][3]);
-    const uint32_t a2 = attn_pack(prob[1][0], prob[1][1]), a3 = attn_pack(prob[1][2], prob[1][3]);
-    const T* vb = v_tile + (16 * warp + 2 * t) * kStride + g;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= rescale[0], o[n][1] *= rescale[0], o[n][2] *= rescale[1], o[n][3] *= rescale[1];
-      const T* col = vb + 8 * n;
-      const uint32_t b0 = attn_pack(col[0], col[kStride]);
-      const uint32_t b1 = attn_pack(col[8 * kStride], col[9 * kStride]);
-      mma_m16n8k16<T>(o[n], a0, a1, a2, a3, b0, b1);
+    copy_async_wait<0>();  // K(next)
+    __syncthreads();       // K(next) visible; every warp is done with V(k0)
+    if (next < hi) {
+      fetch_kv_tile<T, D>(v_base, p.vc_stride_l, next, hi, p.kv_aligned, v_tile, kStride);
     }
   }
 
-  // Merge the four warps' partials in shared memory (the tiles are no longer needed) and write one
-  // partial per split, so the merge kernel folds one partial per split, not four.
-  __syncthreads();
+  // Merge the four warps' partials in shared memory and write one partial per split, so the merge
+  // kernel folds one partial per split, not four. (The tiles are no longer read: the loop's last
+  // barrier, or the prologue's when the split has no context, ordered every read before this.)
   float* warp_out = reinterpret_cast<float*>(attn_smem);        // [kAttnWarps][kAttnRows][D]
   float* warp_max = warp_out + kAttnWarps * kAttnRows * D;      // [kAttnWarps][kAttnRows]
   float* warp_sum = warp_max + kAttnWarps * kAttnRows;          // [kAttnWarps][kAttnRows]
