@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Dict, List, Optional, Tuple
 
 from bench.static import sass
@@ -288,6 +289,7 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
 # markov_draft / rnn_draft (csrc/kernels/draft.cuh, csrc/cuda/draft_cuda.cu)
 
 DRAFT_THREADS, TILE_ROWS, MAX_GROUP, K_CHUNK = 256, 128, 64, 32
+DRAFT_WARPS = DRAFT_THREADS // 32
 FILTER_THREADS = 1024  # draft.cuh kFilterThreads
 
 
@@ -338,6 +340,27 @@ def vote_fraction(grid_tiles: int, tiles: int, slack: float) -> float:
     return calls / tiles
 
 
+def warp_tile_shares(vocab: int, grid_tiles: int) -> List[int]:
+    """16-row tiles per block of draft_slot_kernel: warp w of block x takes tiles w * grid + x,
+    then every DRAFT_WARPS * grid-th."""
+    warp_tiles, stride = (vocab + 15) // 16, DRAFT_WARPS * grid_tiles
+    return [sum(max(0, (warp_tiles - (w * grid_tiles + x) + stride - 1) // stride)
+                for w in range(DRAFT_WARPS)) for x in range(grid_tiles)]
+
+
+def warp_interleaved(binary: Binary, kernel: KernelInfo) -> bool:
+    """Whether the slot kernel's tile loop (its largest outermost loop) steps by
+    DRAFT_WARPS * gridDim.x, the warp-interleaved walk, rather than by gridDim.x: its latch scales
+    the step by 8 (``IMAD.WIDE.U32 R10, R97, 0x8, R10``; earlier builds add gridDim.x itself)."""
+    cfg = binary.cfg(kernel.name)
+    outer = [loop for loop in cfg.loops if loop.parent is None]
+    if not outer:
+        return False
+    tiles = max(outer, key=lambda loop: len(loop.blocks))
+    return any(re.match(r"(IMAD|LEA|SHF\.L)\S* .*, 0x%x\b" % DRAFT_WARPS, i.body)
+               for latch in tiles.latches for i in cfg.blocks[latch].instrs)
+
+
 def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn: bool,
              sampled: bool = True, hidden: int = 2560, filtered: bool = False) -> Op:
     passes = 2 if rnn else 1
@@ -352,7 +375,11 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
     bps = occ_of(slot, DRAFT_THREADS, dyn).blocks_per_sm
     tiles = (vocab + TILE_ROWS - 1) // TILE_ROWS
     grid_tiles = min(max(bps * H200.sms // groups, 1), tiles)
-    imbalance = math.ceil(tiles / grid_tiles) / (tiles / grid_tiles)
+    if warp_interleaved(binary, slot):
+        # The warps walk 16-row tiles interleaved over the grid: the busiest block's share.
+        imbalance = max(warp_tile_shares(vocab, grid_tiles)) / ((vocab + 15) // 16 / grid_tiles)
+    else:  # earlier builds: each block walks whole 128-row tiles
+        imbalance = math.ceil(tiles / grid_tiles) / (tiles / grid_tiles)
     ct = (min(group, batch) + 7) // 8                    # MMA column tiles per block
     chunks = (rank + K_CHUNK - 1) // K_CHUNK
     mma = LoopSpec("W2 x inputs (mma.sync)",
@@ -376,8 +403,8 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
         # The epilogue's two warp votes: the logarithms (log1pf and logf: two exponent
         # extractions per element, 4 elements per lane) and the reductions + global atomicMax
         # (2 per call). Their fractions of warp calls are ASSUMPTIONS (vote_fraction); each
-        # block runs exactly one first tile, so the busiest SM's extra tile (imbalance) is a late
-        # one that rarely votes in: the vote blocks' elements are divided by the imbalance.
+        # warp runs exactly one first tile, so the busiest SM's extra tiles (imbalance) are late
+        # ones that rarely vote in: the vote blocks' elements are divided by the imbalance.
         # One column tile's share of the epilogue's anchors with its vote block, times ct: a
         # path search over all tiles' anchors at once grows too large with the bf16 store path.
         epi_tile = dataclasses.replace(epi, need={a: n // ct for a, n in epi.need.items()},

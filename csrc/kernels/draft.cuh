@@ -5,10 +5,11 @@
 // Ids are not trusted: an id outside [0, V) embeds as a zero row and is never used as an address.
 //
 // markov_draft: one launch of draft_slot_kernel per slot j (G launches, no host work between).
-//   Grid (tiles, request groups): a block takes up to 64 requests and walks 128-row tiles of the
-//   vocabulary. Its prologue gathers the group's bias inputs W1[x_j] (x_j = the anchor, or the token
+//   Grid (tiles, request groups): a block takes up to 64 requests and its warps walk 16-row tiles
+//   of the vocabulary, interleaved over the grid so every block gets the same share to within one
+//   tile. Its prologue gathers the group's bias inputs W1[x_j] (x_j = the anchor, or the token
 //   the previous launch wrote) into shared memory, every thread's loads in flight together; per
-//   tile each warp multiplies 16 rows of W2 by all of them with mma.sync m16n8k16 (bf16/fp16 in,
+//   tile a warp multiplies 16 rows of W2 by all of them with mma.sync m16n8k16 (bf16/fp16 in,
 //   float32 accumulate; float32 weights use CUDA-core FMAs in the same register layout), so W2 is
 //   read from HBM once per slot for up to 64 requests. The epilogue (base logits of the kernel's
 //   Base type) adds the base logits, stores z = draft_logits (float32, or z rounded to bfloat16,
@@ -589,7 +590,13 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
 
   const int column_tiles = (members + 7) / 8;
   const int warp = warp_index();
-  for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
+  // Warp w of block x takes the 16-row warp tiles w * gridDim.x + x, x + (w + 8) * gridDim.x, ...:
+  // the leftover of the last round falls on the low warps of every block, not on whole blocks, so
+  // every block holds its share of the vocabulary to within a warp tile and the SMs finish
+  // together whichever blocks the hardware pairs on one.
+  const int64_t warp_tiles = (p.vocab + 15) / 16;
+  for (int64_t tile = int64_t{warp} * gridDim.x + blockIdx.x; tile < warp_tiles;
+       tile += int64_t{kDraftWarps} * gridDim.x) {
     // The grid's best keys so far (other blocks publish theirs as they go), loaded before the
     // products and folded into s.seen after them, so the load's latency is hidden.
     unsigned long long grid_best = 0;
@@ -598,13 +605,10 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
                       best[first + threadIdx.x])
                       .load(cuda::memory_order_relaxed);
     }
-    const int64_t row0 = int64_t{tile} * kTileRows + 16 * warp;
+    const int64_t row0 = tile * 16;
     float acc[kMaxGroup / 8][4] = {};
-    if (row0 < p.vocab) {
-      tile_products<W, kPasses>(p, row0, inputs, stride, p.group_size, column_tiles, acc);
-    }
+    tile_products<W, kPasses>(p, row0, inputs, stride, p.group_size, column_tiles, acc);
     if (grid_best != 0) atomicMax(&s.seen[threadIdx.x], static_cast<uint32_t>(grid_best >> 32));
-    if (row0 >= p.vocab) continue;
 #pragma unroll
     for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
       if (nt >= column_tiles) break;
