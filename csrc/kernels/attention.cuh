@@ -126,19 +126,20 @@ __device__ __forceinline__ void fetch_kv_tile(const T* base, int64_t row_stride,
                                               bool aligned, T* tile, int stride) {
   constexpr int kChunks = D / 8;                                // 16-byte chunks per row
   constexpr int kCount = kAttnKeys * kChunks / kAttnThreads;    // per thread: D / 16
-  const auto source = [&](int i, int& key, int& c, bool& valid) {
-    const int idx = threadIdx.x + i * kAttnThreads;
-    key = idx / kChunks, c = idx % kChunks;
-    valid = k0 + key < hi;
-    return base + int64_t{valid ? k0 + key : k0} * row_stride + 8 * c;
-  };
+  static_assert(kAttnThreads % kChunks == 0, "a thread's chunks share a column");
+  constexpr int kStep = kAttnThreads / kChunks;                 // rows between them
+  // Chunk i of this thread: row key0 + i * kStep, column c; one source pointer stepped along
+  // (addresses computed as they are issued, not all held in registers).
+  const int c = threadIdx.x % kChunks, key0 = threadIdx.x / kChunks;
+  const T* first_row = base + int64_t{k0} * row_stride + 8 * c;
+  const T* src = first_row + int64_t{key0} * row_stride;
+  const int64_t src_step = int64_t{kStep} * row_stride;
+  T* dst = tile + key0 * stride + 8 * c;
   if (aligned) {
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) {
-      int key, c;
-      bool valid;
-      const T* src = source(i, key, c, valid);
-      copy_async_16(tile + key * stride + 8 * c, src, valid);
+    for (int i = 0; i < kCount; ++i, src += src_step, dst += kStep * stride) {
+      const bool valid = k0 + key0 + i * kStep < hi;
+      copy_async_16(dst, valid ? src : first_row, valid);
     }
   } else {
     constexpr int kBatch = 4;
@@ -146,20 +147,18 @@ __device__ __forceinline__ void fetch_kv_tile(const T* base, int64_t row_stride,
 #pragma unroll
     for (int first = 0; first < kCount; first += kBatch) {
       uint4 chunk[kBatch];
-      T* dst[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        int key, c;
-        bool valid;
-        const T* src = source(first + i, key, c, valid);
-        dst[i] = tile + key * stride + 8 * c;
-        chunk[i] = make_uint4(0, 0, 0, 0);
+        const bool valid = k0 + key0 + (first + i) * kStep < hi;
+        const T* at = src + (first + i) * src_step;
         T* e = reinterpret_cast<T*>(&chunk[i]);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) e[k] = valid ? src[k] : attn_round<T>(0.f);
+        for (int k = 0; k < 8; ++k) e[k] = valid ? at[k] : attn_round<T>(0.f);
       }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) *reinterpret_cast<uint4*>(dst[i]) = chunk[i];
+      for (int i = 0; i < kBatch; ++i) {
+        *reinterpret_cast<uint4*>(dst + (first + i) * kStep * stride) = chunk[i];
+      }
     }
   }
   copy_async_commit();
