@@ -613,10 +613,10 @@ def test_draft_confidence_matches_cpu_and_reference(sim, params, layout):
 
 
 def test_launches(sim):
-    """G launches of draft_slot_kernel per markov_draft call, G rnn_head_kernel + G
-    draft_slot_kernel per rnn_draft call, one draft_confidence_kernel; one instantiation per
-    weight dtype, base logits dtype (a template parameter: no type switch per element) and
-    head."""
+    """G launches of draft_slot_kernel per markov_draft call, G RNN head launches (tensor cores,
+    rnn_head_mma_kernel, for 16-bit weights; rnn_head_kernel for float32) + G draft_slot_kernel
+    per rnn_draft call, one draft_confidence_kernel; one instantiation per weight dtype, base
+    logits dtype (a template parameter: no type switch per element) and head."""
     sim.clear_launch_log()
     bases = {"f32": (F32, "float"), "bf16": (BF16, "__nv_bfloat16"), "f16": (F16, "__half")}
     for weights, base in zip(("f32", "bf16", "f16"), ("bf16", "f16", "f32")):
@@ -630,7 +630,7 @@ def test_launches(sim):
         w, b = bases[weights][1], bases[base][1]
         expected[f"draft_slot_kernel<{w}, float, false>"] = 3
         expected[f"draft_slot_kernel<{w}, {b}, true>"] = 2
-        expected[f"rnn_head_kernel<{w}>"] = 2
+        expected[f"rnn_head_{'' if weights == 'f32' else 'mma_'}kernel<{w}>"] = 2
         expected[f"draft_confidence_kernel<{w}>"] = 1
     got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
     assert got == expected
@@ -732,8 +732,8 @@ def _fault_cases():
 
 def test_mma_swap_a12_breaks_the_tensor_core_path(sim):
     """mma.sync taking A registers 1 and 2 swapped (rows g+8 and columns 8.. exchanged) breaks
-    the bf16/fp16 paths (the Markov head and the RNN head's split activation), and only them: the
-    float32 CUDA-core path never issues mma.sync and still passes."""
+    the bf16/fp16 paths (the Markov head, the RNN head's product and its split activation), and
+    only them: the float32 CUDA-core path never issues mma.sync and still passes."""
     cases = _fault_cases()
     for name, case in cases.items():
         check_draft(sim, case)  # the unbroken kernel passes
@@ -741,6 +741,19 @@ def test_mma_swap_a12_breaks_the_tensor_core_path(sim):
         for name in ("markov-bf16", "markov-f16", "rnn-bf16"):
             assert emulator.caught(lambda: check_draft(sim, cases[name])), name
         check_draft(sim, cases["markov-f32"])
+
+
+def test_dropped_head_barrier_is_caught(sim):
+    """Without the __syncthreads before rnn_head_mma_kernel's warp 0 sums the eight warps'
+    partial tiles, it reads tiles other warps have not written yet (the previous block's, or
+    never written): wrong preactivations (and, in the race flavour, a reported race or
+    uninitialised read). r = 128 and d = 128: every warp has the same 16-column steps, so which
+    warp finishes first is the emulator's seeded interleaving."""
+    site = emulator.barrier_site("draft.cuh", "partial[warp][lane][e] = acc[e]")
+    case = make_case(16, 2, 300, 128, seed=219, weights="bf16", head="rnn", hidden_size=128)
+    check_draft(sim, case)
+    with emulator.planted(f"drop_barrier:{site}"):
+        assert emulator.caught(lambda: check_draft(sim, case))
 
 
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
@@ -758,7 +771,7 @@ def test_dropped_barrier_is_caught(sim, weights):
 
 def test_shuffle_off_by_one_is_caught(sim):
     """Shuffles reading the next lane break the Philox word trade and the key reductions of
-    draft_slot_kernel, rnn_head_kernel's row sums and draft_confidence's warp sum."""
+    draft_slot_kernel and draft_confidence's warp sum."""
     cases = _fault_cases()
     conf = make_confidence_case(8, 3, 200, 40, 64, seed=216)
     with emulator.planted("shuffle_off_by_one"):

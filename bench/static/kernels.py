@@ -424,21 +424,37 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                 "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
     launches = []
     if rnn:
-        head = binary.find(r"rnn_head_kernelI13__nv_bfloat16E")
         rows = 3 * rank
         width = 2 * rank + hidden
-        head_blocks = ((rows + 31) // 32) * ((batch + 7) // 8)
-        # A lane's step: a pair of columns for 4 rows x 8 requests (64 multiply-adds). The modelled
-        # loop is the bf16 hidden segment's with pair loads (12 32-bit loads; the high halves
-        # unpacked by LOP3), d of the 2r + d columns; before pair loads, the one k loop.
-        pairs = LoopSpec("J x [s; W1[x]; h] (FMA, pair loads)",
-                         {r"^FFMA": 64, r"^LDG\.E\.CONSTANT$": 12, r"^LOP3": 12}, 64,
-                         (r"^FFMA", 64))
-        single = LoopSpec("J x [s; W1[x]; h] (FMA)", {r"^FFMA": 32}, 32, (r"^FFMA", 32))
-        macs = [pairs, single][first_matching(binary, head, [pairs, single])]
+        # Newest first: the tensor-core head (a block per 16 rows x 8 requests, its eight warps
+        # splitting the 16-column steps), then the CUDA-core head.
+        version, head = binary.find_first(r"rnn_head_mma_kernelI13__nv_bfloat16E",
+                                          r"rnn_head_kernelI13__nv_bfloat16E")
+        if version == 0:
+            head_threads = 256
+            head_blocks = ((rows + 15) // 16) * ((batch + 7) // 8)
+            # A warp's step: one m16n8k16 (16 rows x 8 requests x 16 columns: 64 multiply-adds a
+            # lane) from four 32-bit J loads and two of the inputs; unrolled by 4. The modelled
+            # loop is the bf16 hidden segment's (exact in bf16: one MMA a step), d of the 2r + d
+            # columns; the float32 state's r columns take three MMAs a step.
+            macs = LoopSpec("J x [s; W1[x]; h] (mma.sync, pair loads)",
+                            {r"^HMMA": 4, r"^LDG\.E\.CONSTANT$": 24}, 64, (r"^HMMA", 1),
+                            loads=r"^LDG\.E\.CONSTANT$")
+        else:
+            head_threads = DRAFT_THREADS
+            head_blocks = ((rows + 31) // 32) * ((batch + 7) // 8)
+            # A lane's step: a pair of columns for 4 rows x 8 requests (64 multiply-adds). The
+            # modelled loop is the bf16 hidden segment's with pair loads (12 32-bit loads; the
+            # high halves unpacked by LOP3), d of the 2r + d columns; before pair loads, the one
+            # k loop.
+            pairs = LoopSpec("J x [s; W1[x]; h] (FMA, pair loads)",
+                             {r"^FFMA": 64, r"^LDG\.E\.CONSTANT$": 12, r"^LOP3": 12}, 64,
+                             (r"^FFMA", 64))
+            single = LoopSpec("J x [s; W1[x]; h] (FMA)", {r"^FFMA": 32}, 32, (r"^FFMA", 32))
+            macs = [pairs, single][first_matching(binary, head, [pairs, single])]
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
-        launches.append(Launch(head, "rnn head [g;c;o]", DRAFT_THREADS, head_blocks, 0,
+        launches.append(Launch(head, "rnn head [g;c;o]", head_threads, head_blocks, 0,
                                [term(binary, head, macs, rows * width * batch)], head_bytes,
                                count=block, note="J read once from HBM, L2 serves the batch blocks"))
     launches.append(Launch(slot, f"slot: W2 mma + sample ({groups} group(s) of {group})",

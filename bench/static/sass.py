@@ -415,14 +415,26 @@ def _operands(ins: Instr) -> List[str]:
     return [t.strip() for t in re.split(r",(?![^\[]*\])", rest) if t.strip()]
 
 
+def _mma_operand_widths(ins: Instr) -> Optional[List[int]]:
+    """Registers each source operand of an HMMA names from its first (A, B, C), by shape:
+    m16n8k16 reads 4 + 2, m16n8k8 2 + 1; C is 4 registers for float32 accumulators, else 2."""
+    m = re.match(r"HMMA\.(16816|1688)", ins.opcode)
+    if not m:
+        return None
+    a, b = (4, 2) if m.group(1) == "16816" else (2, 1)
+    return [a, b, 4 if ".F32" in ins.opcode else 2]
+
+
 def _reads(ins: Instr) -> set:
     ops = _operands(ins)
     is_store = ins.base_op in ("ST", "STG", "STS", "STL", "RED", "REDUX", "BRA", "EXIT", "BAR")
     src = ops if is_store else ops[1:]
+    widths = _mma_operand_widths(ins) or [1] * len(src)
     out = set()
-    for tok in src:
+    for tok, width in zip(src, widths + [1] * len(src)):
         for r in re.findall(r"(?<![A-Za-z0-9_])R\d+(?:\.64)?", tok):
-            out.update(_regs(r))
+            regs = _regs(r)
+            out.update(range(regs[0], regs[0] + width) if regs and width > 1 else regs)
     return out
 
 

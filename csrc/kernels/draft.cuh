@@ -24,8 +24,11 @@
 //   The last block of the group to arrive (threadfence + arrival counter) writes the tokens, which
 //   the next slot's launch reads. A persistent kernel with a grid barrier per slot would save
 //   G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
-// rnn_draft: per slot, rnn_head_kernel computes [g; c; o] = J [s; W1[x]; h] + b for every request
-//   (each warp 4 rows of J x 8 requests, float32, each lane a pair of columns per step), then
+// rnn_draft: per slot, the head computes [g; c; o] = J [s; W1[x]; h] + b for every request:
+//   rnn_head_mma_kernel for 16-bit J on tensor cores (a block per 16 rows x 8 requests, its warps
+//   splitting the columns; float32 inputs enter as three 16-bit parts, so the products are those
+//   of the float32 values), rnn_head_kernel for float32 J on CUDA cores (each warp 4 rows of J x 8
+//   requests, each lane a pair of columns per step); then
 //   draft_slot_kernel runs as above with the activation tanh(o) split into a high and a low 16-bit
 //   part (two MMAs against the same W2 fragments: ~16-bit mantissa instead of 8), and its blocks
 //   advance the state.
@@ -902,6 +905,153 @@ __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftP
   }
 }
 
+// The same product on tensor cores for 16-bit weights W: block (x, y) owns the 16 x 8 output tile
+// of rows 16x .. 16x + 16 and requests 8y .. 8y + 8; its eight warps split each input segment's
+// 16-column steps (warp w takes steps w, w + 8, ...), each accumulating its share of the tile with
+// mma.sync m16n8k16 (J rows as A, the requests' inputs as B, float32 accumulators), and the warps'
+// partial tiles are summed in warp order, so a request's sums do not depend on the batch. An input
+// of type W is exact in one B fragment; any other (the float32 state, a hidden state of another
+// type) enters as three W parts, hi + mid + lo, which carry float32's 24-bit significand (bf16:
+// 3 x 8 bits; fp16 past its range's lower end loses only bits below 2^-24), so the products are
+// those of the float32 inputs. Rows past 3r and requests past B read the last valid one and are
+// not stored.
+constexpr int kHeadMmaWarps = 8;
+constexpr int kHeadMmaThreads = 32 * kHeadMmaWarps;
+
+template <typename W>
+__device__ __forceinline__ uint16_t head_bits(W v) {
+  uint16_t bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return bits;
+}
+
+// Elements k, k + 1 of `row` as a packed pair of W (the lower index in the low half); with
+// kGuarded, zero from `len` on. One 32-bit load when kAligned and both are read.
+template <bool kAligned, bool kGuarded, typename W>
+__device__ __forceinline__ uint32_t head_weight_pair(const W* row, int k, int len) {
+  if (kAligned && (!kGuarded || k + 1 < len)) {
+    return __ldg(reinterpret_cast<const unsigned int*>(row + k));
+  }
+  const uint32_t lo = !kGuarded || k < len ? head_bits(row[k]) : 0u;
+  const uint32_t hi = !kGuarded || k + 1 < len ? head_bits(row[k + 1]) : 0u;
+  return lo | (hi << 16);
+}
+
+// Elements k, k + 1 of an input row as floats (kGuarded: zero from `len` on).
+template <bool kAligned, bool kGuarded, typename T>
+__device__ __forceinline__ float2 head_input_pair(const T* row, int k, int len) {
+  if (kAligned && (!kGuarded || k + 1 < len)) return load_pair<true>(row + k);
+  return make_float2(!kGuarded || k < len ? to_float(row[k]) : 0.f,
+                     !kGuarded || k + 1 < len ? to_float(row[k + 1]) : 0.f);
+}
+
+template <typename W>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  return static_cast<uint32_t>(head_bits(from_float<W>(lo))) |
+         (static_cast<uint32_t>(head_bits(from_float<W>(hi))) << 16);
+}
+
+// acc += the 16 x 8 x 16 product of the step whose lane columns are k, k + 1, k + 8, k + 9 (of
+// the segment starting at column k0 of J): `jg` and `jg8` are rows g and g + 8 of the tile, `in`
+// the lane's request's segment row (its B column g); `valid` false reads zeros (an id outside
+// [0, V)). kGuarded: the segment's last, partial step (columns from `len` on are zero).
+template <bool kAligned, bool kGuarded, typename W, typename T>
+__device__ __forceinline__ void head_mma_step(const W* jg, const W* jg8, int k, int len,
+                                              const T* in, bool valid, float (&acc)[4]) {
+  const uint32_t a0 = head_weight_pair<kAligned, kGuarded>(jg, k, len);
+  const uint32_t a1 = head_weight_pair<kAligned, kGuarded>(jg8, k, len);
+  const uint32_t a2 = head_weight_pair<kAligned, kGuarded>(jg, k + 8, len);
+  const uint32_t a3 = head_weight_pair<kAligned, kGuarded>(jg8, k + 8, len);
+  if constexpr (std::is_same_v<T, W>) {  // exact in one fragment
+    const uint32_t b0 = valid ? head_weight_pair<kAligned, kGuarded>(in, k, len) : 0u;
+    const uint32_t b1 = valid ? head_weight_pair<kAligned, kGuarded>(in, k + 8, len) : 0u;
+    mma_m16n8k16<W>(acc, a0, a1, a2, a3, b0, b1);
+  } else {
+    float2 x0 = valid ? head_input_pair<kAligned, kGuarded>(in, k, len) : make_float2(0.f, 0.f);
+    float2 x1 = valid ? head_input_pair<kAligned, kGuarded>(in, k + 8, len) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {  // hi, mid, lo: each the W rounding of what is left
+      mma_m16n8k16<W>(acc, a0, a1, a2, a3, pack_pair<W>(x0.x, x0.y), pack_pair<W>(x1.x, x1.y));
+      const auto rest = [](float v) { return v - to_float(from_float<W>(v)); };
+      x0 = make_float2(rest(x0.x), rest(x0.y));
+      x1 = make_float2(rest(x1.x), rest(x1.y));
+    }
+  }
+}
+
+// acc += J[rows, k0 + k] x in[k] over k in [0, len): the warp's share of the segment's 16-column
+// steps (w, w + 8, ...), the whole ones unguarded, then the partial last one if it is the warp's.
+template <bool kAligned, typename W, typename T>
+__device__ __forceinline__ void head_mma_segment(const W* jg, const W* jg8, int k0, int len,
+                                                 const T* in, bool valid, int warp, int lane,
+                                                 float (&acc)[4]) {
+  const int t = lane & 3, whole = len / 16;
+  jg += k0, jg8 += k0;
+  int step = warp;
+#pragma unroll 4
+  for (; step < whole; step += kHeadMmaWarps) {
+    head_mma_step<kAligned, false>(jg, jg8, 16 * step + 2 * t, len, in, valid, acc);
+  }
+  if (16 * step < len) {
+    head_mma_step<kAligned, true>(jg, jg8, 16 * step + 2 * t, len, in, valid, acc);
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kHeadMmaThreads) rnn_head_mma_kernel(const DraftParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int rows = 3 * p.rank, row0 = blockIdx.x * 16, b0 = blockIdx.y * 8;
+  const W* joint_weight = static_cast<const W*>(p.joint_weight);
+  const W* jg = joint_weight + int64_t{min(row0 + g, rows - 1)} * p.joint_stride;
+  const W* jg8 = joint_weight + int64_t{min(row0 + g + 8, rows - 1)} * p.joint_stride;
+  const int request = min(b0 + g, p.batch - 1);  // the lane's B column
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // Each segment's loop with pair loads when J's and the segment's rows are pair-aligned.
+  const auto segment = [&](int k0, int len, const auto* in, bool in_aligned, bool valid) {
+    if (in_aligned && pairs_aligned(joint_weight, p.joint_stride, k0)) {
+      head_mma_segment<true>(jg, jg8, k0, len, in, valid, warp, lane, acc);
+    } else {
+      head_mma_segment<false>(jg, jg8, k0, len, in, valid, warp, lane, acc);
+    }
+  };
+  segment(0, p.rank, p.state + int64_t{request} * p.rank, pairs_aligned(p.state, p.rank), true);
+  {  // W1[x_j]: a zero row for an id outside [0, V)
+    const W* w1 = static_cast<const W*>(p.w1);
+    const int64_t x = previous_token(p, request);
+    const bool ok = x >= 0 && x < p.vocab;
+    segment(p.rank, p.rank, w1 + (ok ? x : 0) * p.w1_stride, pairs_aligned(w1, p.w1_stride), ok);
+  }
+  // h_j, its dtype dispatched once, outside the loops.
+  const auto hidden_segment = [&](const auto* hidden) {
+    segment(2 * p.rank, p.hidden_size,
+            hidden + request * p.hidden_stride_b + p.slot * p.hidden_stride_j,
+            pairs_aligned(hidden, p.hidden_stride_b, p.hidden_stride_j), true);
+  };
+  switch (p.hidden_type) {
+    case kLogitBFloat16: hidden_segment(static_cast<const __nv_bfloat16*>(p.hidden)); break;
+    case kLogitHalf: hidden_segment(static_cast<const __half*>(p.hidden)); break;
+    default: hidden_segment(static_cast<const float*>(p.hidden)); break;
+  }
+  // The warps' partial tiles, summed in warp order by warp 0 (C fragment: rows g, g + 8, requests
+  // 2t, 2t + 1).
+  __shared__ float partial[kHeadMmaWarps][32][4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) partial[warp][lane][e] = acc[e];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kHeadMmaWarps; ++w) sum += partial[w][lane][e];
+    const int row = row0 + g + 8 * (e >> 1), b = b0 + 2 * t + (e & 1);
+    if (row < rows && b < p.batch) {
+      p.preactivation[int64_t{b} * rows + row] =
+          sum + to_float(static_cast<const W*>(p.joint_bias)[row]);
+    }
+  }
+}
+
 // Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with this
 // opt-in; it is per device, so it is set on every call).
 template <typename W, typename Base, bool kRnn>
@@ -945,7 +1095,12 @@ cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
   const int shared_bytes = draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
   for (int j = 0; j < p.block; ++j) {
     p.slot = j;
-    if (kRnn) {
+    if constexpr (kRnn && sizeof(W) == 2) {  // 16-bit weights: tensor cores
+      const dim3 head_grid((3 * p.rank + 15) / 16, (p.batch + 7) / 8);
+      DSPARK_LAUNCH(head_grid, kHeadMmaThreads, 0, stream, rnn_head_mma_kernel<W>)(p);
+      const cudaError_t error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+    } else if constexpr (kRnn) {
       const dim3 head_grid((3 * p.rank + kDraftWarps * kHeadRowsPerWarp - 1) /
                                (kDraftWarps * kHeadRowsPerWarp),
                            (p.batch + kHeadRequests - 1) / kHeadRequests);
