@@ -57,7 +57,7 @@ from test_draft import (
 
 pytestmark = pytest.mark.sim
 
-TILE_ROWS = 128  # kTileRows: 8 warps x 16 rows
+TILE_ROWS = 128  # kTileRows: the rows a block's 8 warps take per round of their walk (16 each)
 MAX_RESIDENT = 8 * 132  # the most draft_slot_kernel blocks any emulated device holds at once
 
 
@@ -272,15 +272,16 @@ def test_unaligned_rows_give_the_same_results(sim):
 
 
 def test_several_tiles_per_block(sim):
-    """V = 151936: 1187 tiles of 128 rows, more than the blocks the occupancy plan launches per
-    group on any emulated device (at most 8 x 132), so blocks walk two tiles and carry their
-    best keys (and the key-bound skip) from one tile to the next; greedy and sampled requests."""
+    """V = 151936: 1187 rounds of 128 rows (9496 warp tiles of 16), more than the blocks the
+    occupancy plan launches per group on any emulated device (at most 8 x 132), so warps walk two
+    tiles and carry their block's best keys (and the key-bound skip) from one tile to the next;
+    greedy and sampled requests."""
     vocab = 151936
     assert -(-vocab // TILE_ROWS) > MAX_RESIDENT
     gen = generator(201)
     case = make_case(2, 1, vocab, 20, seed=202, weights="bf16",
                      temperature=torch.tensor([0.0, 0.9]))
-    # Each request's winner in a tile that some block takes second (beyond tile MAX_RESIDENT).
+    # Each request's winner in a tile that some warp takes second (past row MAX_RESIDENT x 128).
     winners = MAX_RESIDENT * TILE_ROWS + torch.randint(0, vocab - MAX_RESIDENT * TILE_ROWS, (2,),
                                                        generator=gen)
     case.base_logits[torch.arange(2), 0, winners] += 30.0
@@ -404,10 +405,10 @@ def test_keys_overflowing_float32(sim):
 
 
 def test_overflowing_keys_across_blocks(sim):
-    """+inf keys (z / T overflowing) in row 5 of every tile from tile 2 on, over V = 151936 where
-    blocks walk two tiles: block 0's second tile holds one, so a +inf key is already the best
-    known when the lower ids' +inf keys come, which must still be computed and win by their id;
-    and a +inf key in the first tile against one in the last."""
+    """+inf keys (z / T overflowing) in row 5 of every 128 rows from row 256 on, over V = 151936
+    where warps walk two tiles: warps whose second tile holds one already know a +inf key as the
+    best when lower ids' +inf keys come, which must still be computed and win by their id; and a
+    +inf key in the first tile against one in the last."""
     vocab = 151936
     gen = generator(stable_seed("overflow-blocks"))
     base = torch.randn(2, 1, vocab, generator=gen)
@@ -610,6 +611,30 @@ def test_draft_confidence_matches_cpu_and_reference(sim, params, layout):
 # --------------------------------------------------------------------------------------------
 # Launches and planted faults
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_batch_invariance(sim, head):
+    """A request's drafts and draft_logits are bitwise the same alone, in a reordered batch and
+    among other requests (16-bit weights: the tensor-core slot kernel and RNN head, whose sums
+    run in an order that does not depend on the batch). 70 requests: two groups of the slot
+    kernel and nine of the head."""
+    case = make_case(30, 3, 700, 40, seed=stable_seed("sim-invariance", head), weights="bf16",
+                     head=head, hidden_size=40)
+    out = run_sim(sim, case)
+    others = make_case(40, 3, 700, 40, seed=stable_seed("sim-invariance-others", head),
+                       weights="bf16", head=head, hidden_size=40)
+    joined = case.replace(**{k: torch.cat([getattr(case, k), getattr(others, k)])
+                             for k in DraftCase.PER_REQUEST if getattr(case, k) is not None})
+    gen = generator(220)
+    arrangements = {"alone": torch.tensor([7]), "reordered": torch.randperm(30, generator=gen),
+                    "joined": torch.randperm(70, generator=gen)}
+    for name, index in arrangements.items():
+        got = run_sim(sim, (joined if name == "joined" else case).select(index))
+        for i, b in enumerate(index.tolist()):
+            if b < 30:
+                assert torch.equal(got.tokens[i], out.tokens[b]), (name, b)
+                assert torch.equal(got.draft_logits[i], out.draft_logits[b]), (name, b)
 
 
 def test_launches(sim):
