@@ -720,6 +720,24 @@ def test_filters_beyond_the_on_chip_candidates(sim, filters):
     assert (torch.maximum(kept, top_k) > 2560).any()
 
 
+def test_top_k_floor_with_too_many_ties(sim):
+    # top-k = 5 over rows whose 3000 largest logits tie: the k-th largest of the threads' maxima
+    # (the floor the gather starts from) has more tokens at or above it than fit on chip, so the
+    # kernel falls back to the first digit over the row; all 3000 are kept, as on the CPU.
+    batch, vocab = 2, 8193
+    gen = generator(221)
+    case = make_case(batch, 2, vocab, 8, seed=221, weights="bf16", temperature="sampled")
+    base = torch.randn(batch, 2, vocab, generator=gen)
+    base[..., torch.randperm(vocab, generator=gen)[:3000]] = 10.0
+    case = case.replace(base_logits=base, w2=torch.zeros_like(case.w2))
+    kwargs = filter_case(batch, vocab, dict(top_k=[5, 5]), 0)
+    got = dspark_ops.DraftOutput(*case.call(sim, **kwargs))
+    want = case.call(**kwargs)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(torch.isfinite(got.draft_logits), torch.isfinite(want.draft_logits))
+    assert (torch.isfinite(got.draft_logits).sum(-1) == 3000).all()
+
+
 def test_unchecked_filter_values_stay_in_bounds(sim):
     # What the CUDA entry point does not check (value checks need DSPARK_OPS_DEBUG=1): negative
     # or huge top_k, top_p outside (0, 1] or NaN, min_p outside [0, 1] or NaN. The kernel treats

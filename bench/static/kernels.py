@@ -477,16 +477,31 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                         (r"^ATOMS\.POPC\.INC", 8))
         redraw = LoopSpec("drop + redraw", {load[0]: load[1], r"^STG\.E$": 8,
                                             PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^STG\.E$", 8))
+        # The candidates' gather (a warp-aggregated ATOMS.ADD, costed as if every iteration
+        # took it). Since top-k's gather starts from the floor the threads' maxima give (two
+        # gather loops: the floor's and the fallback's), it replaces the first-digit pass.
+        gather = LoopSpec("gather candidates", {load[0]: load[1], r"^ATOMS\.ADD$": 1}, 8,
+                          (load[0], load[1]))
+        cfg = binary.cfg(filt.name)
+        gathers = sum(1 for loop in cfg.loops
+                      if sass.count(loop.instrs(cfg), load[0]) == load[1]
+                      and sass.count(loop.instrs(cfg), r"^ATOMS\.ADD$") > 0)
         n = batch * vocab
         threads = FILTER_THREADS if vector else DRAFT_THREADS
+        if gathers >= 2:
+            passes = [scan, gather, redraw]
+            note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 3 times from L2 (max, "
+                    "gather from the floor, redraw) and rewritten")
+        else:
+            passes = [scan, hist, redraw]
+            note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 4 times from L2 and "
+                    "rewritten; gather pass not costed")
         launches.append(Launch(filt, "top-k filter + redraw (block per request)", threads,
                                batch, filter_shared_bytes(),
-                               [term(binary, filt, scan, n), term(binary, filt, hist, n),
-                                term(binary, filt, redraw, n)],
+                               [term(binary, filt, spec, n) for spec in passes],
                                batch * vocab * F32, count=block, latency_s=H200.l2_latency_s,
-                               load_bytes=4 * batch * vocab * F32,
-                               note="the slot's rows (B*V*4, below the 50 MB L2) are read 4 times "
-                                    "from L2 and rewritten; gather pass not costed"))
+                               load_bytes=(len(passes) + (gathers < 2)) * batch * vocab * F32,
+                               note=note))
     floor = block * vocab * rank * BF16 + batch * block * vocab * (BF16 + F32)
     op = "rnn_draft" if rnn else "markov_draft"
     shape = f"B={batch} G={block} V={vocab} r={rank}" + (f" d={hidden}" if rnn else "")

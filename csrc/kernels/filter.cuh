@@ -11,9 +11,12 @@
 // the row; every token a filter can keep then has a key at or above that digit's bucket, so the
 // second pass gathers those candidates (key and weight) into shared memory, and the remaining
 // digits, top-p's three digits and the kept weight all run on chip. A typical top-k / top-p row
-// is read twice (through L2: the caller's streaming pass has just read it). When more than
-// kFilterCandidates tokens qualify (top-p alone over a flat distribution), the descent goes on
-// over the row instead: at most seven reads. Min-p alone needs one (the kept weight).
+// is read twice (through L2: the caller's streaming pass has just read it). A caller that passes
+// each thread's maximum of the row saves top-k the first of those reads: the k-th largest of the
+// maxima is a floor under every token top-k keeps, and the gather starts from it (typically a
+// few more than k candidates). When more than kFilterCandidates tokens qualify (top-p alone over
+// a flat distribution, or a floor with too many ties), the descent goes on over the row
+// instead: at most seven reads. Min-p alone needs one (the kept weight).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -105,10 +108,14 @@ __device__ void descend_digit(const Source& source, uint32_t lower, bool by_weig
 
 // The filters of one row (row_max its max; spec.active()) by the whole block; every thread gets
 // the result. load8(x, v) yields elements [x, x + 8) of the row, dropped ones (non-finite,
-// disallowed, past the end) as -inf.
+// disallowed, past the end) as -inf. `thread_max`, when the caller has it, is the largest of the
+// elements this thread's load8 calls yield (-inf for none): with top-k (k <= blockDim.x) the k-th
+// largest of the threads' maxima has k tokens at or above it, so every token top-k keeps is too,
+// and one gather of the tokens at or above it replaces the first digit's pass over the row.
 template <typename Load8>
 __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float row_max,
-                                         float inv_t, const FilterSpec& spec, FilterShared& sh) {
+                                         float inv_t, const FilterSpec& spec, FilterShared& sh,
+                                         const float* thread_max = nullptr) {
   const auto row = [&](const auto& visit) {
     for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < n;
          x += int64_t{blockDim.x} * kFilterValues) {
@@ -136,16 +143,11 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
     }
   };
 
-  uint32_t threshold = logit_key(-INFINITY);  // every finite logit is above it
-  if (spec.top_k > 0 || spec.top_p < 1.f) {
-    const bool top_k = spec.top_k > 0;
-    const double limit = top_k ? static_cast<double>(spec.top_k) : static_cast<double>(spec.top_p);
-    Descent first;
-    digit(threshold, !top_k, limit, first);
-    // Gather the candidates at or above the chosen first-digit bucket.
+  // One pass over the row gathering the tokens with keys at or above `low` into shared memory;
+  // whether they all fit.
+  const auto gather = [&](uint32_t low) {
     if (threadIdx.x == 0) sh.candidates = 0;
     __syncthreads();
-    const uint32_t low = first.prefix;
     row([&](uint32_t key, const auto& weight) {
       if (key < low) return;
       const uint32_t i = atomicAdd(&sh.candidates, 1u);
@@ -155,7 +157,29 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
       }
     });
     __syncthreads();
-    gathered = sh.candidates <= kFilterCandidates;
+    return sh.candidates <= kFilterCandidates;
+  };
+
+  uint32_t threshold = logit_key(-INFINITY);  // every finite logit is above it
+  if (spec.top_k > 0 || spec.top_p < 1.f) {
+    const bool top_k = spec.top_k > 0;
+    const double limit = top_k ? static_cast<double>(spec.top_k) : static_cast<double>(spec.top_p);
+    if (top_k && thread_max && spec.top_k <= static_cast<int>(blockDim.x)) {
+      // The floor: the k-th largest of the threads' maxima, by a count descent on chip.
+      sh.candidate_key[threadIdx.x] = logit_key(*thread_max);
+      if (threadIdx.x == 0) sh.candidates = blockDim.x;
+      __syncthreads();
+      Descent maxima;
+      while (maxima.level < kFilterDigits) {
+        descend_digit(on_chip, threshold, false, limit, maxima, sh);
+      }
+      gathered = gather(maxima.prefix);
+    }
+    Descent first;
+    if (!gathered) {  // the first digit over the row, then the candidates at or above its bucket
+      digit(threshold, !top_k, limit, first);
+      gathered = gather(first.prefix);
+    }
     while (first.level < kFilterDigits) digit(threshold, !top_k, limit, first);
     threshold = first.prefix;
     if (top_k && spec.top_p < 1.f) {
