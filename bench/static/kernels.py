@@ -213,6 +213,15 @@ def filter_shared_bytes() -> int:
     return (size + 7) // 8 * 8
 
 
+def gather_loops(binary: Binary, kernel: KernelInfo, load: str, loads: int) -> int:
+    """Loops of a filter kernel that gather candidates: `loads` row loads and a shared ATOMS.ADD
+    (two since top-k's floor: the floor's gather and the fallback's)."""
+    cfg = binary.cfg(kernel.name)
+    return sum(1 for loop in cfg.loops
+               if sass.count(loop.instrs(cfg), load) == loads
+               and sass.count(loop.instrs(cfg), r"^ATOMS\.ADD$") > 0)
+
+
 def one_block_pass_s(t: Term, threads: int) -> float:
     """One block alone over a loop of t.elements elements: issue of its warps on the four
     schedulers, or one L2 round trip per iteration when each iteration waits for its loads."""
@@ -248,13 +257,17 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     serial_s, note = 0.0, "one fence+atomic per row a block walks"
     if filtered:
         # top-k + top-p (kernels/filter.cuh): the deciding block passes over the row twice (first
-        # digit by count, then the gather), from L2, before the next row can be decided.
+        # digit by count, then the gather), from L2, before the next row can be decided; since
+        # top-k's floor (the warps' maxima the streaming blocks publish), once: the gather from
+        # the floor (a second gather loop, the fallback's, is then in the binary).
         hist = LoopSpec("filter: first-digit histogram", {r"^LDG\.E\.128": 1,
                                                           r"^ATOMS\.POPC\.INC": 8}, 8,
                         (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
         visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
                          (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
-        passes = [term(binary, stats, hist, vocab), term(binary, stats, visit, vocab)]
+        passes = [term(binary, stats, visit, vocab)]
+        if gather_loops(binary, stats, r"^LDG\.E\.128", 1) < 2:
+            passes.insert(0, term(binary, stats, hist, vocab))
         serial_s = t_rows * sum(one_block_pass_s(t, VERIFY_THREADS) for t in passes)
         note = f"filters: {serial_s * 1e6:.0f} us of one-block row passes on the critical path"
     launches = [Launch(stats, "row statistics + decide" + (" + filters" if filtered else ""),
@@ -482,10 +495,7 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
         # gather loops: the floor's and the fallback's), it replaces the first-digit pass.
         gather = LoopSpec("gather candidates", {load[0]: load[1], r"^ATOMS\.ADD$": 1}, 8,
                           (load[0], load[1]))
-        cfg = binary.cfg(filt.name)
-        gathers = sum(1 for loop in cfg.loops
-                      if sass.count(loop.instrs(cfg), load[0]) == load[1]
-                      and sass.count(loop.instrs(cfg), r"^ATOMS\.ADD$") > 0)
+        gathers = gather_loops(binary, filt, load[0], load[1])
         n = batch * vocab
         threads = FILTER_THREADS if vector else DRAFT_THREADS
         if gathers >= 2:

@@ -109,12 +109,18 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   const int64_t partial_bytes = region_bytes<kernels::RowPartial>(rows * p.num_chunks);
   const int64_t result_bytes = region_bytes<kernels::RowResult>(rows);
   const int64_t race_bytes = region_bytes<kernels::RacePartial>(a.batch * p.num_chunks);
-  auto workspace = at::empty({partial_bytes + result_bytes + race_bytes},
+  // Top-k's floor: the warps' maxima of every chunk of every row (only when top-k is given).
+  const int64_t maxima_bytes =
+      p.top_k ? region_bytes<float>(rows * p.num_chunks * kernels::kVerifyWarps) : 0;
+  auto workspace = at::empty({partial_bytes + result_bytes + race_bytes + maxima_bytes},
                              a.target.options().dtype(at::kByte));
   auto* base = workspace.data_ptr<uint8_t>();
   p.partials = reinterpret_cast<kernels::RowPartial*>(base);
   p.results = reinterpret_cast<kernels::RowResult*>(base + partial_bytes);
   p.race_partials = reinterpret_cast<kernels::RacePartial*>(base + partial_bytes + result_bytes);
+  p.part_maxima = p.top_k ? reinterpret_cast<float*>(base + partial_bytes + result_bytes +
+                                                     race_bytes)
+                          : nullptr;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   with_types([&](auto tt, auto dt) {

@@ -703,10 +703,12 @@ __global__ void __launch_bounds__(kFilterThreads) draft_filter_kernel(const Draf
     for (int k = 0; k < kFilterValues; ++k) row_max = fmax(row_max, double{v[k]});
   }
   const auto larger = [](double a, double c) { return fmax(a, c); };
-  const float thread_max = static_cast<float>(row_max);  // this thread's load8 elements' largest
+  // Each thread's maximum (its load8 elements'): the parts top-k's floor is taken from.
+  sh.candidate_key[threadIdx.x] = logit_key(static_cast<float>(row_max));
+  if (threadIdx.x == 0) sh.candidates = blockDim.x;
   const float m = static_cast<float>(block_reduce(row_max, larger, double{-INFINITY}, sh.sum_scratch));
   if (m == -INFINITY) return;  // no finite logit: the slot kernel's token 0 stands
-  const FilterResult f = block_filter_row(load8, p.vocab, m, inv_t, spec, sh, &thread_max);
+  const FilterResult f = block_filter_row(load8, p.vocab, m, inv_t, spec, sh, blockDim.x);
 
   const int64_t position = p.position[b] + 1 + p.slot;
   unsigned long long best = 0;

@@ -11,12 +11,13 @@
 // the row; every token a filter can keep then has a key at or above that digit's bucket, so the
 // second pass gathers those candidates (key and weight) into shared memory, and the remaining
 // digits, top-p's three digits and the kept weight all run on chip. A typical top-k / top-p row
-// is read twice (through L2: the caller's streaming pass has just read it). A caller that passes
-// each thread's maximum of the row saves top-k the first of those reads: the k-th largest of the
-// maxima is a floor under every token top-k keeps, and the gather starts from it (typically a
-// few more than k candidates). When more than kFilterCandidates tokens qualify (top-p alone over
-// a flat distribution, or a floor with too many ties), the descent goes on over the row
-// instead: at most seven reads. Min-p alone needs one (the kept weight).
+// is read twice (through L2: the caller's streaming pass has just read it). A caller that knows
+// the maxima of disjoint parts of the row (its threads', or the warps' of the blocks that
+// streamed it) saves top-k the first of those reads: the k-th largest of the maxima is a floor
+// under every token top-k keeps, and the gather starts from it (typically a few more than k
+// candidates). When more than kFilterCandidates tokens qualify (top-p alone over a flat
+// distribution, or a floor with too many ties), the descent goes on over the row instead: at
+// most seven reads. Min-p alone needs one (the kept weight).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -108,14 +109,15 @@ __device__ void descend_digit(const Source& source, uint32_t lower, bool by_weig
 
 // The filters of one row (row_max its max; spec.active()) by the whole block; every thread gets
 // the result. load8(x, v) yields elements [x, x + 8) of the row, dropped ones (non-finite,
-// disallowed, past the end) as -inf. `thread_max`, when the caller has it, is the largest of the
-// elements this thread's load8 calls yield (-inf for none): with top-k (k <= blockDim.x) the k-th
-// largest of the threads' maxima has k tokens at or above it, so every token top-k keeps is too,
-// and one gather of the tokens at or above it replaces the first digit's pass over the row.
+// disallowed, past the end) as -inf. With `parts` > 0 the caller has put in sh.candidate_key[0,
+// parts) (and sh.candidates = parts, before a barrier) the keys of the largest elements of
+// `parts` disjoint parts of the row (logit_key(-inf) for a part with none): for top-k with
+// k <= parts, the k-th largest of them has k tokens at or above it, so every token top-k keeps is
+// too, and one gather of the tokens at or above it replaces the first digit's pass over the row.
 template <typename Load8>
 __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float row_max,
                                          float inv_t, const FilterSpec& spec, FilterShared& sh,
-                                         const float* thread_max = nullptr) {
+                                         int parts = 0) {
   const auto row = [&](const auto& visit) {
     for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < n;
          x += int64_t{blockDim.x} * kFilterValues) {
@@ -164,11 +166,8 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
   if (spec.top_k > 0 || spec.top_p < 1.f) {
     const bool top_k = spec.top_k > 0;
     const double limit = top_k ? static_cast<double>(spec.top_k) : static_cast<double>(spec.top_p);
-    if (top_k && thread_max && spec.top_k <= static_cast<int>(blockDim.x)) {
-      // The floor: the k-th largest of the threads' maxima, by a count descent on chip.
-      sh.candidate_key[threadIdx.x] = logit_key(*thread_max);
-      if (threadIdx.x == 0) sh.candidates = blockDim.x;
-      __syncthreads();
+    if (top_k && spec.top_k <= parts) {
+      // The floor: the k-th largest of the parts' maxima, by a count descent on chip.
       Descent maxima;
       while (maxima.level < kFilterDigits) {
         descend_digit(on_chip, threshold, false, limit, maxima, sh);

@@ -31,7 +31,10 @@
 // that decides the row, over the whole row (kernels/filter.cuh: a radix descent, at most seven
 // passes through L2, in dynamic shared memory the launch provides only when a filter is given),
 // for the rows the decision needs only; the row's result carries the threshold and the kept
-// weight, so the acceptance test, the race and the logprobs use the processed distribution.
+// weight, so the acceptance test, the race and the logprobs use the processed distribution. With
+// top-k, every block publishes each warp's largest allowed logit of its chunk of the row, and the
+// decider's gather starts from the k-th largest of those (a floor under every token top-k keeps),
+// which saves it the first-digit pass over the row.
 //
 // Each element of a needed row is read once from HBM in step 1; step 2 reads one row per sampled
 // request again. Chunks start at multiples of 16 elements, so rows whose start is 16-byte aligned use
@@ -56,6 +59,7 @@
 namespace dspark_ops::kernels {
 
 constexpr int kVerifyThreads = 256;
+constexpr int kVerifyWarps = kVerifyThreads / 32;
 constexpr int kElementsPerThread = 8;  // two Philox blocks; one 16-byte load of 16-bit logits
 // The statistics pass keeps two such groups of the target row and of the draft row in flight per
 // thread: at 3-4 resident blocks per SM (64-80 registers) that is 36-72 KB of loads per SM, above
@@ -117,6 +121,9 @@ struct VerifyParams {
   int64_t chunk;
   // Workspace. Zero-initialised: row_arrivals [B, G+1], reject_marks [B], race_arrivals [B].
   RowPartial* partials;  // [B, G+1, C]
+  // [B, G+1, C, kVerifyWarps] when top-k is given, else null: each warp's largest allowed target
+  // logit of its chunk of the row, the parts top-k's floor is taken from (filter.cuh).
+  float* part_maxima;
   RowResult* results;    // [B, G+1]
   RacePartial* race_partials;  // [B, C]
   int32_t* row_arrivals;
@@ -502,11 +509,22 @@ __global__ void __launch_bounds__(kVerifyThreads, 3)
       }
     }
 
-    const RowPartial part = block_reduce(
-        thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j), merge, empty,
-        scratch);
-
+    const RowPartial mine =
+        thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j);
     const int64_t slot = int64_t{b} * rows + j;
+    if (p.part_maxima && r.filtered && r.spec.top_k > 0) {  // request-uniform
+      float m = mine.target.max;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      }
+      if ((threadIdx.x & 31) == 0) {
+        p.part_maxima[(slot * p.num_chunks + c) * kVerifyWarps + (threadIdx.x >> 5)] = m;
+        __threadfence();  // published before the barrier that precedes this block's arrival
+      }
+    }
+    const RowPartial part = block_reduce(mine, merge, empty, scratch);
+
     if (threadIdx.x == 0) {
       p.partials[slot * p.num_chunks + c] = part;
       __threadfence();  // publish the partial before counting this block as arrived
@@ -541,7 +559,18 @@ __global__ void __launch_bounds__(kVerifyThreads, 3)
           load8(trow, at, p.vocab, mis, v);
           drop_disallowed8(mrow, at, p.vocab, v);
         };
-        filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared);
+        int parts = 0;  // the warps' maxima of every chunk: top-k's floor
+        if (p.part_maxima && r.spec.top_k > 0) {
+          parts = p.num_chunks * kVerifyWarps;
+          const float* maxima = p.part_maxima + slot * parts;
+          for (int i = threadIdx.x; i < parts; i += blockDim.x) {
+            filter_shared->candidate_key[i] = logit_key(__ldcg(maxima + i));
+          }
+          if (threadIdx.x == 0) filter_shared->candidates = parts;
+          __syncthreads();
+        }
+        filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared,
+                                  parts);
         mt.sum = filter.kept_sum;
       }
       if (threadIdx.x == 0) {
