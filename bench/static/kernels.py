@@ -499,18 +499,18 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
         n = batch * vocab
         threads = FILTER_THREADS if vector else DRAFT_THREADS
         if gathers >= 2:
-            passes = [scan, gather, redraw]
+            passes, reads = [scan, gather, redraw], 3
             note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 3 times from L2 (max, "
                     "gather from the floor, redraw) and rewritten")
         else:
-            passes = [scan, hist, redraw]
+            passes, reads = [scan, hist, redraw], 4
             note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 4 times from L2 and "
                     "rewritten; gather pass not costed")
         launches.append(Launch(filt, "top-k filter + redraw (block per request)", threads,
                                batch, filter_shared_bytes(),
                                [term(binary, filt, spec, n) for spec in passes],
                                batch * vocab * F32, count=block, latency_s=H200.l2_latency_s,
-                               load_bytes=(len(passes) + (gathers < 2)) * batch * vocab * F32,
+                               load_bytes=reads * batch * vocab * F32,
                                note=note))
     floor = block * vocab * rank * BF16 + batch * block * vocab * (BF16 + F32)
     op = "rnn_draft" if rnn else "markov_draft"

@@ -657,6 +657,7 @@ __host__ __device__ inline bool has_filters(const DraftParams& p) {
 // place and redraws its token. Dynamic shared memory: FilterShared. Logit: the stored rows' type
 // (float, or __nv_bfloat16 with p.logits_bf16: the values the slot kernel sampled from).
 constexpr int kFilterThreads = 1024;  // one block per request: as many row loads in flight as fit
+static_assert(kFilterThreads <= kFilterCandidates, "each thread's maximum has a candidate slot");
 
 template <typename Logit>
 __global__ void __launch_bounds__(kFilterThreads) draft_filter_kernel(const DraftParams p) {
