@@ -36,10 +36,12 @@ out-of-range top_p and min_p) and a dropped barrier in the descent shown to be c
 Values the CUDA glue does not check (out-of-range draft ids, num_draft outside [0, G],
 target_start outside the rows) reach the kernels as on CUDA without DSPARK_OPS_DEBUG.
 
-Not reachable here: the
-published-rejection polling (blocks abandoning a row another block
-rejected) cannot run either: the emulator runs blocks one at a time, so a request's rows are all
-decided by its last block, after the others have finished.
+Not reachable here: the emulator runs blocks one at a time, so a request's rows are all decided by
+its last block, after the others have finished. Hence the published-rejection polling (blocks
+abandoning a row another block rejected) never runs, and of the statistics kernel's blocks only
+the decider of the final row races a chunk of it (the one chunk when C = 1, so the race is
+merged and the outputs written there; at C > 1 the emit kernel's blocks claim the others and
+merge). Blocks that learn of the rejection from the published mark run the same claim and race.
 """
 
 from __future__ import annotations

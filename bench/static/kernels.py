@@ -222,6 +222,14 @@ def gather_loops(binary: Binary, kernel: KernelInfo, load: str, loads: int) -> i
                and sass.count(loop.instrs(cfg), r"^ATOMS\.ADD$") > 0)
 
 
+def _has_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec) -> bool:
+    try:
+        select_loop(binary, kernel, spec)
+        return True
+    except sass.StructureError:
+        return False
+
+
 def one_block_pass_s(t: Term, threads: int) -> float:
     """One block alone over a loop of t.elements elements: issue of its warps on the four
     schedulers, or one L2 round trip per iteration when each iteration waits for its loads."""
@@ -270,25 +278,45 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
             passes.insert(0, term(binary, stats, hist, vocab))
         serial_s = t_rows * sum(one_block_pass_s(t, VERIFY_THREADS) for t in passes)
         note = f"filters: {serial_s * 1e6:.0f} us of one-block row passes on the critical path"
-    launches = [Launch(stats, "row statistics + decide" + (" + filters" if filtered else ""),
-                       VERIFY_THREADS, blocks, filter_shared_bytes() if filtered else 0,
-                       [term(binary, stats, stream, batch * vocab * t_rows)], stats_bytes,
-                       serial_round_trips=t_rows, serial_s=serial_s, note=note)]
-    if greedy:
-        launches.append(Launch(emit, "emit (greedy: argmax of step 1)", VERIFY_THREADS, blocks,
-                               0, [], batch * rows * 8 + batch * 16))
-    else:
-        p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
-        with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
-                                                   PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^LDG\.E\.128", 3))
-        no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
+    with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
                                                PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
-                        (r"^LDG\.E\.128", 1))
-        emit_bytes = batch * vocab * (BF16 + p_draft * F32)
-        launches.append(Launch(emit, "emit (race on row j*)", VERIFY_THREADS, blocks, 0,
-                               [term(binary, emit, with_q, batch * vocab * p_draft),
-                                term(binary, emit, no_q, batch * vocab * (1 - p_draft))],
-                               emit_bytes, serial_round_trips=1))
+                      (r"^LDG\.E\.128", 3))
+    no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
+                                           PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^LDG\.E\.128", 1))
+    stats_terms = [term(binary, stats, stream, batch * vocab * t_rows)]
+    emit_terms, emit_bytes, emit_round_trips = [], 0.0, 0
+    if not greedy:
+        p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
+        # Since the race moved into the statistics kernel (its loops are in both kernels), the
+        # blocks of a request that see its rejection race one chunk each of row j* as they stop,
+        # re-reading it from L2: between a chunk's stream and its race the GPU reads about one row
+        # step of the resident blocks (3 x 132 x 57 KB = 23 MB, under the 50 MB L2). A request
+        # that accepts every draft leaves C - 1 of its C chunks to the emit kernel (its other
+        # blocks finished before the bonus row was decided), which reads them from HBM.
+        fused = _has_loop(binary, stats, with_q)
+        chunks_in_stats = chunks if fused else 0
+        rejected_in_emit = 1 - chunks_in_stats / chunks
+        bonus_in_emit = 1 - min(chunks_in_stats, 1) / chunks
+        if fused:
+            stats_terms += [term(binary, stats, with_q, batch * vocab * p_draft),
+                            term(binary, stats, no_q, batch * vocab * (1 - p_draft) / chunks)]
+            # The deciding block races its own chunk after the decision, on the critical path.
+            serial_s += one_block_pass_s(dataclasses.replace(
+                stats_terms[1], elements=vocab / chunks), VERIFY_THREADS)
+        emit_terms = [term(binary, emit, with_q, batch * vocab * p_draft * rejected_in_emit),
+                      term(binary, emit, no_q, batch * vocab * (1 - p_draft) * bonus_in_emit)]
+        emit_bytes = batch * vocab * (BF16 * (p_draft * rejected_in_emit
+                                              + (1 - p_draft) * bonus_in_emit)
+                                      + F32 * p_draft * rejected_in_emit)
+        emit_round_trips = 1
+    launches = [Launch(stats, "row statistics + decide" + (" + filters" if filtered else "")
+                       + ("" if greedy else " + race"),
+                       VERIFY_THREADS, blocks, filter_shared_bytes() if filtered else 0,
+                       stats_terms, stats_bytes + batch * rows * 8 + batch * 16,
+                       serial_round_trips=t_rows, serial_s=serial_s, note=note)]
+    launches.append(Launch(emit, "emit (greedy: nothing left)" if greedy else
+                           "emit (race on row j*: the chunks left)", VERIFY_THREADS, blocks, 0,
+                           emit_terms, emit_bytes, serial_round_trips=emit_round_trips))
     shape = f"B={batch} G={block} V={vocab}"
     label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
         (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")

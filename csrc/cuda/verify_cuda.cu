@@ -102,10 +102,11 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.num_chunks = static_cast<int>(chunks);
 
   const int64_t rows = a.batch * (a.block + 1);
-  auto counters = at::zeros({rows + 2 * a.batch}, a.target.options().dtype(at::kInt));
+  auto counters = at::zeros({rows + 3 * a.batch}, a.target.options().dtype(at::kInt));
   p.row_arrivals = counters.data_ptr<int32_t>();
   p.reject_marks = p.row_arrivals + rows;
-  p.race_arrivals = p.reject_marks + a.batch;
+  p.race_claims = p.reject_marks + a.batch;
+  p.race_arrivals = p.race_claims + a.batch;
   const int64_t partial_bytes = region_bytes<kernels::RowPartial>(rows * p.num_chunks);
   const int64_t result_bytes = region_bytes<kernels::RowResult>(rows);
   const int64_t race_bytes = region_bytes<kernels::RacePartial>(a.batch * p.num_chunks);

@@ -21,10 +21,17 @@
 //     arrived at the rejected row before it was decided); they poll the published rejection as
 //     they stream and abandon that row part-way. Whatever a block does on a row past the first
 //     rejection is never used, so reading the rejection late only costs bandwidth.
-//  2. verify_emit_kernel: takes j* from the published rejection (n if none) and emits the token
-//     there: greedy requests take the argmax merged in step 1; sampled requests run the exponential
-//     race over r = max(p - q, 0) on their chunk of row j* (re-read), merged by the last block,
-//     which writes the request's outputs.
+//     The block that decides a request's final row j* (its first rejection, or the bonus row n)
+//     writes the outputs of a greedy request (the argmax just merged). A sampled request's token is
+//     drawn by the exponential race over r = max(p - q, 0) on row j*, split into the C chunks:
+//     each block that knows j* (its decider, and the blocks that stop on seeing the rejection)
+//     claims one unraced chunk (an atomic counter) and races it right after streaming the row,
+//     so the re-read comes from L2 and overlaps other requests' streaming. The block that
+//     publishes the last chunk merges them in chunk order and writes the outputs.
+//  2. verify_emit_kernel: races the chunks no block claimed, typically those of requests that
+//     accepted every draft (their other blocks had finished before the bonus row was decided);
+//     one claim per block, so every chunk is raced exactly once. Who races a chunk does not
+//     change its result, so the outcome does not depend on the timing.
 //
 // Sampling filters: the allowed-token bitmask is applied as the rows stream in (one 32-bit word
 // per 32 elements). A request with top-k / top-p / min-p has its filters computed by the block
@@ -36,13 +43,14 @@
 // decider's gather starts from the k-th largest of those (a floor under every token top-k keeps),
 // which saves it the first-digit pass over the row.
 //
-// Each element of a needed row is read once from HBM in step 1; step 2 reads one row per sampled
-// request again. Chunks start at multiples of 16 elements, so rows whose start is 16-byte aligned use
-// 16-byte vector loads, all issued before any is used. Rows starting past a boundary (odd V in
-// 16-bit types, sliced rows): the emit pass's race uses 16-byte loads re-cut in registers; the
-// statistics pass (80 registers) loads one element at a time. Either way each thread handles
-// the same elements in the same order, so the results do not depend on where a row starts. Partials are merged in chunk order, and the
-// chunks depend on V only: a request's outputs are bitwise the same in any batch, on any GPU.
+// Each element of a needed row is read once from HBM; the race reads row j* of a sampled request
+// again (from L2 when raced in step 1). Chunks start at multiples of 16 elements, so rows whose
+// start is 16-byte aligned use 16-byte vector loads, all issued before any is used. Rows starting
+// past a boundary (odd V in 16-bit types, sliced rows): the emit kernel's race uses 16-byte loads
+// re-cut in registers; the statistics kernel (80 registers) loads one element at a time. Either
+// way each thread handles the same elements in the same order, so the results do not depend on
+// where a row starts. Partials are merged in chunk order, and the chunks depend on V only: a
+// request's outputs are bitwise the same in any batch, on any GPU.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -119,7 +127,8 @@ struct VerifyParams {
   int64_t vocab;
   int num_chunks;
   int64_t chunk;
-  // Workspace. Zero-initialised: row_arrivals [B, G+1], reject_marks [B], race_arrivals [B].
+  // Workspace. Zero-initialised: row_arrivals [B, G+1], reject_marks [B], race_claims [B],
+  // race_arrivals [B].
   RowPartial* partials;  // [B, G+1, C]
   // [B, G+1, C, kVerifyWarps] when top-k is given, else null: each warp's largest allowed target
   // logit of its chunk of the row, the parts top-k's floor is taken from (filter.cuh).
@@ -128,6 +137,7 @@ struct VerifyParams {
   RacePartial* race_partials;  // [B, C]
   int32_t* row_arrivals;
   int32_t* reject_marks;  // max over rejected rows j of (G + 1 - j): 0 = none yet
+  int32_t* race_claims;   // chunks of the final row handed out so far (may pass C)
   int32_t* race_arrivals;
 };
 
@@ -424,13 +434,19 @@ struct Proposal {
   float inv_t;         // kDistribution
 };
 
-// This thread's part of the exponential race over row[x0, x1).
-template <typename TT, typename DT>
+// This thread's part of the exponential race over row[x0, x1). kRecut: rows past a 16-byte
+// boundary are read with 16-byte loads re-cut in registers, else one element at a time (the
+// statistics kernel, whose register cap the re-cut words would spill).
+template <bool kRecut, typename TT, typename DT>
 __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
                             const int32_t* mrow, bool filtered, FilterResult filter,
                             const SoftmaxStats& t, float inv_t, const Proposal& q, int64_t seed,
                             int64_t position, float& mass, RaceCandidate& best) {
-  const int t_mis = misalignment16(trow), d_mis = drow ? misalignment16(drow) : 0;
+  const auto mis = [](const void* row) {
+    const int m = misalignment16(row);
+    return kRecut || m == 0 ? m : kSingleLoads;
+  };
+  const int t_mis = mis(trow), d_mis = drow ? mis(drow) : 0;
   const float t_inv_sum = 1.f / t.sum;
   const float q_inv_sum = q.kind == Proposal::kDistribution ? 1.f / q.stats.sum : 0.f;
   for (int64_t x = x0 + int64_t{threadIdx.x} * kElementsPerThread; x < x1;
@@ -470,10 +486,129 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
   }
 }
 
-// At least three resident blocks per SM: the decider's filter code must not cost the streaming
-// loop its occupancy (registers capped at 85).
+// Writes request b's outputs, one slot k per thread (the draft-id loads in parallel, not a chain
+// in one thread); `logprob` is called by the thread of slot j only. The logprobs of the accepted
+// rows k < j were written as they were decided.
+template <typename Logprob>
+__device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int j, int64_t token,
+                                              bool valid, Logprob logprob) {
+  int64_t* out = p.tokens + int64_t{b} * (p.block + 1);
+  float* lp = p.logprobs ? p.logprobs + int64_t{b} * (p.block + 1) : nullptr;
+  for (int k = threadIdx.x; k <= p.block; k += blockDim.x) {
+    out[k] = k < j ? draft_token(p, b, k) : (k == j ? token : -1);
+    if (lp && k == j) lp[k] = logprob();
+    if (lp && k > j) lp[k] = -INFINITY;
+  }
+  if (threadIdx.x == 0) {
+    p.num_accepted[b] = j;
+    p.valid[b] = valid;
+  }
+}
+
+// Shared memory of one block's race of one chunk, and of the merge of a request's chunks.
+struct RaceShared {
+  RaceCandidate candidates[32];
+  float mass[32];
+  int32_t claim;
+  bool last;
+};
+
+// A row's result as another block of this launch published it (read through L2).
+__device__ __forceinline__ RowResult load_result(const RowResult* at) {
+  static_assert(sizeof(RowResult) % 4 == 0, "RowResult is copied as 32-bit words");
+  RowResult out;
+  const int32_t* from = reinterpret_cast<const int32_t*>(at);
+  int32_t* to = reinterpret_cast<int32_t*>(&out);
+#pragma unroll
+  for (int i = 0; i < int{sizeof(RowResult) / 4}; ++i) to[i] = __ldcg(from + i);
+  return out;
+}
+
+// Hands this block the next unraced chunk of request b's final row (block-uniform; -1: none
+// left). Claims count past C once every chunk is taken, so each chunk is raced exactly once.
+__device__ __forceinline__ int claim_race_chunk(const VerifyParams& p, int b, RaceShared& sh) {
+  if (threadIdx.x == 0) sh.claim = atomicAdd(p.race_claims + b, 1);
+  __syncthreads();
+  return sh.claim < p.num_chunks ? sh.claim : -1;
+}
+
+// Request b ended at row j (its first rejection, or its bonus row n) with result `res`, its
+// target row valid: races chunk k of row j over r = max(p - q, 0) and publishes the chunk's mass
+// and winner. The block that publishes the request's last chunk merges them in chunk order (so
+// the outcome does not depend on which blocks raced which chunks) and writes the outputs.
+template <bool kRecut, typename TT, typename DT>
+__device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j,
+                           const RowResult& res, int k, RaceShared& sh) {
+  const bool valid = !(res.decision & kDraftInvalid);
+  const SoftmaxStats& t = res.target;
+  Proposal q{Proposal::kNone, -1, res.draft, r.inv_td};
+  if (j < r.n && r.use_draft && res.draft.max != -INFINITY) {
+    q.kind = r.draft_greedy ? Proposal::kOneHot : Proposal::kDistribution;
+    q.token = res.draft.argmax;
+  } else if (j < r.n && !r.use_draft && !(res.decision & kDraftInvalid)) {
+    q.kind = Proposal::kOneHot;
+    q.token = draft_token(p, b, j);
+  }
+  const TT* trow = target_row<TT>(p, r.start + j);
+  const int32_t* mrow = mask_row(p, r.start + j);
+  const DT* drow = q.kind == Proposal::kDistribution ? draft_row<DT>(p, b, j) : nullptr;
+  const int64_t position = r.position + 1 + j;
+  const int64_t x0 = k * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
+  const auto merge_cand = [](RaceCandidate a, RaceCandidate s) { return better_candidate(a, s); };
+  const auto add = [](float a, float s) { return a + s; };
+
+  float mass = 0.f;
+  RaceCandidate best = empty_candidate();
+  thread_race<kRecut>(trow, drow, x0, x1, mrow, r.filtered, res.filter, t, r.inv_t, q, r.seed,
+                      position, mass, best);
+  mass = block_reduce(mass, add, 0.f, sh.mass);
+  best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
+  if (threadIdx.x == 0) {
+    p.race_partials[int64_t{b} * p.num_chunks + k] = RacePartial{mass, best};
+    __threadfence();
+    sh.last = atomicAdd(p.race_arrivals + b, 1) == p.num_chunks - 1;
+  }
+  __syncthreads();
+  if (!sh.last) return;
+  __threadfence();
+  mass = 0.f;
+  best = empty_candidate();
+  for (int c = threadIdx.x; c < p.num_chunks; c += blockDim.x) {
+    const RacePartial* part = p.race_partials + int64_t{b} * p.num_chunks + c;
+    mass += __ldcg(&part->mass);
+    best = better_candidate(best,
+                            RaceCandidate{__ldcg(&part->best.key), __ldcg(&part->best.index)});
+  }
+  mass = block_reduce(mass, add, 0.f, sh.mass);
+  best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
+  if (!(mass > kMinResidualMass)) {
+    // No residual mass (p <= q everywhere up to rounding): race over p itself, whole row here.
+    const Proposal none{Proposal::kNone, -1, res.draft, r.inv_td};
+    float unused = 0.f;
+    best = empty_candidate();
+    thread_race<kRecut>(trow, static_cast<const DT*>(nullptr), 0, p.vocab, mrow, r.filtered,
+                        res.filter, t, r.inv_t, none, r.seed, position, unused, best);
+    best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
+  }
+  const bool won = best.index >= 0;  // every thread holds the block's `best`
+  write_outputs(p, b, j, won ? best.index : 0, valid && won, [&] {
+    return won ? logf(softmax_prob(to_float(trow[best.index]), t.max, 1.f / t.sum, r.inv_t))
+               : -INFINITY;
+  });
+}
+
+// Resident blocks per SM the statistics kernel is compiled for: the decider's filter code and the
+// race must not cost the streaming loop its occupancy. Three on sm_90 (registers capped at 80:
+// 48 KB of loads in flight per SM against the ~25 KB an H200 SM needs); two before (capped at
+// 128, so the race does not spill: 32 KB in flight, where an A100 SM needs ~13 KB at 2 TB/s).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kStatsBlocksPerSM = 2;
+#else
+constexpr int kStatsBlocksPerSM = 3;
+#endif
+
 template <typename TT, typename DT>
-__global__ void __launch_bounds__(kVerifyThreads, 3)
+__global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
     verify_row_stats_kernel(const VerifyParams p) {
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);
@@ -485,6 +620,11 @@ __global__ void __launch_bounds__(kVerifyThreads, 3)
   __shared__ RowPartial scratch[32];
   __shared__ RowPartial merged;
   __shared__ bool stop, last;
+  __shared__ RowResult decided;  // the row this block decided, for the whole block
+  __shared__ int final_row;      // the request's first rejected row or n, if this block decided it
+  __shared__ int race_row;       // ... or learnt it from the published rejection
+  __shared__ RaceShared race;
+  if (threadIdx.x == 0) final_row = -1;
   // Dynamic shared memory: sizeof(FilterShared) when the call has filters, else none.
   DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
   auto* const filter_shared = reinterpret_cast<FilterShared*>(filter_shared_raw);  // null: none
@@ -597,118 +737,77 @@ __global__ void __launch_bounds__(kVerifyThreads, 3)
             decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
           }
         }
-        p.results[slot] = RowResult{mt, md, decision, filter};
+        decided = RowResult{mt, md, decision, filter};
+        p.results[slot] = decided;
         if (p.logprobs && decision == kRowAccepted) {
           p.logprobs[slot] = logf(softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t));
         }
         if (decision & kRowRejected) {
+          __threadfence();  // the result is visible before the rejection that points to it
           atomicMax(p.reject_marks + b, rows - j);
           stop = true;
         }
+        if ((decision & kRowRejected) || j == r.n) final_row = j;
       }
     }
     __syncthreads();  // `stop`, `last` and `scratch` are rewritten for the next row
     if (stop) break;
   }
-}
 
-// Writes request b's outputs, one slot k per thread (the draft-id loads in parallel, not a chain
-// in one thread); `logprob` is called by the thread of slot j only. The logprobs of the accepted
-// rows k < j were written as they were decided.
-template <typename Logprob>
-__device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int j, int64_t token,
-                                              bool valid, Logprob logprob) {
-  int64_t* out = p.tokens + int64_t{b} * (p.block + 1);
-  float* lp = p.logprobs ? p.logprobs + int64_t{b} * (p.block + 1) : nullptr;
-  for (int k = threadIdx.x; k <= p.block; k += blockDim.x) {
-    out[k] = k < j ? draft_token(p, b, k) : (k == j ? token : -1);
-    if (lp && k == j) lp[k] = logprob();
-    if (lp && k > j) lp[k] = -INFINITY;
+  // final_row >= 0: this block decided the request's final row (`decided`).
+  const int decided_row = final_row;
+  if (decided_row >= 0 && (r.greedy || (decided.decision & kTargetInvalid))) {
+    // Nothing to race: the emitted token is the argmax (greedy) or 0 (no valid target row).
+    const SoftmaxStats t = decided.target;
+    const bool target_invalid = decided.decision & kTargetInvalid;
+    write_outputs(p, b, decided_row, target_invalid ? 0 : t.argmax,
+                  !(decided.decision & (kTargetInvalid | kDraftInvalid)), [&] {
+                    return target_invalid ? -INFINITY
+                                          : logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t));
+                  });
+    return;
   }
+  // A sampled request's final row is raced chunk by chunk by the blocks that know it (the one
+  // that decided it, and those that saw the rejection), one chunk each, right after streaming
+  // it (from L2, typically); verify_emit_kernel takes the chunks left over.
+  if (r.greedy) return;  // request-uniform
   if (threadIdx.x == 0) {
-    p.num_accepted[b] = j;
-    p.valid[b] = valid;
+    int j = decided_row;
+    if (j < 0) {
+      const int32_t mark = *reinterpret_cast<const volatile int32_t*>(p.reject_marks + b);
+      if (mark > 0) {
+        __threadfence();  // the mark was published after the result it points to
+        j = min(rows - mark, r.n);
+      }
+    }
+    race_row = j;
   }
+  __syncthreads();
+  const int j = race_row;
+  if (j < 0) return;
+  const RowResult res = load_result(p.results + int64_t{b} * rows + j);
+  if (res.decision & kTargetInvalid) return;  // written by its decider
+  const int k = claim_race_chunk(p, b, race);
+  if (k >= 0) race_chunk</*kRecut=*/false, TT, DT>(p, b, r, j, res, k, race);
 }
 
+// Races what is left of each sampled request's final row: the chunks no block of the statistics
+// kernel took (typically those of requests that accepted every draft, whose other blocks had
+// finished before the bonus row was decided).
 template <typename TT, typename DT>
 __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const VerifyParams p) {
-  const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
+  const int b = blockIdx.y, rows = p.block + 1;
   const Request r = load_request(p, b);
+  if (r.greedy) return;  // written by the block that decided the final row
   // The first rejected row J is the only rejection ever published: the block that decides it
   // stops right after, so later rows never collect all their chunks (see the file header).
   const int32_t mark = p.reject_marks[b];
   const int j = mark > 0 ? min(rows - mark, r.n) : r.n;
   const RowResult res = p.results[int64_t{b} * rows + j];
-  const bool target_invalid = res.decision & kTargetInvalid;
-  const bool valid = !(res.decision & (kTargetInvalid | kDraftInvalid));
-  const SoftmaxStats& t = res.target;
-  if (target_invalid || r.greedy) {
-    if (c == 0) {
-      write_outputs(p, b, j, target_invalid ? 0 : t.argmax, valid, [&] {
-        return target_invalid ? -INFINITY : logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t));
-      });
-    }
-    return;
-  }
-
-  Proposal q{Proposal::kNone, -1, res.draft, r.inv_td};
-  if (j < r.n && r.use_draft && res.draft.max != -INFINITY) {
-    q.kind = r.draft_greedy ? Proposal::kOneHot : Proposal::kDistribution;
-    q.token = res.draft.argmax;
-  } else if (j < r.n && !r.use_draft && !(res.decision & kDraftInvalid)) {
-    q.kind = Proposal::kOneHot;
-    q.token = draft_token(p, b, j);
-  }
-  const TT* trow = target_row<TT>(p, r.start + j);
-  const int32_t* mrow = mask_row(p, r.start + j);
-  const DT* drow = q.kind == Proposal::kDistribution ? draft_row<DT>(p, b, j) : nullptr;
-  const int64_t position = r.position + 1 + j;
-  const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
-
-  __shared__ RaceCandidate cand_scratch[32];
-  __shared__ float mass_scratch[32];
-  __shared__ bool last;
-  const auto merge_cand = [](RaceCandidate a, RaceCandidate s) { return better_candidate(a, s); };
-  const auto add = [](float a, float s) { return a + s; };
-
-  float mass = 0.f;
-  RaceCandidate best = empty_candidate();
-  thread_race(trow, drow, x0, x1, mrow, r.filtered, res.filter, t, r.inv_t, q, r.seed, position,
-              mass, best);
-  mass = block_reduce(mass, add, 0.f, mass_scratch);
-  best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
-  if (threadIdx.x == 0) {
-    p.race_partials[int64_t{b} * p.num_chunks + c] = RacePartial{mass, best};
-    __threadfence();
-    last = atomicAdd(p.race_arrivals + b, 1) == p.num_chunks - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  mass = 0.f;
-  best = empty_candidate();
-  for (int k = threadIdx.x; k < p.num_chunks; k += blockDim.x) {
-    const RacePartial* part = p.race_partials + int64_t{b} * p.num_chunks + k;
-    mass += __ldcg(&part->mass);
-    best = better_candidate(best, RaceCandidate{__ldcg(&part->best.key), __ldcg(&part->best.index)});
-  }
-  mass = block_reduce(mass, add, 0.f, mass_scratch);
-  best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
-  if (!(mass > kMinResidualMass)) {
-    // No residual mass (p <= q everywhere up to rounding): race over p itself, whole row here.
-    const Proposal none{Proposal::kNone, -1, res.draft, r.inv_td};
-    float unused = 0.f;
-    best = empty_candidate();
-    thread_race(trow, static_cast<const DT*>(nullptr), 0, p.vocab, mrow, r.filtered, res.filter,
-                t, r.inv_t, none, r.seed, position, unused, best);
-    best = block_reduce(best, merge_cand, empty_candidate(), cand_scratch);
-  }
-  const bool won = best.index >= 0;  // every thread holds the block's `best`
-  write_outputs(p, b, j, won ? best.index : 0, valid && won, [&] {
-    return won ? logf(softmax_prob(to_float(trow[best.index]), t.max, 1.f / t.sum, r.inv_t))
-               : -INFINITY;
-  });
+  if (res.decision & kTargetInvalid) return;  // written too
+  __shared__ RaceShared sh;
+  const int k = claim_race_chunk(p, b, sh);
+  if (k >= 0) race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, k, sh);
 }
 
 // Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.
