@@ -210,6 +210,19 @@ def test_async_copy_misuse_is_reported(sim, kernel, message):
         sim.selftest(kernel, torch.randn(256), 256)
 
 
+def test_dependent_launch_waits_in_every_thread(sim):
+    """A kernel launched with DSPARK_LAUNCH_DEPENDENT (programmatic dependent launch) runs after the
+    kernel before it; a thread that exits without wait_for_previous_grid() is reported (its grid
+    could complete first and release the stream's next kernel early), its correct twin is not."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    out = sim.selftest("dependent", x, 50)
+    torch.testing.assert_close(out[:50], x[:50] + 1)
+    assert (out[50:] == 0).all()
+    with pytest.raises(RuntimeError, match=r"exited without wait_for_previous_grid\(\)"):
+        sim.selftest("dependent_early_exit", x, 50)
+    sim.selftest("dependent_early_exit", x, 64)  # every thread waits: quiet
+
+
 # ---- launch configuration against the emulated device
 
 

@@ -130,7 +130,10 @@ def test_predicted_time_picks_the_right_bound():
     assert bound_of(m, i, l, o) == "latency"
     # Almost nothing to do: the launch dominates.
     m, i, l, o, _ = launch_time(terms=[_term(2, 1e3, 16)], dram_bytes=1e3, **args)
-    assert bound_of(m, i, l, o) == "overhead"
+    assert bound_of(m, i, l, o) == "overhead" and o == pytest.approx(H200.launch_s)
+    # A dependent launch pays only its wait for the grid before it.
+    *_, o, _ = launch_time(terms=[_term(2, 1e3, 16)], dram_bytes=1e3, dependent=True, **args)
+    assert o == pytest.approx(H200.dependent_launch_s) and o < H200.launch_s
 
 
 def test_missing_expected_loop_raises():
@@ -219,6 +222,15 @@ def test_real_binary_end_to_end(tmp_path):
     assert greedy["floor_us"] == pytest.approx(64 * 9 * 151936 * 2 / 4.3e12 * 1e6)
     stats = greedy["kernels"][0]
     assert stats["regs"] > 0 and stats["local_bytes"] == 0
+    # Whichever build: the emit kernel is recognised as a dependent launch iff it waits (ACQBULK).
+    from bench.static.binary import Binary, default_so
+    binary = Binary(default_so())
+    emit = binary.find(r"verify_emit_kernelI13__nv_bfloat16fE")
+    dependent = kernels.is_dependent_launch(binary, emit)
+    stats_kernel = binary.find(r"verify_row_stats_kernelI13__nv_bfloat16fE")
+    assert not kernels.is_dependent_launch(binary, stats_kernel)
+    assert greedy["kernels"][1]["overhead_us"] == pytest.approx(
+        (H200.dependent_launch_s if dependent else H200.launch_s) * 1e6)
     assert stats["loops"][0]["elems_per_iter"] % 16 == 0
     for row in data["rows"]:
         assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "overhead")

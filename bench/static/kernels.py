@@ -139,6 +139,7 @@ class Launch:
     note: str = ""
     load_bytes: Optional[float] = None  # bytes the latency bound waits for (default: dram_bytes)
     serial_s: float = 0.0   # work one block does alone on the critical path (verify's filters)
+    dependent: bool = False  # a programmatic dependent launch (see is_dependent_launch)
 
 
 def occ_of(kernel: KernelInfo, threads: int, dynamic_smem: int):
@@ -152,7 +153,8 @@ def evaluate(launch: Launch) -> LaunchResult:
         blocks=launch.blocks, threads=launch.threads, occ=occ, terms=launch.terms,
         dram_bytes=launch.dram_bytes, latency_s=launch.latency_s, imbalance=launch.imbalance,
         load_bytes=launch.load_bytes, serial_s=launch.serial_s,
-        serial_round_trips=launch.serial_round_trips, barrier_stages=launch.barrier_stages)
+        serial_round_trips=launch.serial_round_trips, barrier_stages=launch.barrier_stages,
+        dependent=launch.dependent)
     return LaunchResult(k.name, launch.label, launch.count, k.regs, k.local, k.static_smem,
                         launch.dynamic_smem, launch.threads, launch.blocks, occ, launch.terms,
                         launch.dram_bytes, memory, issue, latency, overhead,
@@ -220,6 +222,13 @@ def gather_loops(binary: Binary, kernel: KernelInfo, load: str, loads: int) -> i
     return sum(1 for loop in cfg.loops
                if sass.count(loop.instrs(cfg), load) == loads
                and sass.count(loop.instrs(cfg), r"^ATOMS\.ADD$") > 0)
+
+
+def is_dependent_launch(binary: Binary, kernel: KernelInfo) -> bool:
+    """Whether the kernel waits for the grid before it (griddepcontrol.wait, SASS ACQBULK): it is
+    launched as a programmatic dependent launch (kernels/launch.cuh)."""
+    cfg = binary.cfg(kernel.name)
+    return sass.count((i for b in cfg.blocks for i in b.instrs), r"^ACQBULK") > 0
 
 
 def _has_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec) -> bool:
@@ -316,7 +325,8 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
                        serial_round_trips=t_rows, serial_s=serial_s, note=note)]
     launches.append(Launch(emit, "emit (greedy: nothing left)" if greedy else
                            "emit (race on row j*: the chunks left)", VERIFY_THREADS, blocks, 0,
-                           emit_terms, emit_bytes, serial_round_trips=emit_round_trips))
+                           emit_terms, emit_bytes, serial_round_trips=emit_round_trips,
+                           dependent=is_dependent_launch(binary, emit)))
     shape = f"B={batch} G={block} V={vocab}"
     label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
         (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")

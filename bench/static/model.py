@@ -28,6 +28,9 @@ class Hardware:
     dram_latency_s: float = 700e-9    # loaded HBM latency (600-800 ns)
     l2_latency_s: float = 150e-9      # L2 hit, about 300 clocks
     launch_s: float = 2.0e-6          # one kernel launch on the GPU, back to back
+    # a programmatic dependent launch: its launch overlaps the kernel before, what remains is
+    # the wait for that grid to complete and flush (griddepcontrol.wait)
+    dependent_launch_s: float = 0.5e-6
     round_trip_s: float = 0.5e-6      # a fence + atomic a block waits on (about 1000 clocks)
     barrier_stage_s: float = 50e-9    # one barrier-separated dependent shared-memory stage
 
@@ -123,15 +126,15 @@ def launch_time(*, blocks: int, threads: int, occ: Occupancy, terms: List[Term],
                 dram_bytes: float, latency_s: Optional[float], imbalance: float = 1.0,
                 serial_round_trips: float = 0, barrier_stages: float = 0,
                 load_bytes: Optional[float] = None, serial_s: float = 0.0,
-                hw: Hardware = H200):
+                dependent: bool = False, hw: Hardware = H200):
     """(memory, issue, latency, overhead) seconds of one launch.
 
     memory: dram_bytes / bandwidth. issue: the busiest SM's warp-instructions of the costed
     loops at 4 per clock. latency: Little's law, the busiest SM's share of the loaded bytes
     (load_bytes, default dram_bytes) over the bytes its resident threads keep in flight, times
     the latency of where the data lives.
-    overhead: the launch, plus round trips, barrier stages and one-block work (serial_s) a block
-    waits on in series.
+    overhead: the launch (a dependent launch's wait when `dependent`), plus round trips, barrier
+    stages and one-block work (serial_s) a block waits on in series.
     """
     per_sm_blocks = math.ceil(blocks / hw.sms) if blocks else 0
     share = (per_sm_blocks / blocks if blocks else 0.0) * imbalance  # busiest SM's fraction
@@ -145,7 +148,8 @@ def launch_time(*, blocks: int, threads: int, occ: Occupancy, terms: List[Term],
     if latency_s and in_flight_sm > 0:
         waited = dram_bytes if load_bytes is None else load_bytes
         latency = waited * share * latency_s / in_flight_sm
-    overhead = hw.launch_s + serial_round_trips * hw.round_trip_s \
+    overhead = (hw.dependent_launch_s if dependent else hw.launch_s) \
+        + serial_round_trips * hw.round_trip_s \
         + barrier_stages * hw.barrier_stage_s + serial_s
     return memory, issue, latency, overhead, in_flight_sm
 

@@ -1,12 +1,88 @@
-// The two constructs whose spelling differs between nvcc and the SIMT emulator (csrc/sim/), so the
-// same kernel source runs on both: a kernel launch, and the declaration of dynamic shared memory.
-// Under nvcc they are exactly <<<...>>> and extern __shared__; csrc/sim/prelude.h defines the
-// emulator's versions before this file is seen.
+// The constructs whose spelling differs between nvcc and the SIMT emulator (csrc/sim/), so the
+// same kernel source runs on both: a kernel launch, a launch that may overlap the kernel before
+// it, the waits and hints that go with that, and the declaration of dynamic shared memory. Under
+// nvcc they are <<<...>>>, cudaLaunchKernelEx, griddepcontrol and extern __shared__;
+// csrc/sim/prelude.h defines the emulator's versions before this file is seen.
 #pragma once
 
 #if !defined(DSPARK_OPS_SIM)
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <utility>
+
 // DSPARK_LAUNCH(grid, block, dynamic shared bytes, stream, kernel)(arguments...)
 #define DSPARK_LAUNCH(grid, block, shared, stream, ...) __VA_ARGS__<<<grid, block, shared, stream>>>
 // DSPARK_EXTERN_SHARED(type, name): `type* name`, the block's dynamic shared memory (16-byte aligned)
 #define DSPARK_EXTERN_SHARED(type, name) extern __shared__ __align__(16) type name[]
+
+// DSPARK_LAUNCH_DEPENDENT(grid, block, dynamic shared bytes, stream, kernel)(arguments...): on
+// sm_90 and later, a programmatic dependent launch: the kernel's blocks may start while the
+// previous kernel on the stream still runs (once each of its blocks has called
+// allow_dependent_launch() or exited), which hides the launch latency between the two. The kernel
+// must call wait_for_previous_grid() in every thread before it reads what the previous kernel
+// writes, and before it exits. On older GPUs, an ordinary launch (the wait is then a no-op).
+#define DSPARK_LAUNCH_DEPENDENT(grid, block, shared, stream, ...) \
+  ::dspark_ops::kernels::DependentLaunch<decltype(&__VA_ARGS__)>{     \
+      &__VA_ARGS__, dim3(grid), dim3(block), static_cast<size_t>(shared), stream}
+
+namespace dspark_ops::kernels {
+
+// Whether the current device supports programmatic dependent launch (compute capability 9.0+),
+// asked of the runtime once per device.
+inline bool dependent_launch_supported() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> major[kDevices] = {};  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
+  int known = major[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    if (cudaDeviceGetAttribute(&known, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      return false;
+    }
+    major[device].store(known, std::memory_order_relaxed);
+  }
+  return known >= 9;
+}
+
+template <typename Kernel>
+struct DependentLaunch {
+  Kernel kernel;
+  dim3 grid, block;
+  size_t shared;
+  cudaStream_t stream;
+
+  // Errors are left for cudaGetLastError, as with <<<...>>>.
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = shared;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = dependent_launch_supported() ? 1 : 0;
+    (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  }
+};
+
+// In a kernel launched by DSPARK_LAUNCH_DEPENDENT: returns once the previous kernel on the stream
+// has completed and its memory operations are visible (immediately when launched otherwise).
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// In the kernel before a dependent launch: this block no longer needs the next kernel held back.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+}  // namespace dspark_ops::kernels
 #endif

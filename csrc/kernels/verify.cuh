@@ -31,7 +31,9 @@
 //  2. verify_emit_kernel: races the chunks no block claimed, typically those of requests that
 //     accepted every draft (their other blocks had finished before the bonus row was decided);
 //     one claim per block, so every chunk is raced exactly once. Who races a chunk does not
-//     change its result, so the outcome does not depend on the timing.
+//     change its result, so the outcome does not depend on the timing. It is a dependent launch
+//     (launch.cuh): on sm_90 its blocks start as the statistics kernel's last ones finish and wait
+//     for that grid to complete, instead of paying a launch after it.
 //
 // Sampling filters: the allowed-token bitmask is applied as the rows stream in (one 32-bit word
 // per 32 elements). A request with top-k / top-p / min-p has its filters computed by the block
@@ -610,6 +612,8 @@ constexpr int kStatsBlocksPerSM = 3;
 template <typename TT, typename DT>
 __global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
     verify_row_stats_kernel(const VerifyParams p) {
+  // The emit kernel may start launching once every block has begun (it waits for this grid).
+  allow_dependent_launch();
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);
   const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
@@ -797,7 +801,9 @@ __global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
 template <typename TT, typename DT>
 __global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const VerifyParams p) {
   const int b = blockIdx.y, rows = p.block + 1;
-  const Request r = load_request(p, b);
+  const Request r = load_request(p, b);  // inputs only: may precede the wait
+  // Launched dependent: the statistics kernel may still run until this returns.
+  wait_for_previous_grid();
   if (r.greedy) return;  // written by the block that decided the final row
   // The first rejected row J is the only rejection ever published: the block that decides it
   // stops right after, so later rows never collect all their chunks (see the file header).
@@ -831,7 +837,8 @@ inline int64_t verify_num_chunks(int64_t vocab) {
   return (vocab + chunk - 1) / chunk;
 }
 
-// Launches both kernels on `stream`; TT/DT are the CUDA types of the target and draft logits.
+// Launches both kernels on `stream`, the second as a dependent launch; TT/DT are the CUDA types of
+// the target and draft logits.
 template <typename TT, typename DT>
 cudaError_t launch_verify(const VerifyParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
@@ -840,7 +847,8 @@ cudaError_t launch_verify(const VerifyParams& p, cudaStream_t stream) {
                 verify_row_stats_kernel<TT, DT>)(p);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
-  DSPARK_LAUNCH(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);
+  // Dependent: its launch overlaps the statistics kernel's last blocks (sm_90 and later).
+  DSPARK_LAUNCH_DEPENDENT(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);
   return cudaGetLastError();
 }
 

@@ -2,8 +2,9 @@
 // g++ compile csrc/kernels/*.cuh and csrc/cuda/*.cu, unchanged, as host C++ whose kernels run
 // through runtime.h. The CUDA headers are the toolkit's own, compiled in host mode; this file
 // supplies what only nvcc provides: the execution-space keywords, the built-in variables, the
-// device functions the kernels use, and the two source seams (DSPARK_LAUNCH for <<<>>>,
-// DSPARK_EXTERN_SHARED for extern __shared__).
+// device functions the kernels use, and the source seams of kernels/launch.cuh (DSPARK_LAUNCH for
+// <<<>>>, DSPARK_LAUNCH_DEPENDENT and its griddepcontrol functions, DSPARK_EXTERN_SHARED for
+// extern __shared__).
 //
 // __CUDA_ARCH__ stays undefined (the CUDA headers would change what they compile), so the
 // `#if defined(__CUDA_ARCH__)` branches of kernels/*_math.h and common/philox.h run their host
@@ -230,6 +231,7 @@ template <auto Kernel>
 struct Launcher {
   dim3 grid, block;
   size_t shared;
+  bool dependent = false;
 
   template <typename... Params, typename... Args>
   void run(void (*)(Params...), Args&&... args) const {
@@ -237,7 +239,7 @@ struct Launcher {
     Closure closure(std::forward<Args>(args)...);  // copied once, as the launch copies arguments
     const auto body = [](void* c) { std::apply(Kernel, *static_cast<Closure*>(c)); };
     launch(kernel_name<Kernel>(), reinterpret_cast<const void*>(Kernel), grid, block, shared,
-           body, &closure);
+           body, &closure, dependent);
   }
 
   template <typename... Args>
@@ -251,5 +253,14 @@ struct Launcher {
 #define DSPARK_LAUNCH(grid, block, shared, stream, ...)                                  \
   ((void)(stream),                                                                       \
    ::dspark_sim::Launcher<&__VA_ARGS__>{dim3(grid), dim3(block), static_cast<size_t>(shared)})
+#define DSPARK_LAUNCH_DEPENDENT(grid, block, shared, stream, ...)                        \
+  ((void)(stream), ::dspark_sim::Launcher<&__VA_ARGS__>{dim3(grid), dim3(block),          \
+                                                        static_cast<size_t>(shared), true})
 #define DSPARK_EXTERN_SHARED(type, name) \
   type* const name = static_cast<type*>(::dspark_sim::dynamic_shared())
+
+// launch.cuh's device side of a dependent launch (griddepcontrol).
+namespace dspark_ops::kernels {
+inline void wait_for_previous_grid() { ::dspark_sim::wait_for_previous_grid(); }
+inline void allow_dependent_launch() {}
+}  // namespace dspark_ops::kernels

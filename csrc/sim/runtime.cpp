@@ -187,6 +187,7 @@ struct Fiber {
   };
   std::vector<PendingCopy> copies;
   int committed = 0;
+  bool waited_for_previous_grid = false;  // griddepcontrol.wait reached
 };
 
 struct Collective {
@@ -214,6 +215,7 @@ struct BlockRun {
   void* dynamic_shared = nullptr;
   size_t dynamic_bytes = 0;
   std::string kernel;
+  bool dependent = false;  // launched to overlap the kernel before it (DSPARK_LAUNCH_DEPENDENT)
 };
 
 char* g_stack_pool = nullptr;
@@ -312,6 +314,14 @@ void fiber_main() {
                                where(self->copies.front().site) + ")",
                true);
     self->copies.clear();
+  }
+  if (g_block->dependent && !self->waited_for_previous_grid) {
+    // The kernel before may still be running: its writes are not visible yet, and this grid may
+    // complete before it, releasing the stream's next kernel early.
+    add_report("dependent launch", thread_name(*self) +
+                                       " exited without wait_for_previous_grid() in a kernel "
+                                       "launched with DSPARK_LAUNCH_DEPENDENT",
+               true);
   }
   self->wait = Wait::kExited;
   g_block->live -= 1;
@@ -764,6 +774,11 @@ bool async_copy_issue(Site site, const AsyncCopy& copy) {
   return true;
 }
 
+void wait_for_previous_grid() {
+  if (!g_running) trap(Site{"griddepcontrol.wait", 0});
+  g_running->waited_for_previous_grid = true;
+}
+
 void async_copy_commit() {
   if (!g_running) trap(Site{"cp.async.commit_group", 0});
   g_running->committed += 1;
@@ -843,6 +858,7 @@ void run_block(BlockRun& b, dim3 block_idx, dim3 grid, dim3 block) {
     f.wait = Wait::kReady;
     f.copies.clear();
     f.committed = 0;
+    f.waited_for_previous_grid = false;
     start_fiber(f);
     b.ready.push_back(t);
   }
@@ -874,7 +890,7 @@ void run_block(BlockRun& b, dim3 block_idx, dim3 grid, dim3 block) {
 }  // namespace
 
 void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t shared,
-            KernelBody body, void* closure) {
+            KernelBody body, void* closure, bool dependent) {
   const std::string kernel = instantiation(name);
   if (g_running) {
     set_error(cudaErrorLaunchFailure, "dspark_sim: a launch from inside a kernel (not emulated)");
@@ -894,6 +910,7 @@ void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t sh
   for (int t = 0; t < b.threads; ++t) b.fibers.push_back(&g_fibers[t]);
   b.body = body;
   b.closure = closure;
+  b.dependent = dependent;
   // Exactly sized, so the bounds flavour reports any access past it.
   std::unique_ptr<unsigned char[]> dynamic(shared ? new unsigned char[shared] : nullptr);
   b.dynamic_shared = dynamic.get();

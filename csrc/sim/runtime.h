@@ -16,8 +16,11 @@
 //     a read from a lane outside the mask are reported;
 //   - launches are checked against an emulated device (block and grid limits, dynamic shared memory
 //     against the opt-in limit and cudaFuncSetAttribute, __launch_bounds__).
+//   - a kernel launched dependent (programmatic dependent launch) runs after the kernel before it,
+//     as it does past its griddepcontrol.wait; a thread that exits without that wait is reported.
 // Not modelled: timing, the weak memory model (a missing __threadfence is invisible), concurrent
-// blocks, hardware expf/log approximations and tensor-core summation order.
+// blocks (nor a dependent kernel's reads before its wait), hardware expf/log approximations and
+// tensor-core summation order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -83,6 +86,7 @@ void shuffle(Site site, ShuffleKind kind, unsigned mask, void* value, int bytes,
 void mma_m16n8k16(bool f16, float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                   uint32_t b0, uint32_t b1);
 void* dynamic_shared();
+void wait_for_previous_grid();  // griddepcontrol.wait: marks the running thread as having waited
 [[noreturn]] void trap(Site site);
 
 // cp.async (kernels/async_copy.cuh): the running thread's issued copies, queued here until a wait
@@ -112,9 +116,11 @@ const char* error_string(cudaError_t error);
 std::string last_error_message();  // what the last failed call or launch reported
 
 // Launch: runs `body(block)` for every block; body runs the kernel in the current fiber.
+// dependent: launched to overlap the kernel before it (DSPARK_LAUNCH_DEPENDENT); blocks still run
+// after that kernel's, and every thread must reach wait_for_previous_grid() before it exits.
 using KernelBody = void (*)(void* closure);
 void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t shared,
-            KernelBody body, void* closure);
+            KernelBody body, void* closure, bool dependent = false);
 void register_launch_bounds(const char* name, int max_threads);
 
 // What ran, for coverage reports: "kernel<instantiation>" -> launches.

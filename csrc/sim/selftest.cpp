@@ -248,6 +248,24 @@ __global__ void __launch_bounds__(64) async_copy_tail_kernel(const float* x, int
   out[t] = shared[4 * t];
 }
 
+// A kernel for a dependent launch (DSPARK_LAUNCH_DEPENDENT): every thread waits for the kernel
+// before it, then out[t] = x[t] + 1.
+__global__ void __launch_bounds__(64) dependent_kernel(const float* x, int n, float* out) {
+  dspark_ops::kernels::wait_for_previous_grid();
+  const int t = threadIdx.x;
+  out[t] = t < n ? x[t] + 1.f : 0.f;
+}
+
+// Defect: threads past n return before the wait (the grid may then complete before the kernel it
+// depends on, letting the stream's next kernel start early).
+__global__ void __launch_bounds__(64) dependent_early_exit_kernel(const float* x, int n,
+                                                                  float* out) {
+  const int t = threadIdx.x;
+  if (t >= n) return;
+  dspark_ops::kernels::wait_for_previous_grid();
+  out[t] = x[t] + 1.f;
+}
+
 // One m16n8k16 product through kernels/mma.cuh: lane l's registers are row l of a (4 words),
 // b (2 words) and c (4 floats); d is written in c's layout.
 template <typename T>
@@ -300,6 +318,16 @@ at::Tensor selftest(const std::string& name, const at::Tensor& x, int64_t n) {
   DSPARK_SELFTEST(async_copy_uncommitted, 1, kThreads, kThreads * sizeof(float4))
   DSPARK_SELFTEST(async_copy_misaligned, 1, kThreads, kThreads * sizeof(float4))
   DSPARK_SELFTEST(async_copy_tail, 1, kThreads, kThreads * sizeof(float4))
+  if (name == "dependent" || name == "dependent_early_exit") {  // after sum, as dependent
+    DSPARK_LAUNCH(1, kThreads, 0, nullptr, sum_kernel)(in, count, o);
+    if (name == "dependent") {
+      DSPARK_LAUNCH_DEPENDENT(1, kThreads, 0, nullptr, dependent_kernel)(in, count, o);
+    } else {
+      DSPARK_LAUNCH_DEPENDENT(1, kThreads, 0, nullptr, dependent_early_exit_kernel)(in, count, o);
+    }
+    C10_CUDA_CHECK(cudaGetLastError());
+    return out;
+  }
   // Launch configurations: n is the parameter under test.
   DSPARK_SELFTEST(dynamic_copy, 1, kThreads, size_t(n) * sizeof(float))
   if (name == "threads_over_bounds") {  // n threads for a __launch_bounds__(64) kernel
