@@ -234,6 +234,11 @@ def test_real_binary_end_to_end(tmp_path):
     assert stats["loops"][0]["elems_per_iter"] % 16 == 0
     for row in data["rows"]:
         assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "overhead")
+        # The op's time: its launches plus a launch per zero-filled workspace of its glue.
+        assert row["model_us"] == pytest.approx(
+            sum(k["total_us"] for k in row["kernels"]) + row["fill_us"])
+        assert row["fill_us"] == pytest.approx(row["workspace_fills"] * H200.launch_s * 1e6)
+    assert greedy["workspace_fills"] == 1  # verify's counters
     assert (tmp_path / "static_sm90.csv").read_text().startswith("kind,op,shape")
     # Whichever build the checkout has: a vote-skipping epilogue states its assumed fractions.
     slot = rows[("markov_draft", "sampled")]["kernels"][0]

@@ -171,6 +171,9 @@ class Op:
     launches: List[Launch]
     launch_bound: bool = False   # docs/semantics.md §4: "launch-bound: one launch"
     match: Optional[dict] = None  # how to find the benchmark's row: op, shape params, variant
+    # Zero-filled workspaces the CUDA glue allocates (at::zeros: one PyTorch fill kernel each, on
+    # the stream before the op's own launches), charged a launch each.
+    fills: int = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,7 +336,9 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     bench = dict(op="verify", params=dict(B=batch, G=block, V=vocab),
                  variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}"
                  + (" top-k" if filtered else ""))
-    return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench)
+    # cuda/verify_cuda.cu: the arrival, rejection and race counters.
+    return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench,
+              fills=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -554,10 +559,12 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
     op = "rnn_draft" if rnn else "markov_draft"
     shape = f"B={batch} G={block} V={vocab} r={rank}" + (f" d={hidden}" if rnn else "")
     variant = ("sampled" if sampled else "greedy") + (" top-k" if filtered else "")
+    # cuda/draft_cuda.cu: the slots' best keys and arrivals; rnn_draft's state and preactivations.
     return Op(op, shape, variant, floor, launches,
               match=None if filtered else dict(op=op, params=dict(B=batch, G=block, V=vocab,
                                                                     r=rank),
-                                               variant="sampled" if sampled else "greedy"))
+                                               variant="sampled" if sampled else "greedy"),
+              fills=2 if rnn else 1)
 
 
 CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft.cuh kConfidenceThreads, kConfidenceSegment
