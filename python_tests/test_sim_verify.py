@@ -131,10 +131,10 @@ def expected_chunks(vocab: int) -> int:
 
 def workspace_bytes(batch: int, block: int, chunks: int) -> int:
     """RowPartial (24 bytes) [B, G+1, C], RowResult (40: two SoftmaxStats, the decision and the
-    FilterResult) [B, G+1], RacePartial (12) [B, C]."""
+    FilterResult) [B, G+1], RacePartial (12) [B, C], the final rows (4) [B]."""
     r16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
     rows = batch * (block + 1)
-    return r16(24 * rows * chunks) + r16(40 * rows) + r16(12 * batch * chunks)
+    return r16(24 * rows * chunks) + r16(40 * rows) + r16(12 * batch * chunks) + r16(4 * batch)
 
 
 def observed_workspace(run) -> int:
@@ -614,6 +614,41 @@ def test_request_outputs_are_bitwise_batch_invariant(sim, dtype):
             assert torch.equal(alone.logprobs[0], big.logprobs[i]), (draft, b, alone.logprobs,
                                                                      big.logprobs[i])
         check(sim, case)
+
+
+def _all_accepted(batch: int, block: int, vocab: int, gen: torch.Generator) -> Case:
+    """Every draft accepted (one-hot p = q), then a bonus row drawn from a peaked distribution."""
+    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    target[:, block] = peaky_logits((batch,), vocab, gen)
+    return Case(target, drafts, torch.full((batch,), block, dtype=I32), torch.ones(batch),
+                *randoms(batch, gen), draft_logits=draft_logits)
+
+
+def test_counters_are_back_to_zero_after_every_call(sim):
+    """The kernels' counters (row arrivals, rejection marks, race claims and arrivals) live in one
+    buffer per stream that is not filled between calls: every call returns each counter it
+    touches to zero. Calls of several shapes (9 chunks and 1; rejections at various rows, every
+    draft accepted, greedy and sampled, a target row without a finite logit) run once against
+    the CPU kernel, then again in three shuffled orders, and give bitwise the same outputs every
+    time: a counter left set would make a later call decide a row early or never, or race a
+    chunk twice."""
+    cases = [
+        make_case(3, 7, 8193, seed=stable_seed("counters", 0), temperature="mixed"),
+        make_case(5, 2, 100, seed=stable_seed("counters", 1), draft="onehot"),
+        _all_accepted(4, 3, 8193, generator(stable_seed("counters", 2))),
+        make_case(6, 1, 8193, seed=stable_seed("counters", 3), temperature="greedy"),
+        make_case(2, 5, 3000, seed=stable_seed("counters", 4), dtype=BF16),
+    ]
+    cases[4].target_logits[1, 0] = NAN  # request 1: its first row has no finite logit
+    first = [check(sim, case) for case in cases]
+    assert int(first[2].num_accepted.min()) == 3  # the bonus rows were raced
+    assert not bool(first[4].valid[1])
+    for round_ in range(3):
+        for i in torch.randperm(len(cases), generator=generator(397 + round_)).tolist():
+            again = cases[i].call(_positional(sim.verify))
+            assert torch.equal(again.tokens, first[i].tokens), (round_, i)
+            assert torch.equal(again.num_accepted, first[i].num_accepted), (round_, i)
+            assert torch.equal(again.valid, first[i].valid), (round_, i)
 
 
 # --------------------------------------------------------------------------------------------

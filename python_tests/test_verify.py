@@ -1550,6 +1550,33 @@ def test_cuda_out_of_range_drafts_without_value_checks():
     assert_same_outputs(out, case.call(reference.verify), case)
 
 
+@cuda_only
+def test_cuda_calls_on_concurrent_streams_and_in_sequence():
+    # The CUDA op keeps its counters in one buffer per stream, returned to zero by every call:
+    # calls of changing shapes in a row on one stream, and calls overlapping on two streams,
+    # each equal the reference.
+    cases = [make_case(b, g, v, seed=101 + i, temperature="mixed")
+             for i, (b, g, v) in enumerate([(64, 7, 8193), (3, 2, 100), (17, 12, 5000)])]
+    expected = [case.call(reference.verify) for case in cases]
+    on_gpu = [case.to("cuda") for case in cases]
+    on_cpu = lambda out: reference.VerifyOutput(*(t.cpu() for t in out))  # noqa: E731
+    for _ in range(2):
+        for case, gpu_case, want in zip(cases, on_gpu, expected):
+            assert_same_outputs(on_cpu(gpu_case.call()), want, case)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outputs = [[], []]
+    for _ in range(3):
+        for k, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outputs[k].append(on_gpu[k].call())
+    torch.cuda.synchronize()
+    for k in range(2):
+        for got in outputs[k]:
+            assert_same_outputs(on_cpu(got), expected[k], cases[k])
+
+
 # --------------------------------------------------------------------------------------------
 # CPU and CUDA agree
 # --------------------------------------------------------------------------------------------

@@ -336,9 +336,9 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     bench = dict(op="verify", params=dict(B=batch, G=block, V=vocab),
                  variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}"
                  + (" top-k" if filtered else ""))
-    # cuda/verify_cuda.cu: the arrival, rejection and race counters.
-    return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench,
-              fills=1)
+    # No fill: cuda/verify_cuda.cu keeps the counters in a buffer per stream that the kernels
+    # return to zero (filled once when made; per call only under CUDA-graph capture).
+    return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench)
 
 
 # ------------------------------------------------------------------------------------------------

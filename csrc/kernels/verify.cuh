@@ -29,9 +29,12 @@
 //     so the re-read comes from L2 and overlaps other requests' streaming. The block that
 //     publishes the last chunk merges them in chunk order and writes the outputs.
 //  2. verify_emit_kernel: races the chunks no block claimed, typically those of requests that
-//     accepted every draft (their other blocks had finished before the bonus row was decided);
-//     one claim per block, so every chunk is raced exactly once. Who races a chunk does not
-//     change its result, so the outcome does not depend on the timing. It is a dependent launch
+//     accepted every draft (their other blocks had finished before the bonus row was decided):
+//     claims hand out chunks in order, so block c races chunk c if c is past them, and every chunk
+//     is raced exactly once. Who races a chunk does not change its result, so the outcome does
+//     not depend on the timing. It also returns to zero the counters the statistics kernel leaves
+//     set (every counter's last user resets it, so the counters need no fill before a call:
+//     cuda/verify_cuda.cu keeps one buffer per stream). It is a dependent launch
 //     (launch.cuh): on sm_90 its blocks start as the statistics kernel's last ones finish and wait
 //     for that grid to complete, instead of paying a launch after it.
 //
@@ -129,18 +132,21 @@ struct VerifyParams {
   int64_t vocab;
   int num_chunks;
   int64_t chunk;
-  // Workspace. Zero-initialised: row_arrivals [B, G+1], reject_marks [B], race_claims [B],
-  // race_arrivals [B].
+  // Workspace (any initial contents).
   RowPartial* partials;  // [B, G+1, C]
   // [B, G+1, C, kVerifyWarps] when top-k is given, else null: each warp's largest allowed target
   // logit of its chunk of the row, the parts top-k's floor is taken from (filter.cuh).
   float* part_maxima;
   RowResult* results;    // [B, G+1]
   RacePartial* race_partials;  // [B, C]
-  int32_t* row_arrivals;
-  int32_t* reject_marks;  // max over rejected rows j of (G + 1 - j): 0 = none yet
-  int32_t* race_claims;   // chunks of the final row handed out so far (may pass C)
-  int32_t* race_arrivals;
+  int32_t* final_rows;         // [B]: j*, written by the block that decides it
+  // Counters, zero when the call starts; each is back to zero when the call ends (its last user
+  // resets it), so one buffer serves every call on a stream (see verify_cuda.cu).
+  int32_t* row_arrivals;  // [B, G+1]
+  int32_t* reject_marks;  // [B]: max over rejected rows j of (G + 1 - j): 0 = none yet
+  int32_t* race_claims;   // [B]: chunks of the final row the statistics kernel took (may pass C)
+  int32_t* race_arrivals;  // [B]: chunks raced
+  int32_t* emit_arrivals;  // [B]: emit blocks that have read race_claims
 };
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -526,8 +532,9 @@ __device__ __forceinline__ RowResult load_result(const RowResult* at) {
   return out;
 }
 
-// Hands this block the next unraced chunk of request b's final row (block-uniform; -1: none
-// left). Claims count past C once every chunk is taken, so each chunk is raced exactly once.
+// Hands this block of the statistics kernel the next unraced chunk of request b's final row
+// (block-uniform; -1: none left): chunks 0, 1, ... in order. Claims count past C once every chunk
+// is taken; the emit kernel races the chunks past the last one taken.
 __device__ __forceinline__ int claim_race_chunk(const VerifyParams& p, int b, RaceShared& sh) {
   if (threadIdx.x == 0) sh.claim = atomicAdd(p.race_claims + b, 1);
   __syncthreads();
@@ -573,6 +580,7 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
   __syncthreads();
   if (!sh.last) return;
   __threadfence();
+  if (threadIdx.x == 0) p.race_arrivals[b] = 0;  // every chunk has arrived: back to zero
   mass = 0.f;
   best = empty_candidate();
   for (int c = threadIdx.x; c < p.num_chunks; c += blockDim.x) {
@@ -673,6 +681,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
       p.partials[slot * p.num_chunks + c] = part;
       __threadfence();  // publish the partial before counting this block as arrived
       last = atomicAdd(p.row_arrivals + slot, 1) == p.num_chunks - 1;
+      if (last) p.row_arrivals[slot] = 0;  // every block has arrived: back to zero
       // A rejection of this row or an earlier one: stop after this row (a hint, see the header).
       stop = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b) > rows - (j + 1);
     }
@@ -751,7 +760,10 @@ __global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
           atomicMax(p.reject_marks + b, rows - j);
           stop = true;
         }
-        if ((decision & kRowRejected) || j == r.n) final_row = j;
+        if ((decision & kRowRejected) || j == r.n) {
+          final_row = j;
+          p.final_rows[b] = j;
+        }
       }
     }
     __syncthreads();  // `stop`, `last` and `scratch` are rewritten for the next row
@@ -795,25 +807,41 @@ __global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
   if (k >= 0) race_chunk</*kRecut=*/false, TT, DT>(p, b, r, j, res, k, race);
 }
 
-// Races what is left of each sampled request's final row: the chunks no block of the statistics
-// kernel took (typically those of requests that accepted every draft, whose other blocks had
-// finished before the bonus row was decided).
+// Races what is left of each sampled request's final row: the chunks the statistics kernel did not
+// take (typically those of requests that accepted every draft, whose other blocks had finished
+// before the bonus row was decided). Its claims handed out chunks 0, 1, ... in order, so block c
+// races chunk c if c is past them. Also returns the counters the statistics kernel leaves set to
+// zero: the rejection mark, the arrivals at rows past j* (blocks that had moved on), the claims.
+// Three blocks per SM, as the statistics kernel (without a minimum, ptxas capped the registers at
+// 64 and spilled).
 template <typename TT, typename DT>
-__global__ void __launch_bounds__(kVerifyThreads) verify_emit_kernel(const VerifyParams p) {
-  const int b = blockIdx.y, rows = p.block + 1;
+__global__ void __launch_bounds__(kVerifyThreads, 3) verify_emit_kernel(const VerifyParams p) {
+  const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);  // inputs only: may precede the wait
   // Launched dependent: the statistics kernel may still run until this returns.
   wait_for_previous_grid();
+  const int j = p.final_rows[b];
+  if (c == 0) {
+    for (int k = j + 1 + threadIdx.x; k < rows; k += blockDim.x) {
+      p.row_arrivals[int64_t{b} * rows + k] = 0;
+    }
+    if (threadIdx.x == 0) p.reject_marks[b] = 0;
+  }
   if (r.greedy) return;  // written by the block that decided the final row
-  // The first rejected row J is the only rejection ever published: the block that decides it
-  // stops right after, so later rows never collect all their chunks (see the file header).
-  const int32_t mark = p.reject_marks[b];
-  const int j = mark > 0 ? min(rows - mark, r.n) : r.n;
   const RowResult res = p.results[int64_t{b} * rows + j];
-  if (res.decision & kTargetInvalid) return;  // written too
+  if (res.decision & kTargetInvalid) return;  // written too; no block claimed a chunk
   __shared__ RaceShared sh;
-  const int k = claim_race_chunk(p, b, sh);
-  if (k >= 0) race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, k, sh);
+  if (threadIdx.x == 0) {
+    sh.claim = p.race_claims[b];
+    __threadfence();  // read before this block counts as arrived
+    if (atomicAdd(p.emit_arrivals + b, 1) == p.num_chunks - 1) {  // every block has read it
+      __threadfence();
+      p.race_claims[b] = 0;
+      p.emit_arrivals[b] = 0;
+    }
+  }
+  __syncthreads();
+  if (c >= sh.claim) race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh);
 }
 
 // Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.

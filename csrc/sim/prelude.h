@@ -216,6 +216,9 @@ cudaError_t occupancy_of(int* blocks, F* func, int threads, size_t shared) {
 #define cudaDeviceGetAttribute(value, attribute, device) \
   ::dspark_sim::device_attribute(value, attribute, device)
 #define cudaGetLastError() ::dspark_sim::get_last_error()
+// Launches run synchronously on the one emulated stream, which is never being captured.
+#define cudaStreamIsCapturing(stream, status) \
+  ((void)(stream), *(status) = cudaStreamCaptureStatusNone, cudaSuccess)
 #define cudaPeekAtLastError() ::dspark_sim::peek_last_error()
 #define cudaGetErrorString(error) ::dspark_sim::error_string(error)
 
