@@ -6,7 +6,8 @@ The rule is the one test_verify.py applies to CUDA: tokens, num_accepted and val
 kernel's and the reference's exactly (the sums are merged in another order, but every case here is
 away from float near-ties, as the CUDA tests' are).
 
-Covered: vocabulary tails (V = 1, 2, 17, 100, 8193), G = 1, 7, 32, B = 1 and odd, several
+Covered: vocabulary tails (V = 1, 2, 17, 100, 8193; 40000, whose chunks are long enough for the
+statistics loop's two-group vector path), G = 1, 7, 32, B = 1 and odd, several
 vocabulary chunks per request (V = 8193 at small B: 9 chunks, so the last-block merges of the row
 statistics and of the race and the arrival counters run), padded [B, G+1, V] and ragged
 ``target_start`` layouts (shuffled, junk rows, shared rows, stride-0 draft broadcast), rows whose
@@ -165,6 +166,9 @@ SHAPES = [
     ("B1-G32-V8193-greedy", 1, 32, 8193, "greedy", "onehot", BF16, None, None, I64),
     ("B3-G7-V8193-f16-bf16", 3, 7, 8193, "mixed", "logits", F16, BF16, "sampled", I64),
     ("B7-G1-V8193-bf16-f32", 7, 1, 8193, "mixed", "logits", BF16, F32, None, I32),
+    # Chunks of 2512 elements: the statistics loop's two-group vector path (a chunk longer than
+    # 2 x 256 threads x 8 elements) runs, for a 16-bit target and a float32 draft row.
+    ("B2-G2-V40000-bf16-f32", 2, 2, 40000, "mixed", "logits", BF16, F32, None, I64),
 ]
 
 
