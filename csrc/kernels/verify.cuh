@@ -611,6 +611,8 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
 // race must not cost the streaming loop its occupancy. Three on sm_90 (registers capped at 80:
 // 48 KB of loads in flight per SM against the ~25 KB an H200 SM needs); two before (capped at
 // 128, so the race does not spill: 32 KB in flight, where an A100 SM needs ~13 KB at 2 TB/s).
+// float32 target and draft rows keep twice the bytes in flight per thread (128), so two blocks
+// cover the latency there too, and give the wider loads the registers they need.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kStatsBlocksPerSM = 2;
 #else
@@ -618,7 +620,12 @@ constexpr int kStatsBlocksPerSM = 3;
 #endif
 
 template <typename TT, typename DT>
-__global__ void __launch_bounds__(kVerifyThreads, kStatsBlocksPerSM)
+constexpr int stats_blocks_per_sm() {
+  return sizeof(TT) == 4 && sizeof(DT) == 4 ? 2 : kStatsBlocksPerSM;
+}
+
+template <typename TT, typename DT>
+__global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
     verify_row_stats_kernel(const VerifyParams p) {
   // The emit kernel may start launching once every block has begun (it waits for this grid).
   allow_dependent_launch();
