@@ -1208,8 +1208,11 @@ __device__ float staged_dot(const T* row, int n, const ConfidenceParams& p, int 
   return acc;
 }
 
+// Eight blocks per SM (64 registers): with no minimum, sm_80's float32 instantiation saved a
+// register to the stack around the IEEE division's slow-path call.
 template <typename W>
-__global__ void __launch_bounds__(kConfidenceThreads) draft_confidence_kernel(const ConfidenceParams p) {
+__global__ void __launch_bounds__(kConfidenceThreads, 8)
+    draft_confidence_kernel(const ConfidenceParams p) {
   __shared__ __align__(16) float w_seg[kConfidenceSegment];
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t{blockIdx.x} * (kConfidenceThreads / 32) + (threadIdx.x >> 5);
