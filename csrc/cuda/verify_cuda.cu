@@ -2,20 +2,17 @@
 // The kernels live in kernels/verify.cuh; this file only sees light ATen/c10 headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "../args/verify_args.h"
 #include "../common/cuda_utils.h"
 #include "../common/dispatch.h"
+#include "../common/stream_counters.h"
 #include "../kernels/verify.cuh"
 #include "../ops.h"
 
@@ -27,47 +24,6 @@ template <typename T>
 int64_t region_bytes(int64_t count) {
   return (count * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
 }
-
-// The kernels' counters (arrivals, rejection marks, race claims): zero when a call starts, and
-// back to zero when it ends, since each counter's last user resets it (kernels/verify.cuh). So
-// instead of a zero fill before every call (one more kernel on the stream), each (device, stream)
-// keeps one buffer, filled once when made or grown; calls on one stream run in order, so they
-// take turns on it. While the stream is being captured into a CUDA graph a call gets a fresh
-// buffer, filled inside the graph: a graph may be replayed on several streams at once.
-class VerifyCounters {
- public:
-  static at::Tensor get(const at::Tensor& like, int64_t count, cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    const auto options = like.options().dtype(at::kInt);
-    if (capture != cudaStreamCaptureStatusNone) return at::zeros({count}, options);
-    std::lock_guard<std::mutex> lock(mutex());
-    at::Tensor& buffer = buffers()[key(like, stream)];
-    if (!buffer.defined() || buffer.numel() < count) buffer = at::zeros({count}, options);
-    return buffer;
-  }
-
-  // After a failed launch the counters may be left set: the next call on the stream starts over.
-  static void forget(const at::Tensor& like, cudaStream_t stream) {
-    std::lock_guard<std::mutex> lock(mutex());
-    buffers().erase(key(like, stream));
-  }
-
- private:
-  using Key = std::pair<int, uintptr_t>;
-  static Key key(const at::Tensor& like, cudaStream_t stream) {
-    return {like.device().index(), reinterpret_cast<uintptr_t>(stream)};
-  }
-  // Never destroyed: tensors freed after the CUDA runtime has shut down would fail.
-  static std::map<Key, at::Tensor>& buffers() {
-    static auto* map = new std::map<Key, at::Tensor>();
-    return *map;
-  }
-  static std::mutex& mutex() {
-    static auto* m = new std::mutex();
-    return *m;
-  }
-};
 
 }  // namespace
 
@@ -149,8 +105,10 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
 
   const int64_t rows = a.batch * (a.block + 1);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor counters = VerifyCounters::get(a.target, rows + 4 * a.batch, stream);
-  p.row_arrivals = counters.data_ptr<int32_t>();
+  // Zero at the start and the end of every call (common/stream_counters.h): no fill.
+  const at::Tensor counters =
+      StreamCounters::get(a.target, (rows + 4 * a.batch) * int64_t{sizeof(int32_t)}, stream);
+  p.row_arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>());
   p.reject_marks = p.row_arrivals + rows;
   p.race_claims = p.reject_marks + a.batch;
   p.race_arrivals = p.race_claims + a.batch;
@@ -176,7 +134,7 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
 
   with_types([&](auto tt, auto dt) {
     const cudaError_t error = kernels::launch_verify<decltype(tt), decltype(dt)>(p, stream);
-    if (error != cudaSuccess) VerifyCounters::forget(a.target, stream);
+    if (error != cudaSuccess) StreamCounters::forget(a.target, stream);
     C10_CUDA_CHECK(error);
   });
   return {tokens, num_accepted, valid, logprobs};

@@ -34,7 +34,7 @@
 //     is raced exactly once. Who races a chunk does not change its result, so the outcome does
 //     not depend on the timing. It also returns to zero the counters the statistics kernel leaves
 //     set (every counter's last user resets it, so the counters need no fill before a call:
-//     cuda/verify_cuda.cu keeps one buffer per stream). It is a dependent launch
+//     common/stream_counters.h keeps one buffer per stream). It is a dependent launch
 //     (launch.cuh): on sm_90 its blocks start as the statistics kernel's last ones finish and wait
 //     for that grid to complete, instead of paying a launch after it.
 //
