@@ -877,6 +877,43 @@ def test_cpu_results_do_not_depend_on_thread_count(head):
     assert torch.equal(single_conf, conf)
 
 
+@cuda_only
+def test_cuda_calls_on_concurrent_streams_and_in_sequence():
+    # The CUDA ops keep their counters in one buffer per stream (shared with verify), returned to
+    # zero by every call: calls of changing shapes and heads in a row on one stream, with verify
+    # calls among them, and calls overlapping on two streams, each give the first call's outputs.
+    cases = [make_case(64, 7, 8193, 64, seed=137, temperature="mixed"),
+             make_case(70, 3, 700, 40, seed=138, head="rnn", hidden_size=40),
+             make_case(3, 2, 100, 8, seed=139, weights="f32", temperature="greedy")]
+    on_gpu = [case.to("cuda") for case in cases]
+    first = [check_against_reference(case) for case in on_gpu]
+    target = torch.randn(4, 5, 8193, generator=generator(140))
+    drafts = target[:, :4].argmax(-1)
+    drafts[:, 2] = (drafts[:, 2] + 1) % 8193  # greedy: rows 0 and 1 accepted, row 2 rejected
+    verify_args = tuple(t.cuda() for t in (target, drafts, torch.full((4,), 4).int(),
+                                           torch.zeros(4), torch.zeros(4, dtype=torch.int64),
+                                           torch.zeros(4, dtype=torch.int64)))
+    verified = dspark_ops.verify(*verify_args)
+    assert verified.num_accepted.tolist() == [2] * 4
+    assert torch.equal(verified.tokens[:, 2].cpu(), target[:, 2].argmax(-1))
+    for _ in range(2):
+        for case, want in zip(on_gpu, first):
+            assert_same_outputs(case.call(), want, case)
+            assert torch.equal(dspark_ops.verify(*verify_args).tokens, verified.tokens)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outputs = [[], []]
+    for _ in range(3):
+        for k, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outputs[k].append(on_gpu[k].call())
+    torch.cuda.synchronize()
+    for k in range(2):
+        for got in outputs[k]:
+            assert_same_outputs(got, first[k], on_gpu[k])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_ignores_seed_and_position(device):
     case = make_case(32, 6, 1500, 16, seed=110, temperature="greedy").to(device)

@@ -661,6 +661,45 @@ def test_launches(sim):
     assert got == expected
 
 
+def test_counters_are_back_to_zero_after_every_call(sim):
+    """The slots' best keys and arrival counters live in a buffer per stream, shared with verify,
+    that is not filled between calls: the last block of each request group returns its keys and
+    counter to zero. Drafting calls of several shapes (one and two request groups, both heads,
+    16-bit and float32 weights, greedy and sampled) run once against the CPU kernel and the
+    reference, then again with a verify call among them in three shuffled orders, and give
+    bitwise the same outputs every time: a key left set would win a later call's slot, an
+    arrival count left set would make a block write its group's tokens before the others have
+    published their keys, or no block write them."""
+    from test_verify import make_case as verify_case
+
+    cases = [
+        make_case(3, 7, 8193, 8, seed=stable_seed("sim-counters", 0), temperature="mixed"),
+        make_case(70, 3, 700, 40, seed=stable_seed("sim-counters", 1), head="rnn",
+                  hidden_size=40),
+        make_case(5, 2, 100, 20, seed=stable_seed("sim-counters", 2), weights="f32",
+                  temperature="greedy"),
+        make_case(4, 3, 300, 8, seed=stable_seed("sim-counters", 3), head="rnn", weights="f32"),
+        make_case(66, 2, 1000, 8, seed=stable_seed("sim-counters", 4), temperature="sampled"),
+    ]
+    first = [check_draft(sim, case) for case in cases]
+    v = verify_case(3, 4, 8193, seed=stable_seed("sim-counters", "verify"), temperature="mixed")
+    run_verify = lambda: sim.verify(v.target_logits, v.draft_tokens, v.num_draft,  # noqa: E731
+                                    v.temperature, v.seed, v.position, v.draft_logits,
+                                    v.target_start, v.draft_temperature)
+    verified = run_verify()
+    assert torch.equal(verified[0], v.call(reference.verify).tokens)
+    for round_ in range(3):
+        order = torch.randperm(len(cases) + 1, generator=generator(413 + round_)).tolist()
+        for i in order:
+            if i == len(cases):
+                again = run_verify()
+                assert all(torch.equal(a, b) for a, b in zip(again, verified)), round_
+                continue
+            again = run_sim(sim, cases[i])
+            assert torch.equal(again.tokens, first[i].tokens), (round_, i)
+            assert torch.equal(again.draft_logits, first[i].draft_logits), (round_, i)
+
+
 # --------------------------------------------------------------------------------------------
 # Sampling filters (draft_filter_kernel)
 # --------------------------------------------------------------------------------------------
@@ -804,7 +843,7 @@ def test_dropped_barrier_is_caught(sim, weights):
     """Without the __syncthreads after draft_slot_kernel's arrival count, threads read the
     block's `last` flag before thread 0 has set it (a stale flag from the block before): missing
     or wrong drafts (and, in the race flavour, a reported race)."""
-    site = emulator.barrier_site("draft.cuh", "last = atomicAdd(p.arrivals")
+    site = emulator.barrier_site("draft.cuh", "last = atomicAdd(arrivals")
     case = make_case(64, 3, 1024, 20, seed=stable_seed("barrier", weights), weights=weights,
                      temperature="mixed")
     check_draft(sim, case)

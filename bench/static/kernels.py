@@ -336,7 +336,7 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     bench = dict(op="verify", params=dict(B=batch, G=block, V=vocab),
                  variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}"
                  + (" top-k" if filtered else ""))
-    # No fill: cuda/verify_cuda.cu keeps the counters in a buffer per stream that the kernels
+    # No fill: common/stream_counters.h keeps the counters in a buffer per stream that the kernels
     # return to zero (filled once when made; per call only under CUDA-graph capture).
     return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench)
 
@@ -559,12 +559,13 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
     op = "rnn_draft" if rnn else "markov_draft"
     shape = f"B={batch} G={block} V={vocab} r={rank}" + (f" d={hidden}" if rnn else "")
     variant = ("sampled" if sampled else "greedy") + (" top-k" if filtered else "")
-    # cuda/draft_cuda.cu: the slots' best keys and arrivals; rnn_draft's state and preactivations.
+    # cuda/draft_cuda.cu fills rnn_draft's state (the slots' keys and arrivals are counters its
+    # kernels return to zero).
     return Op(op, shape, variant, floor, launches,
               match=None if filtered else dict(op=op, params=dict(B=batch, G=block, V=vocab,
                                                                     r=rank),
                                                variant="sampled" if sampled else "greedy"),
-              fills=2 if rnn else 1)
+              fills=1 if rnn else 0)
 
 
 CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft.cuh kConfidenceThreads, kConfidenceSegment

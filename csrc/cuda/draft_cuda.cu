@@ -13,6 +13,7 @@
 #include "../args/draft_args.h"
 #include "../common/cuda_utils.h"
 #include "../common/dispatch.h"
+#include "../common/stream_counters.h"
 #include "../kernels/draft.cuh"
 #include "../ops.h"
 
@@ -89,16 +90,20 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
                                              kernels::kHeadRequests <= 65535,
                       op, "(): at most ", 65535 * kernels::kHeadRequests,
                       " requests per call on CUDA, got ", a.batch);
-    // Workspace: packed per-request maxima [G, B] and arrival counters [G, groups], zeroed.
+    // Counters: packed per-request maxima [G, B] and arrivals [G, groups], zero at the start and
+    // the end of every call (common/stream_counters.h): no fill.
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int64_t best_bytes = a.block * a.batch * 8;
-    auto workspace = at::zeros({best_bytes + a.block * groups * 4}, a.base.options().dtype(at::kByte));
-    p.best = reinterpret_cast<unsigned long long*>(workspace.data_ptr<uint8_t>());
-    p.arrivals = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + best_bytes);
-    at::Tensor rnn_workspace;
-    if (kRnn) {
-      rnn_workspace = at::zeros({a.batch * 4 * a.rank}, a.base.options().dtype(at::kFloat));
-      p.state = rnn_workspace.data_ptr<float>();
-      p.preactivation = p.state + a.batch * a.rank;
+    const at::Tensor counters =
+        StreamCounters::get(a.base, best_bytes + a.block * groups * 4, stream);
+    p.best = reinterpret_cast<unsigned long long*>(counters.data_ptr<uint8_t>());
+    p.arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>() + best_bytes);
+    at::Tensor state, preactivation;
+    if (kRnn) {  // the state starts at zero; the preactivations are written before they are read
+      state = at::zeros({a.batch, a.rank}, a.base.options().dtype(at::kFloat));
+      preactivation = at::empty({a.batch, 3 * a.rank}, a.base.options().dtype(at::kFloat));
+      p.state = state.data_ptr<float>();
+      p.preactivation = preactivation.data_ptr<float>();
     }
     const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
     // The base logits' dtype is a template parameter: no per-element type switch in the epilogue.
@@ -110,8 +115,9 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
           multiprocessor_count(device);
       const int grid_tiles =
           static_cast<int>(std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
-      C10_CUDA_CHECK((kernels::launch_draft<W, Base, kRnn>(p, grid_tiles,
-                                                         c10::cuda::getCurrentCUDAStream())));
+      const cudaError_t error = kernels::launch_draft<W, Base, kRnn>(p, grid_tiles, stream);
+      if (error != cudaSuccess) StreamCounters::forget(a.base, stream);
+      C10_CUDA_CHECK(error);
     });
   });
 }

@@ -22,7 +22,8 @@
 //   packed 64-bit maxima in global memory (atomicMax, key order then lower id; only where they can
 //   still win), and each block folds the grid's maxima into its shared best keys once per tile.
 //   The last block of the group to arrive (threadfence + arrival counter) writes the tokens, which
-//   the next slot's launch reads. A persistent kernel with a grid barrier per slot would save
+//   the next slot's launch reads, and returns the group's keys and counter to zero (they live in
+//   a buffer kept per stream, not filled per call: cuda/draft_cuda.cu). A persistent kernel with a grid barrier per slot would save
 //   G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
 // rnn_draft: per slot, the head computes [g; c; o] = J [s; W1[x]; h] + b for every request:
 //   rnn_head_mma_kernel for 16-bit J on tensor cores (a block per 16 rows x 8 requests, its warps
@@ -130,7 +131,7 @@ struct DraftParams {
   const void* joint_bias;  // [3r] of type W
   float* preactivation;    // [B, 3r] workspace
   float* state;            // [B, r] workspace, zero-initialised
-  // Workspace, zero-initialised.
+  // Counters: zero when a call starts, and returned to zero by the last block of each group.
   unsigned long long* best;  // [G, B] packed candidates
   int32_t* arrivals;         // [G, groups]
   int batch, block, rank, hidden_size, group_size, num_tiles, slot;
@@ -623,17 +624,17 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   // before the barrier that precedes the arrival).
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const int groups = gridDim.y;
-    last = atomicAdd(p.arrivals + p.slot * groups + group, 1) == static_cast<int>(gridDim.x) - 1;
-  }
+  int32_t* const arrivals = p.arrivals + p.slot * static_cast<int>(gridDim.y) + group;
+  if (threadIdx.x == 0) last = atomicAdd(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
   __syncthreads();
-  if (last) {
+  if (last) {  // every block of the group has arrived: its counters go back to zero
     __threadfence();
     for (int i = threadIdx.x; i < members; i += blockDim.x) {
       const int32_t id = candidate_id(__ldcg(best + first + i));
       p.tokens[int64_t{first + i} * p.block + p.slot] = id < 0 ? 0 : id;
+      best[first + i] = 0;
     }
+    if (threadIdx.x == 0) *arrivals = 0;
   }
   if (kRnn) {
     // s_{j+1} = sigmoid(g) * s_j + (1 - sigmoid(g)) * tanh(c), spread over the group's blocks;

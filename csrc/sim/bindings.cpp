@@ -3,10 +3,13 @@
 #include "prelude.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <string>
 
+#include "../common/stream_counters.h"
 #include "../kernels/attention.cuh"
 #include "../kernels/draft.cuh"
 #include "../kernels/random.cuh"
@@ -37,7 +40,12 @@ void select_device(const std::string& name) {
 
 std::string device_name() { return device().name; }
 void seed(int64_t value) { set_seed(static_cast<uint64_t>(value)); }
-void plant(const std::string& value) { set_plant(value); }
+// A planted fault may leave the kernels' counters set (common/stream_counters.h): the calls after
+// a plant changes start from a zeroed buffer, as after a failed launch.
+void plant(const std::string& value) {
+  set_plant(value);
+  dspark_ops::StreamCounters::forget(at::empty({0}), c10::cuda::getCurrentCUDAStream());
+}
 std::string log() { return launch_log(); }
 void clear_log() { clear_launch_log(); }
 
