@@ -29,14 +29,21 @@ def pytest_configure(config):
 def sim(request):
     """torch.ops.dspark_ops_sim, reset for this test (emulated H200, no fault, a seed per test).
     Torch runs single-threaded meanwhile: the emulator is, and the small reference computations
-    beside it only lose time to a thread pool on a busy 2-core machine."""
+    beside it only lose time to a thread pool on a busy 2-core machine. Memory from torch.empty /
+    at::empty (the CUDA glue's outputs and workspaces) comes filled with NaN or the type's
+    maximum, torch's deterministic mode: a kernel that reads what nothing wrote sees that."""
     from emulator import ops, reset
 
     reset(request.node.nodeid)
     threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
-    yield ops()
-    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield ops()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
 
 
 def cuda_param(*values, id=None):
