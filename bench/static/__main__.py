@@ -70,8 +70,7 @@ def run_model(so: Path) -> dict:
     rows = []
     for op in ops:
         launches = [kernels.evaluate(l) for l in op.launches]
-        fill_s = op.fills * H200.launch_s
-        model_s = sum(r.total_s for r in launches) + fill_s
+        model_s = sum(r.total_s for r in launches)
         floor_s = op.floor_bytes / H200.dram_bytes_per_s
         judged_floor_s = max(floor_s, H200.launch_s) if op.launch_bound else floor_s
         worst = max(launches, key=lambda r: r.total_s)
@@ -82,7 +81,6 @@ def run_model(so: Path) -> dict:
             "judged_floor_us": judged_floor_s * 1e6,
             "model_us": model_s * 1e6, "model_over_floor": model_s / judged_floor_s,
             "bound": worst.bound, "match": op.match,
-            "workspace_fills": op.fills, "fill_us": fill_s * 1e6,
             "kernels": [{
                 "kernel": names[r.kernel], "mangled": r.kernel, "role": r.label,
                 "launches": r.count, "regs": r.regs, "local_bytes": r.local_bytes,
@@ -136,10 +134,6 @@ def print_table(result: dict, out=sys.stdout) -> None:
             print(f"  {k['kernel'][:42]:<42}{grid[:35]:<36}{k['regs']:>5}{occ:>9}{ipe[:8]:>9}"
                   f"{k['dram_bytes'] * k['launches'] / 1e6:>9.1f}{'':>9}{k['total_us']:>9.1f}"
                   f"{'':>8}  {k['bound']}", file=out)
-        if row.get("workspace_fills"):
-            fills = f"x{row['workspace_fills']}"
-            print(f"  {'workspace zero-fill (at::zeros)':<42}{fills:<36}{'':>5}{'':>9}{'-':>9}"
-                  f"{0.0:>9.1f}{'':>9}{row['fill_us']:>9.1f}{'':>8}  overhead", file=out)
     print("instr/el: SASS instructions per element of each costed loop (per thread; '/' "
           "separates loops); occ: resident blocks per SM and warp occupancy; bound: the largest "
           "of memory, issue, latency, or overhead (launch + work a block does in series). "

@@ -171,9 +171,6 @@ class Op:
     launches: List[Launch]
     launch_bound: bool = False   # docs/semantics.md §4: "launch-bound: one launch"
     match: Optional[dict] = None  # how to find the benchmark's row: op, shape params, variant
-    # Zero-filled workspaces the CUDA glue allocates (at::zeros: one PyTorch fill kernel each, on
-    # the stream before the op's own launches), charged a launch each.
-    fills: int = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -559,13 +556,10 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
     op = "rnn_draft" if rnn else "markov_draft"
     shape = f"B={batch} G={block} V={vocab} r={rank}" + (f" d={hidden}" if rnn else "")
     variant = ("sampled" if sampled else "greedy") + (" top-k" if filtered else "")
-    # cuda/draft_cuda.cu fills rnn_draft's state (the slots' keys and arrivals are counters its
-    # kernels return to zero).
     return Op(op, shape, variant, floor, launches,
               match=None if filtered else dict(op=op, params=dict(B=batch, G=block, V=vocab,
                                                                     r=rank),
-                                               variant="sampled" if sampled else "greedy"),
-              fills=1 if rnn else 0)
+                                               variant="sampled" if sampled else "greedy"))
 
 
 CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft.cuh kConfidenceThreads, kConfidenceSegment

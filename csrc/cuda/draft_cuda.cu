@@ -2,7 +2,6 @@
 // dispatch, launch. The kernels live in kernels/draft.cuh.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -98,12 +97,11 @@ void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
         StreamCounters::get(a.base, best_bytes + a.block * groups * 4, stream);
     p.best = reinterpret_cast<unsigned long long*>(counters.data_ptr<uint8_t>());
     p.arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>() + best_bytes);
-    at::Tensor state, preactivation;
-    if (kRnn) {  // the state starts at zero; the preactivations are written before they are read
-      state = at::zeros({a.batch, a.rank}, a.base.options().dtype(at::kFloat));
-      preactivation = at::empty({a.batch, 3 * a.rank}, a.base.options().dtype(at::kFloat));
-      p.state = state.data_ptr<float>();
-      p.preactivation = preactivation.data_ptr<float>();
+    at::Tensor rnn_workspace;
+    if (kRnn) {  // no fill: each value is written before it is read (s_0 = 0 is not read)
+      rnn_workspace = at::empty({a.batch * 4 * a.rank}, a.base.options().dtype(at::kFloat));
+      p.state = rnn_workspace.data_ptr<float>();
+      p.preactivation = p.state + a.batch * a.rank;
     }
     const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
     // The base logits' dtype is a template parameter: no per-element type switch in the epilogue.

@@ -130,7 +130,7 @@ struct DraftParams {
   int64_t joint_stride;
   const void* joint_bias;  // [3r] of type W
   float* preactivation;    // [B, 3r] workspace
-  float* state;            // [B, r] workspace, zero-initialised
+  float* state;            // [B, r] workspace: s_0 = 0 is never read, so it needs no fill
   // Counters: zero when a call starts, and returned to zero by the last block of each group.
   unsigned long long* best;  // [G, B] packed candidates
   int32_t* arrivals;         // [G, groups]
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
       const float* pre = p.preactivation + int64_t{b} * 3 * p.rank;
       const float gate = 1.f / (1.f + expf(-pre[k]));
       float& state = p.state[int64_t{b} * p.rank + k];
-      state = gate * state + (1.f - gate) * tanhf(pre[p.rank + k]);
+      state = gate * (p.slot > 0 ? state : 0.f) + (1.f - gate) * tanhf(pre[p.rank + k]);
     }
   }
 }
@@ -872,11 +872,15 @@ __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftP
     }
     segment(p.rank, p.rank, in, pairs_aligned(w1, p.w1_stride), valid, std::true_type{});
   }
-  {  // s_{j-1}
+  {  // s_j: zeros at slot 0 (multiplied, as the reference does, but not read)
     const float* in[kHeadRequests];
 #pragma unroll
     for (int q = 0; q < kHeadRequests; ++q) in[q] = p.state + int64_t{request[q]} * p.rank;
-    segment(0, p.rank, in, pairs_aligned(p.state, p.rank), ~0u, Unmasked{});
+    if (p.slot > 0) {
+      segment(0, p.rank, in, pairs_aligned(p.state, p.rank), ~0u, Unmasked{});
+    } else {
+      segment(0, p.rank, in, pairs_aligned(p.state, p.rank), 0u, std::true_type{});
+    }
   }
   // h_j, its dtype dispatched once, outside the loops.
   const auto hidden_segment = [&](auto* hidden) {
@@ -1019,7 +1023,9 @@ __global__ void __launch_bounds__(kHeadMmaThreads) rnn_head_mma_kernel(const Dra
       head_mma_segment<false>(jg, jg8, k0, len, in, valid, warp, lane, acc);
     }
   };
-  segment(0, p.rank, p.state + int64_t{request} * p.rank, pairs_aligned(p.state, p.rank), true);
+  // s_j: zeros at slot 0 (multiplied, as the reference does, but not read).
+  segment(0, p.rank, p.state + int64_t{request} * p.rank, pairs_aligned(p.state, p.rank),
+          p.slot > 0);
   {  // W1[x_j]: a zero row for an id outside [0, V)
     const W* w1 = static_cast<const W*>(p.w1);
     const int64_t x = previous_token(p, request);
