@@ -69,6 +69,21 @@ def device(request) -> str:
     return request.param
 
 
+def on_two_streams(calls, rounds: int = 3) -> list:
+    """Runs ``calls[0]`` on one new CUDA stream and ``calls[1]`` on another, ``rounds`` times each,
+    alternating, so that they overlap; returns each stream's outputs after a synchronize."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outputs = [[], []]
+    for _ in range(rounds):
+        for k, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outputs[k].append(calls[k]())
+    torch.cuda.synchronize()
+    return outputs
+
+
 def full_tests() -> bool:
     """True when DSPARK_OPS_TEST_FULL=1: run the long sweeps too."""
     return os.environ.get("DSPARK_OPS_TEST_FULL", "") == "1"

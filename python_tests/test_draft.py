@@ -18,7 +18,7 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from conftest import DEVICES, cuda_only, full_tests, non_contiguous
+from conftest import DEVICES, cuda_only, full_tests, non_contiguous, on_two_streams
 from stats import chi_square, chi_square_passes
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -900,15 +900,7 @@ def test_cuda_calls_on_concurrent_streams_and_in_sequence():
         for case, want in zip(on_gpu, first):
             assert_same_outputs(case.call(), want, case)
             assert torch.equal(dspark_ops.verify(*verify_args).tokens, verified.tokens)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    outputs = [[], []]
-    for _ in range(3):
-        for k, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                outputs[k].append(on_gpu[k].call())
-    torch.cuda.synchronize()
+    outputs = on_two_streams([on_gpu[0].call, on_gpu[1].call])
     for k in range(2):
         for got in outputs[k]:
             assert_same_outputs(got, first[k], on_gpu[k])

@@ -15,7 +15,7 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from conftest import DEVICES, cuda_only, full_tests, non_contiguous
+from conftest import DEVICES, cuda_only, full_tests, non_contiguous, on_two_streams
 from stats import chi_square, chi_square_passes
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -1563,15 +1563,7 @@ def test_cuda_calls_on_concurrent_streams_and_in_sequence():
     for _ in range(2):
         for case, gpu_case, want in zip(cases, on_gpu, expected):
             assert_same_outputs(on_cpu(gpu_case.call()), want, case)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    outputs = [[], []]
-    for _ in range(3):
-        for k, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                outputs[k].append(on_gpu[k].call())
-    torch.cuda.synchronize()
+    outputs = on_two_streams([on_gpu[0].call, on_gpu[1].call])
     for k in range(2):
         for got in outputs[k]:
             assert_same_outputs(on_cpu(got), expected[k], cases[k])
