@@ -54,6 +54,7 @@ from test_draft import (
     stable_seed,
     teacher_forced_logits,
 )
+from test_verify import make_case as verify_case
 
 pytestmark = pytest.mark.sim
 
@@ -670,8 +671,6 @@ def test_counters_are_back_to_zero_after_every_call(sim):
     bitwise the same outputs every time: a key left set would win a later call's slot, an
     arrival count left set would make a block write its group's tokens before the others have
     published their keys, or no block write them."""
-    from test_verify import make_case as verify_case
-
     cases = [
         make_case(3, 7, 8193, 8, seed=stable_seed("sim-counters", 0), temperature="mixed"),
         make_case(70, 3, 700, 40, seed=stable_seed("sim-counters", 1), head="rnn",

@@ -23,8 +23,9 @@
 //   still win), and each block folds the grid's maxima into its shared best keys once per tile.
 //   The last block of the group to arrive (threadfence + arrival counter) writes the tokens, which
 //   the next slot's launch reads, and returns the group's keys and counter to zero (they live in
-//   a buffer kept per stream, not filled per call: cuda/draft_cuda.cu). A persistent kernel with a grid barrier per slot would save
-//   G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
+//   a buffer kept per stream, not filled per call: common/stream_counters.h). A persistent kernel
+//   with a grid barrier per slot would save G - 1 launch gaps (~2-4 us each) but needs
+//   co-residency of the whole grid.
 // rnn_draft: per slot, the head computes [g; c; o] = J [s; W1[x]; h] + b for every request:
 //   rnn_head_mma_kernel for 16-bit J on tensor cores (a block per 16 rows x 8 requests, its warps
 //   splitting the columns; float32 inputs enter as three 16-bit parts, so the products are those
