@@ -299,9 +299,9 @@ def _dense_mask(anchor_positions, block_keep_mask, seq_len, block_size, pad_own_
 
 def _sdpa_attention(anchor_positions, block_keep_mask, seq_len, block_size) -> Callable:
     """Dense masked ``scaled_dot_product_attention``. A padding block is given its own block's
-    keys, so that no row is fully masked (SDPA yields NaN there, in the forward and in the
-    gradients), and its output is then replaced by exact zeros, which is what flex attention
-    returns for a row with no visible key."""
+    keys, so that no row is fully masked (a fully masked row is NaN, in the forward and in the
+    gradients, in some SDPA backends and torch versions), and its output is then replaced by
+    exact zeros, which is what flex attention returns for a row with no visible key."""
     mask = _dense_mask(anchor_positions, block_keep_mask, seq_len, block_size,
                        pad_own_block=True)[:, None]  # [B, 1, Q, KV], shared by all heads
     keep_q = block_keep_mask.repeat_interleave(block_size, dim=1)[:, None, :, None]
