@@ -155,7 +155,8 @@ def _deepspec_style_anchors(loss_mask, num_anchors, keys):
     length = loss_mask.shape[1]
     anchors, keep = [], []
     for b in range(loss_mask.shape[0]):
-        cands = [p for p in range(length - 1) if loss_mask[b, p] > 0.5 and loss_mask[b, p + 1] > 0.5]
+        cands = [p for p in range(length - 1)
+                 if loss_mask[b, p] > 0.5 and loss_mask[b, p + 1] > 0.5]
         chosen = sorted(sorted(cands, key=lambda p: float(keys[b, p]))[:num_anchors])
         n = len(chosen)
         anchors.append(chosen + [0] * (num_anchors - n))
@@ -174,7 +175,8 @@ def test_anchor_sampling_candidates_order_and_padding():
     keys = torch.rand(5, 16, generator=torch.Generator().manual_seed(11))
     want_anchors, want_keep = _deepspec_style_anchors(loss_mask, 6, keys)
     assert torch.equal(anchors, want_anchors) and torch.equal(keep, want_keep)
-    assert anchors[4].tolist() == [5, 6, 0, 0, 0, 0] and keep[4].tolist() == [True, True] + [False] * 4
+    assert anchors[4].tolist() == [5, 6, 0, 0, 0, 0]
+    assert keep[4].tolist() == [True, True] + [False] * 4
     for b in range(5):
         kept = anchors[b][keep[b]]
         assert torch.all(kept[1:] > kept[:-1])  # sorted, no repeats
@@ -270,7 +272,8 @@ def test_position_weights():
     assert w.dtype == torch.float32
     torch.testing.assert_close(w[1], want)
     torch.testing.assert_close(w[0], want * torch.tensor([1.0, 1, 0, 0]))
-    torch.testing.assert_close(position_weights(mask.float(), 2.0)[1], torch.exp(-torch.arange(4.0) / 2))
+    torch.testing.assert_close(position_weights(mask.float(), 2.0)[1],
+                               torch.exp(-torch.arange(4.0) / 2))
     with pytest.raises(ValueError, match="loss_decay_gamma"):
         position_weights(mask, 0.0)
 
@@ -438,7 +441,8 @@ def test_markov_latent_is_the_inference_heads_bias(head):
                                      "dflash+h", "dflash", "vanilla-noconf"])
 def test_head_variants(variant):
     head, _, conf = variant.partition("+")
-    overrides = dict(enable_confidence_head=bool(conf), confidence_head_with_markov=conf == "markov")
+    overrides = dict(enable_confidence_head=bool(conf),
+                     confidence_head_with_markov=conf == "markov")
     if head == "dflash":
         overrides["markov_rank"] = 0
     elif head == "vanilla-noconf":
