@@ -89,4 +89,22 @@ at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& position
 at::Tensor philox_uniform_cuda(const at::Tensor& seed, const at::Tensor& position,
                                int64_t purpose, int64_t count);
 
+// Loss family: loss, ce, l1, then the gradients of hidden, markov_latent, markov_w2, lm_head_weight.
+using LossResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+LossResult dspark_loss_cpu(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
+                           const at::Tensor& labels, const at::Tensor& weights,
+                           const at::Tensor& term_scale,
+                           const std::optional<at::Tensor>& target_hidden,
+                           const std::optional<at::Tensor>& markov_latent,
+                           const std::optional<at::Tensor>& markov_w2, bool compute_grad,
+                           bool lm_head_grad, int64_t chunk_rows);
+LossResult dspark_loss_cuda(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
+                            const at::Tensor& labels, const at::Tensor& weights,
+                            const at::Tensor& term_scale,
+                            const std::optional<at::Tensor>& target_hidden,
+                            const std::optional<at::Tensor>& markov_latent,
+                            const std::optional<at::Tensor>& markov_w2, bool compute_grad,
+                            bool lm_head_grad, int64_t chunk_rows);
+
 }  // namespace dspark_ops

@@ -54,6 +54,16 @@ inline constexpr const char* kSchemas[] = {
       "Tensor num_new, Tensor(c!) cache_seqlens, Tensor? cache_slot=None) -> ()",
   // The uniforms every sampling op draws: element k of stream (seed[i], position[i], purpose).
   "philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor",
+  // DSpark's training loss over N rows (README "Training loss"), never holding more than a chunk
+  // of [rows, V] logits: loss = sum_i weights_i (term_scale[0] ce_i + term_scale[1] l1_i), the
+  // per-row ce and l1 (float32, float64 for float64 inputs; l1 is [0] without target_hidden) and, with compute_grad, the
+  // loss's gradients (hidden, markov_latent, markov_w2; lm_head_weight with lm_head_grad), [0]
+  // where not computed.
+  "dspark_loss(Tensor hidden, Tensor lm_head_weight, Tensor labels, Tensor weights, "
+      "Tensor term_scale, Tensor? target_hidden=None, Tensor? markov_latent=None, "
+      "Tensor? markov_w2=None, bool compute_grad=False, bool lm_head_grad=False, "
+      "int chunk_rows=0) -> (Tensor loss, Tensor ce, Tensor l1, Tensor grad_hidden, "
+      "Tensor grad_markov_latent, Tensor grad_markov_w2, Tensor grad_lm_head_weight)",
 };
 
 }  // namespace dspark_ops

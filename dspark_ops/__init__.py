@@ -20,6 +20,7 @@ from .ops.draft import (  # noqa: E402
     markov_draft,
     rnn_draft,
 )
+from .ops.loss import LossOutput, dspark_loss  # noqa: E402
 from .ops.random import philox_uniform  # noqa: E402
 from .ops.schedule import (  # noqa: E402
     VerifyBatch,
@@ -40,6 +41,7 @@ __all__ = [
     "DSparkDraft",
     "DraftOutput",
     "GenerateOutput",
+    "LossOutput",
     "RoundStats",
     "SpeculativeDecoder",
     "VerifyBatch",
@@ -48,6 +50,7 @@ __all__ = [
     "append_context_kv",
     "block_draft_attention",
     "draft_confidence",
+    "dspark_loss",
     "expected_calibration_error",
     "fit_sequential_temperatures",
     "generate_target_only",

@@ -21,6 +21,7 @@ OPS = (
     "block_draft_attention",
     "append_context_kv",
     "philox_uniform",
+    "dspark_loss",
 )
 
 _BUILD_HINT = (

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["VerifyOutput", "DraftOutput", "VerifyBatch"]
+__all__ = ["VerifyOutput", "DraftOutput", "VerifyBatch", "LossOutput"]
 
 
 class VerifyOutput(NamedTuple):
@@ -26,3 +26,11 @@ class VerifyBatch(NamedTuple):
     input_ids: torch.Tensor  # int64 [B*(G+1)]: [x0, x_1..x_l] of every request, then padding 0
     positions: torch.Tensor  # int64 [B*(G+1)]: p0..p0+l of every request, then padding 0
     cu_seqlens: torch.Tensor  # int32 [B+1]: exclusive prefix sums of l + 1
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # scalar, differentiable: ce_weight * ce + l1_weight * l1 + confidence_weight * confidence
+    ce: torch.Tensor  # scalar, detached: the weighted mean cross-entropy
+    l1: torch.Tensor  # scalar, detached: the weighted mean L1 distance (0 without target_hidden)
+    confidence: torch.Tensor  # scalar, detached: the weighted mean BCE of the confidence head (0 without it)
+    accept_rate: Optional[torch.Tensor]  # [N], detached: c* = clamp(1 - l1 / 2, 0, 1); None without target_hidden

@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .outputs import DraftOutput, VerifyBatch, VerifyOutput
+from .outputs import DraftOutput, LossOutput, VerifyBatch, VerifyOutput
 from .sampling import (
     GREEDY_TEMPERATURE,
     PURPOSE_ACCEPT,
@@ -46,6 +46,8 @@ __all__ = [
     "allocate_verify",
     "VerifyBatch",
     "pack_verify_inputs",
+    "LossOutput",
+    "dspark_loss",
 ]
 
 MIN_RESIDUAL_MASS = 1e-12
@@ -547,3 +549,41 @@ def append_context_kv(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens, *,
         k_cache[slot, start : start + kept] = k_new[b, :kept]
         v_cache[slot, start : start + kept] = v_new[b, :kept]
         cache_seqlens[b] = min(start + int(num_new[b]), length)
+
+
+def dspark_loss(hidden, lm_head_weight, labels, weights, *, target_hidden=None, markov_latent=None,
+                markov_w2=None, confidence_logits=None, ce_weight=0.1, l1_weight=0.9,
+                confidence_weight=1.0, denominators=None) -> LossOutput:
+    """DSpark's training loss, eagerly: the formula :func:`dspark_ops.dspark_loss` fuses.
+
+    Computed in float32 (float64 for float64 inputs) from the inputs as given, with autograd
+    through every path the formula has (``z`` and ``t``, so a trainable LM head gets both), except
+    that ``c*`` is detached and nothing reaches ``target_hidden``. It holds several ``[N, V]``
+    tensors at once, as DeepSpec's eager loss does.
+    """
+    from .ops.loss import loss_denominators
+
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    weight = lm_head_weight.to(dtype)
+    z = hidden.to(dtype) @ weight.T
+    if markov_latent is not None:
+        z = z + markov_latent.to(dtype) @ markov_w2.to(dtype).T
+    w = weights.to(dtype)
+    s_ce, s_l1, s_conf = (s.to(dtype) for s in loss_denominators(weights, denominators))
+    ce = torch.logsumexp(z, dim=-1) - z.gather(-1, labels.long()[:, None]).squeeze(-1)
+    loss = ce_weight * (w * ce).sum() / s_ce
+    zero = loss.new_zeros(())
+    l1_mean, confidence, accept_rate = zero, zero, None
+    if target_hidden is not None:
+        t = target_hidden.detach().to(dtype) @ weight.T
+        l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
+        l1_mean = (w * l1).sum() / s_l1
+        loss = loss + l1_weight * l1_mean
+        accept_rate = (1 - 0.5 * l1).clamp(0, 1).detach()
+        if confidence_logits is not None:
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(
+                confidence_logits.to(dtype), accept_rate, reduction="none")
+            confidence = (w * bce).sum() / s_conf
+            loss = loss + confidence_weight * confidence
+    return LossOutput(loss, ((w * ce).sum() / s_ce).detach(), l1_mean.detach(),
+                      confidence.detach(), accept_rate)

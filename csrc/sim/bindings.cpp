@@ -12,6 +12,7 @@
 #include "../common/stream_counters.h"
 #include "../kernels/attention.cuh"
 #include "../kernels/draft.cuh"
+#include "../kernels/loss.cuh"
 #include "../kernels/random.cuh"
 #include "../kernels/schedule.cuh"
 #include "../kernels/verify.cuh"

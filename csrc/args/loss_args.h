@@ -1,0 +1,60 @@
+// The device-independent half of dspark_loss: argument and value checks, and the row-chunk loop
+// shared by the CPU and CUDA kernels. The loop's matrix products go through ATen (cuBLAS on
+// CUDA, the CPU BLAS on CPU); each backend supplies the kernel that walks the vocabulary of a
+// chunk of rows (cpu/loss_cpu.cpp, kernels/loss.cuh).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../ops.h"  // LossResult
+
+namespace dspark_ops {
+
+struct LossArgs {
+  at::Tensor hidden;          // [N, d]
+  at::Tensor lm_head_weight;  // [V, d], hidden's dtype
+  at::Tensor labels;          // int64 [N], contiguous
+  at::Tensor weights;         // float32 [N], contiguous
+  at::Tensor term_scale;      // [2] float32 (float64 with float64 inputs), contiguous: (ce, l1)
+                              // coefficients per unit weight
+  at::Tensor target_hidden;   // [N, d] or undefined
+  at::Tensor markov_latent;   // [N, r] or undefined
+  at::Tensor markov_w2;       // [V, r] or undefined (with markov_latent)
+  bool grad = false;          // compute the gradients of the loss during the forward
+  bool lm_head_grad = false;  // ... and the LM head's
+  int64_t rows = 0, vocab = 0, hidden_size = 0, rank = 0, chunk_rows = 0;
+};
+
+LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
+                                const at::Tensor& labels, const at::Tensor& weights,
+                                const at::Tensor& term_scale,
+                                const std::optional<at::Tensor>& target_hidden,
+                                const std::optional<at::Tensor>& markov_latent,
+                                const std::optional<at::Tensor>& markov_w2, bool compute_grad,
+                                bool lm_head_grad, int64_t chunk_rows);
+
+// One chunk of C rows as the backend kernel sees it. z (and t) are contiguous [C, V] in the
+// inputs' dtype; with `grad` the kernel overwrites z with d loss / d z, with `t_grad` t with
+// d loss / d t.
+struct LossChunk {
+  at::Tensor z;           // draft logits W h + W2 u
+  at::Tensor t;           // target logits W g, or undefined
+  at::Tensor labels;      // int64 [C]
+  at::Tensor weights;     // float32 [C]
+  at::Tensor term_scale;  // [2], as LossArgs::term_scale
+  at::Tensor ce;          // [C], out: float32 (float64 for float64 inputs)
+  at::Tensor l1;          // [C], out, as ce (undefined without t)
+  bool grad = false, t_grad = false;
+};
+using LossRowKernel = void (*)(const LossChunk&);
+
+LossResult run_dspark_loss(const LossArgs& args, LossRowKernel kernel);
+
+// The row-chunk size when the caller passes 0: the z and t scratch of a chunk within this many
+// bytes (at least one row).
+constexpr int64_t kLossScratchBytes = int64_t{256} << 20;
+
+}  // namespace dspark_ops

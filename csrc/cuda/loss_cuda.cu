@@ -1,0 +1,56 @@
+// CUDA entry point of dspark_loss: the row-chunk loop of args/loss_args.cpp (its products through
+// ATen, so cuBLAS, on the current stream) with the vocabulary pass of kernels/loss.cuh.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../args/loss_args.h"
+#include "../kernels/loss.cuh"
+#include "../ops.h"
+
+namespace dspark_ops {
+namespace {
+
+void loss_rows_cuda(const LossChunk& c) {
+  const auto dtype = c.z.scalar_type();
+  const int code = dtype == at::kBFloat16 ? kernels::kLossBFloat16
+                   : dtype == at::kHalf   ? kernels::kLossHalf
+                                          : kernels::kLossFloat;
+  kernels::LossRowParams params{c.z.size(1),
+                                c.labels.const_data_ptr<int64_t>(),
+                                c.weights.const_data_ptr<float>(),
+                                c.term_scale.const_data_ptr<float>(),
+                                c.ce.data_ptr<float>(),
+                                c.t.defined() ? c.l1.data_ptr<float>() : nullptr,
+                                c.grad,
+                                c.t_grad};
+  C10_CUDA_CHECK(kernels::launch_dspark_loss(code, c.z.data_ptr(),
+                                             c.t.defined() ? c.t.data_ptr() : nullptr,
+                                             c.z.size(0), params,
+                                             c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+
+LossResult dspark_loss_cuda(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
+                            const at::Tensor& labels, const at::Tensor& weights,
+                            const at::Tensor& term_scale,
+                            const std::optional<at::Tensor>& target_hidden,
+                            const std::optional<at::Tensor>& markov_latent,
+                            const std::optional<at::Tensor>& markov_w2, bool compute_grad,
+                            bool lm_head_grad, int64_t chunk_rows) {
+  TORCH_CHECK_TYPE(hidden.scalar_type() != at::kDouble,
+                   "dspark_loss(): float64 'hidden' runs on CPU only; on CUDA use float32, "
+                   "bfloat16 or float16");
+  const auto args = check_dspark_loss_args(hidden, lm_head_weight, labels, weights, term_scale,
+                                           target_hidden, markov_latent, markov_w2, compute_grad,
+                                           lm_head_grad, chunk_rows);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return run_dspark_loss(args, &loss_rows_cuda);
+}
+
+TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) { m.impl("dspark_loss", &dspark_loss_cuda); }
+
+}  // namespace dspark_ops

@@ -1,0 +1,138 @@
+// CUDA kernel of dspark_loss's vocabulary pass (torch-free): one block per row of a chunk whose
+// draft logits z (and target logits t) the glue has just produced with cuBLAS
+// (args/loss_args.cpp). Math: kernels/loss_math.h.
+//
+// Three passes over the row, each thread striding over the vocabulary:
+//   1. online logsumexps of z and t (max and rescaled sum per thread, merged over the block);
+//   2. p = exp(z - lse_z), q = exp(t - lse_t): |p - q|, <s,p>, <s,q> summed over the block;
+//   3. (training) d loss / d z written over z, and d loss / d t over t when the LM head trains.
+// p and q are recomputed in pass 3 by the same expression as in pass 2, so s = sign(p - q) is the
+// same in both. The pass is memory-bound and small beside the chunk's products (the products are
+// O(d) flops per logit, the pass O(1)); a label outside [0, V) is never used as an index (its
+// row's ce is NaN and no logit gets the label term). Reductions run in a fixed order: a row's
+// results do not depend on the rest of the chunk.
+//
+// Launch: grid = rows of the chunk, kLossThreads threads, static shared memory only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch.cuh"
+#include "loss_math.h"
+#include "reduce.cuh"
+
+namespace dspark_ops {
+
+// Block reductions of the two records (kernels/reduce.cuh finds these by argument lookup).
+__device__ __forceinline__ LogSumExp shfl_down(LogSumExp s, int offset) {
+  return LogSumExp{__shfl_down_sync(kernels::kFullMask, s.max, offset),
+                   __shfl_down_sync(kernels::kFullMask, s.sum, offset)};
+}
+
+__device__ __forceinline__ L1Sums shfl_down(L1Sums s, int offset) {
+  return L1Sums{__shfl_down_sync(kernels::kFullMask, s.l1, offset),
+                __shfl_down_sync(kernels::kFullMask, s.sp, offset),
+                __shfl_down_sync(kernels::kFullMask, s.sq, offset)};
+}
+
+namespace kernels {
+
+constexpr int kLossThreads = 256;
+
+enum LossDtype : int { kLossFloat = 0, kLossBFloat16 = 1, kLossHalf = 2 };
+
+__device__ __forceinline__ float loss_load(float v) { return v; }
+__device__ __forceinline__ float loss_load(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float loss_load(__half v) { return __half2float(v); }
+__device__ __forceinline__ void loss_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void loss_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void loss_store(__half* p, float v) { *p = __float2half(v); }
+
+struct LossRowParams {
+  int64_t vocab;
+  const int64_t* labels;     // [rows]
+  const float* weights;      // [rows]
+  const float* term_scale;   // [2]: ce and l1 coefficients per unit weight
+  float* ce;                 // [rows]
+  float* l1;                 // [rows], or nullptr without target logits
+  bool grad, t_grad;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kLossThreads)
+    dspark_loss_kernel(T* __restrict__ z_rows, T* __restrict__ t_rows, LossRowParams p) {
+  __shared__ LogSumExp lse_scratch[32];
+  __shared__ L1Sums sum_scratch[32];
+  const int64_t row = blockIdx.x, vocab = p.vocab;
+  T* z = z_rows + row * vocab;
+  T* t = t_rows != nullptr ? t_rows + row * vocab : nullptr;
+  const int64_t y = p.labels[row];
+  const bool label_ok = y >= 0 && y < vocab;
+  // Read before the block's first barrier, so before pass 3 overwrites the row.
+  const float z_y = threadIdx.x == 0 && label_ok ? loss_load(z[y]) : 0.f;
+
+  LogSumExp sz{-INFINITY, 0.f}, st{-INFINITY, 0.f};
+  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+    sz = lse_add(sz, loss_load(z[v]));
+    if (t != nullptr) st = lse_add(st, loss_load(t[v]));
+  }
+  const auto merge_lse = [](LogSumExp a, LogSumExp b) { return lse_merge(a, b); };
+  const LogSumExp empty{-INFINITY, 0.f};
+  const float lse_z = lse_value(block_reduce(sz, merge_lse, empty, lse_scratch));
+  const float lse_t = t != nullptr ? lse_value(block_reduce(st, merge_lse, empty, lse_scratch)) : 0.f;
+  if (threadIdx.x == 0) p.ce[row] = label_ok ? lse_z - z_y : NAN;
+
+  L1Sums sums{0.f, 0.f, 0.f};
+  if (t != nullptr) {
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+      const float pv = loss_exp(loss_load(z[v]) - lse_z), qv = loss_exp(loss_load(t[v]) - lse_t);
+      const float s = l1_sign(pv, qv);
+      sums = l1_merge(sums, L1Sums{fabsf(pv - qv), s * pv, s * qv});
+    }
+    const auto merge_sums = [](L1Sums a, L1Sums b) { return l1_merge(a, b); };
+    sums = block_reduce(sums, merge_sums, L1Sums{0.f, 0.f, 0.f}, sum_scratch);
+    if (threadIdx.x == 0) p.l1[row] = sums.l1;
+  }
+  if (!p.grad) return;
+
+  const float w = p.weights[row];
+  const float a = w * p.term_scale[0], b = t != nullptr ? w * p.term_scale[1] : 0.f;
+  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+    const float pv = loss_exp(loss_load(z[v]) - lse_z);
+    float s = 0.f, qv = 0.f;
+    if (t != nullptr) {
+      qv = loss_exp(loss_load(t[v]) - lse_t);
+      s = l1_sign(pv, qv);
+    }
+    loss_store(z + v, draft_logit_grad(pv, s, v == y, a, b, sums.sp));
+    if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq));
+  }
+}
+
+// z and t: contiguous [rows, V] of `dtype` (t may be nullptr).
+inline cudaError_t launch_dspark_loss(int dtype, void* z, void* t, int64_t rows,
+                                      const LossRowParams& params, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(rows);
+  switch (dtype) {
+    case kLossBFloat16:
+      DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<__nv_bfloat16>)(
+          static_cast<__nv_bfloat16*>(z), static_cast<__nv_bfloat16*>(t), params);
+      break;
+    case kLossHalf:
+      DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<__half>)(
+          static_cast<__half*>(z), static_cast<__half*>(t), params);
+      break;
+    default:
+      DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<float>)(
+          static_cast<float*>(z), static_cast<float*>(t), params);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kernels
+}  // namespace dspark_ops
