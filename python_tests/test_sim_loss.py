@@ -1,0 +1,96 @@
+"""dspark_loss's CUDA glue and kernel, run in the SIMT emulator: the same values and gradients as
+the CPU kernel over every path of the kernel (with and without target logits, the label term,
+the LM head's target-side gradient, chunk boundaries, vocabulary tails shorter than a block's
+stride, float32 and 16-bit logits), out-of-range labels never used as an index, and a planted
+reduction fault caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import emulator
+from cases.loss import make_loss_case
+
+pytestmark = pytest.mark.sim
+
+
+def call(op, args, *, grad=True, lm_head_grad=False, chunk_rows=0, term_scale=(0.1, 0.9)):
+    return op(args["hidden"], args["lm_head_weight"], args["labels"], args["weights"],
+              torch.tensor(term_scale), target_hidden=args.get("target_hidden"),
+              markov_latent=args.get("markov_latent"), markov_w2=args.get("markov_w2"),
+              compute_grad=grad, lm_head_grad=lm_head_grad, chunk_rows=chunk_rows)
+
+
+NAMES = ("loss", "ce", "l1", "grad_hidden", "grad_markov_latent", "grad_markov_w2",
+         "grad_lm_head_weight")
+
+
+def assert_matches_cpu(sim, args, tol, **options):
+    emulated = call(sim.dspark_loss, args, **options)
+    cpu = call(torch.ops.dspark_ops.dspark_loss, args, **options)
+    for name, ours, expected in zip(NAMES, emulated, cpu):
+        assert ours.shape == expected.shape and ours.dtype == expected.dtype, name
+        torch.testing.assert_close(ours.float(), expected.float(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"{name}: {m}")
+    return emulated
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 255, 1000, 8193])
+@pytest.mark.parametrize("variant", ["dspark", "dflash", "lm_head"])
+def test_matches_cpu(sim, vocab, variant):
+    args = make_loss_case(5, vocab, 9, rank=0 if variant == "dflash" else 4, seed=vocab,
+                          target=variant != "dflash", zero_weights=1)
+    sim.clear_launch_log()
+    assert_matches_cpu(sim, args, 2e-5, chunk_rows=2, lm_head_grad=variant == "lm_head")
+    launches = {k.replace("dspark_ops::kernels::", ""): n for k, n in emulator.launches().items()}
+    assert launches == {"dspark_loss_kernel<float>": 3}  # 5 rows in chunks of 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits(sim, dtype):
+    args = make_loss_case(3, 700, 16, rank=4, dtype=dtype, seed=1)
+    assert_matches_cpu(sim, args, 2e-2, lm_head_grad=True)
+
+
+def test_forward_only(sim):
+    args = make_loss_case(4, 300, 8, rank=3, seed=2)
+    out = assert_matches_cpu(sim, args, 2e-5, grad=False)
+    assert all(t.numel() == 0 for t in out[3:])
+
+
+def test_large_vocabulary(sim):
+    """SmolLM2's vocabulary: 192 elements per thread."""
+    args = make_loss_case(2, 49_152, 8, rank=2, seed=3, logit_scale=3.0)
+    assert_matches_cpu(sim, args, 2e-5)
+
+
+def test_out_of_range_labels_are_not_indices(sim):
+    """Value checks are off on the CUDA path (as on a GPU without DSPARK_OPS_DEBUG): a label
+    outside [0, V) gives that row a NaN ce and reads nothing out of bounds (the bounds flavour
+    would report it); the other rows are unaffected."""
+    args = make_loss_case(3, 50, 8, seed=4, confidence=False)
+    labels = args["labels"].clone()
+    labels[1] = 50
+    labels[2] = -(2**40)
+    out = sim.dspark_loss(args["hidden"], args["lm_head_weight"], labels, args["weights"],
+                          torch.tensor([0.1, 0.9]), target_hidden=args["target_hidden"],
+                          compute_grad=True)
+    cpu = call(torch.ops.dspark_ops.dspark_loss, args)
+    assert torch.isnan(out[1][1:]).all()
+    torch.testing.assert_close(out[1][0], cpu[1][0])
+    torch.testing.assert_close(out[2], cpu[2])  # l1 does not use the label
+
+
+def test_float64_is_refused_on_the_cuda_path(sim):
+    args = make_loss_case(2, 10, 4, dtype=torch.float64, confidence=False)
+    with pytest.raises(TypeError, match=r"dspark_loss\(\): float64 'hidden' runs on CPU only"):
+        call(sim.dspark_loss, args)
+
+
+def test_planted_shuffle_fault_is_caught(sim):
+    """A reduction reading the wrong lane changes the logsumexps: the comparison fails."""
+    args = make_loss_case(2, 300, 8, seed=5, confidence=False)
+    with emulator.planted("shuffle_off_by_one"):
+        with pytest.raises(AssertionError):
+            assert_matches_cpu(sim, args, 2e-5)
