@@ -7,9 +7,11 @@ implementation for ``torch.compile`` and a pure-PyTorch reference in :mod:`dspar
 
 import importlib
 
-from ._library import OPS, load_library
+from ._library import load_library
 
 load_library()
+
+from ._library import OPS  # noqa: E402  (the loaded library's ops, in csrc/schemas.h's order)
 
 from .ops.attention import append_context_kv, block_draft_attention  # noqa: E402
 from .ops.draft import (  # noqa: E402

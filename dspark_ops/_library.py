@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import warnings
 
 import torch
-
-# Every op of the library, in torch.ops.dspark_ops.
-OPS = (
-    "verify",
-    "markov_draft",
-    "rnn_draft",
-    "draft_confidence",
-    "schedule_verify",
-    "plan_verify_budget",
-    "allocate_verify",
-    "pack_verify_inputs",
-    "block_draft_attention",
-    "append_context_kv",
-    "philox_uniform",
-    "dspark_loss",
-)
 
 _BUILD_HINT = (
     "build it from the repository root with `pip install --no-build-isolation -e .` "
@@ -61,9 +46,42 @@ def _warn_if_cpu_only(info: dict, cuda_available: bool) -> None:
             RuntimeWarning, stacklevel=3)
 
 
+def _schemas_of(path: str) -> tuple:
+    """The schemas csrc/schemas.h compiled into the library at path, in its order."""
+    export = ctypes.CDLL(path).dspark_ops_schemas
+    export.restype = ctypes.POINTER(ctypes.c_char_p)
+    export.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
+    count = ctypes.c_size_t()
+    array = export(ctypes.byref(count))
+    return tuple(array[i].decode() for i in range(count.value))
+
+
+def _loaded_schemas() -> tuple:
+    # torch.ops keeps the path of every library it loaded; the one defining dspark_ops has the
+    # export (it may be a build other than dspark_ops._C, e.g. the CMake one, loaded first).
+    for path in sorted(torch.ops.loaded_libraries):
+        try:
+            return _schemas_of(path)
+        except (AttributeError, OSError):
+            continue
+    raise ImportError(f"dspark_ops: the ops are registered, but no loaded library lists them; "
+                      f"{_BUILD_HINT}")
+
+
+def _library_loaded() -> bool:
+    return any(name.startswith("dspark_ops::") for name in torch._C._dispatch_get_all_op_names())
+
+
+_SCHEMAS: tuple = ()
+
+
 def load_library() -> None:
     """Loads _C once, which registers every op with the PyTorch dispatcher."""
-    if hasattr(torch.ops.dspark_ops, OPS[0]):
+    global _SCHEMAS
+    if _SCHEMAS:
+        return
+    if _library_loaded():
+        _SCHEMAS = _loaded_schemas()
         return
     spec = importlib.util.find_spec("dspark_ops._C")
     if spec is None or spec.origin is None:
@@ -79,6 +97,21 @@ def load_library() -> None:
             f"dspark_ops: could not load {os.path.basename(spec.origin)} ({error}). It was built "
             f"against torch {built_with} and this is torch {torch.__version__}; {_BUILD_HINT}"
         ) from error
+    _SCHEMAS = _schemas_of(spec.origin)
+
+
+def schemas() -> tuple:
+    """Every op's schema as csrc/schemas.h spells it (without the namespace), in its order."""
+    load_library()
+    return _SCHEMAS
+
+
+def __getattr__(name):
+    # OPS: every op of the library, in torch.ops.dspark_ops, in the order of csrc/schemas.h; read
+    # from the loaded library, so it is the list of the build being run.
+    if name == "OPS":
+        return tuple(schema.split("(", 1)[0] for schema in schemas())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def op_backends(name: str) -> list:

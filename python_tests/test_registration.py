@@ -12,6 +12,7 @@ import torch
 import dspark_ops
 from dspark_ops import _library
 from conftest import DEVICES
+from source_tree import header_ops, header_schemas, op_name
 
 
 def _verify_args(device, *, draft_logits=False, target_start=False, draft_temperature=False,
@@ -363,69 +364,27 @@ def test_fake_shapes_match_real(device):
 
 
 def test_every_op_is_registered():
-    assert set(_library.OPS) == {"verify", "philox_uniform", "markov_draft", "rnn_draft",
-                                 "draft_confidence", "schedule_verify",
-                                 "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
-                                 "block_draft_attention", "append_context_kv"}
-    for name in _library.OPS:
-        assert hasattr(torch.ops.dspark_ops, name), name
+    # csrc/schemas.h is the list: the loaded library reports it, in its order, and registers
+    # those ops and no others.
+    assert dspark_ops.OPS == _library.OPS == tuple(header_ops())
+    registered = {name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("dspark_ops::")}
+    assert registered == set(_library.OPS)
     for name in _library.OPS:
         packet = getattr(torch.ops.dspark_ops, name)
         assert torch.Tag.pt2_compliant_tag in packet.default.tags, name
 
 
 def test_schemas():
-    verify = str(torch.ops.dspark_ops.verify.default._schema)
-    assert verify == (
-        "dspark_ops::verify(Tensor target_logits, Tensor draft_tokens, Tensor num_draft, "
-        "Tensor temperature, Tensor seed, Tensor position, Tensor? draft_logits=None, "
-        "Tensor? target_start=None, Tensor? draft_temperature=None, Tensor? top_k=None, "
-        "Tensor? top_p=None, Tensor? min_p=None, Tensor? allowed_token_mask=None, "
-        "bool return_logprobs=False) -> "
-        "(Tensor tokens, Tensor num_accepted, Tensor valid, Tensor logprobs)"
-    )
-    philox = str(torch.ops.dspark_ops.philox_uniform.default._schema)
-    assert philox == (
-        "dspark_ops::philox_uniform(Tensor seed, Tensor position, int purpose, int count) -> Tensor"
-    )
-    schemas = {name: str(getattr(torch.ops.dspark_ops, name).default._schema)
-               for name in ("markov_draft", "rnn_draft", "draft_confidence", "schedule_verify",
-                            "plan_verify_budget", "allocate_verify", "pack_verify_inputs",
-                            "block_draft_attention", "append_context_kv")}
-    assert schemas == {
-        "markov_draft": "dspark_ops::markov_draft(Tensor base_logits, Tensor anchor, Tensor w1, "
-                        "Tensor w2, Tensor temperature, Tensor seed, Tensor position, "
-                        "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, "
-                        "ScalarType? draft_logits_dtype=None) -> "
-                        "(Tensor tokens, Tensor draft_logits)",
-        "rnn_draft": "dspark_ops::rnn_draft(Tensor base_logits, Tensor anchor, Tensor hidden, "
-                     "Tensor w1, Tensor w2, Tensor joint_weight, Tensor joint_bias, "
-                     "Tensor temperature, Tensor seed, Tensor position, Tensor? top_k=None, "
-                     "Tensor? top_p=None, Tensor? min_p=None, "
-                     "ScalarType? draft_logits_dtype=None) -> "
-                     "(Tensor tokens, Tensor draft_logits)",
-        "draft_confidence": "dspark_ops::draft_confidence(Tensor hidden, Tensor prev_tokens, "
-                            "Tensor w1, Tensor weight, Tensor? bias=None, "
-                            "Tensor? calib_temperature=None) -> Tensor",
-        "schedule_verify": "dspark_ops::schedule_verify(Tensor confidence, Tensor step_rate, "
-                           "Tensor? max_verify=None) -> Tensor",
-        "plan_verify_budget": "dspark_ops::plan_verify_budget(Tensor confidence, "
-                              "Tensor step_rate) -> Tensor",
-        "allocate_verify": "dspark_ops::allocate_verify(Tensor confidence, Tensor budget, "
-                           "Tensor? max_verify=None) -> Tensor",
-        "pack_verify_inputs": "dspark_ops::pack_verify_inputs(Tensor anchor, Tensor draft_tokens, "
-                              "Tensor num_verify, Tensor position) -> (Tensor input_ids, "
-                              "Tensor positions, Tensor cu_seqlens)",
-        "block_draft_attention": "dspark_ops::block_draft_attention(Tensor q, Tensor k_block, "
-                                 "Tensor v_block, Tensor k_cache, Tensor v_cache, "
-                                 "Tensor cache_seqlens, Tensor? cache_slot=None, "
-                                 "float? softmax_scale=None, int? window=None, "
-                                 "bool return_lse=False) -> (Tensor out, Tensor lse)",
-        # The caches and cache_seqlens are mutated in place (and nothing else).
-        "append_context_kv": "dspark_ops::append_context_kv(Tensor(a!) k_cache, "
-                             "Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor num_new, "
-                             "Tensor(c!) cache_seqlens, Tensor? cache_slot=None) -> ()",
-    }
+    # Each op's registered schema is the text of csrc/schemas.h, as compiled into the library.
+    assert _library.schemas() == tuple(header_schemas())
+    for text in header_schemas():
+        registered = getattr(torch.ops.dspark_ops, op_name(text)).default._schema
+        assert str(registered) == f"dspark_ops::{text}"
+    # The caches and cache_seqlens are mutated in place (and nothing else).
+    mutated = [a.name for a in torch.ops.dspark_ops.append_context_kv.default._schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    assert mutated == ["k_cache", "v_cache", "cache_seqlens"]
 
 
 @pytest.mark.parametrize("name", _library.OPS)

@@ -797,6 +797,20 @@ def schedule_op(binary: Binary, batch: int, block: int) -> Op:
 
 # ------------------------------------------------------------------------------------------------
 
+# The ops of csrc/schemas.h that all_ops leaves out, and why (python_tests/test_layout.py: every
+# other op is modelled above).
+NOT_MODELLED = {
+    "plan_verify_budget": "one block of schedule_kernel in its plan mode (schedule.cuh); the "
+                          "model reads the kernel in schedule_verify's mode only",
+    "allocate_verify": "one block of schedule_kernel in its allocate mode (schedule.cuh); the "
+                       "model reads the kernel in schedule_verify's mode only",
+    "pack_verify_inputs": "one block of pack_verify_inputs_kernel (schedule.cuh) writing "
+                          "B x (G + 1) ids and positions: launch latency",
+    "philox_uniform": "one thread per uniform writing N x count floats (random.cuh); the "
+                      "sampling kernels draw their uniforms inline",
+}
+
+
 def all_ops(binary: Binary) -> List[Op]:
     """The benchmark/floor shapes of docs/semantics.md §4 (and the benchmarks' defaults)."""
     B, G, V, R = 64, 8, 151936, 256

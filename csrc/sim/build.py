@@ -56,6 +56,13 @@ def launch_bounds() -> str:
     return "\n".join(lines) + "\n"
 
 
+def kernel_includes(generated: str) -> str:
+    """An #include of every csrc/kernels/*.cuh (bindings.cpp: the launch bounds name their
+    constants), relative to the generated folder that holds this list."""
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "*.cuh")))
+    return "".join(f'#include "{os.path.relpath(path, generated)}"\n' for path in sources)
+
+
 def write_if_changed(path: str, text: str) -> None:
     if not os.path.exists(path) or open(path).read() != text:
         with open(path, "w") as f:
@@ -68,6 +75,7 @@ def build(flavour: str) -> str:
     generated = os.path.join(ROOT, "build", "sim", "generated")
     os.makedirs(generated, exist_ok=True)
     write_if_changed(os.path.join(generated, "launch_bounds.inc"), launch_bounds())
+    write_if_changed(os.path.join(generated, "kernels.inc"), kernel_includes(generated))
 
     cuda = cuda_include()
     os.environ.setdefault("CUDA_HOME", os.path.dirname(cuda))  # else torch guesses, and says so

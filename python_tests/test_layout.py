@@ -1,0 +1,164 @@
+"""The layout's invariants (CONTRIBUTING.md): what every op and every family must have in each
+layer, and what the kernel and CUDA glue sources must not do. They read the source tree only."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from source_tree import (
+    CSRC, ROOT, family_of_file, header_ops, op_families, registrations, strip_comments,
+)
+
+# Families without a benchmark of their own, and what their kernels are.
+NO_BENCHMARK = {
+    "random": "philox_uniform: one thread per uniform writing N x count floats (random.cuh); the "
+              "sampling kernels draw their uniforms inline",
+}
+
+
+def _quoted_includes(path):
+    return re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M)
+
+
+def _included_files(roots):
+    """The files of roots and every file they include by a quoted path, transitively."""
+    todo, seen = [p.resolve() for p in roots], {}
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = path.read_text()
+        for name in _quoted_includes(path):
+            included = path.parent / name
+            if included.exists():
+                todo.append(included.resolve())
+    return seen
+
+
+def _offending_includes(roots, pattern):
+    pattern = re.compile(r'^\s*#\s*include\s+[<"](' + pattern + r")", re.M)
+    return [f"{path.relative_to(ROOT)}: {hit.group(0).strip()}"
+            for path, text in sorted(_included_files(roots).items())
+            for hit in pattern.finditer(text)]
+
+
+def test_kernels_are_torch_free():
+    """csrc/kernels/ is compiled by nvcc without torch (fast .cu builds) and by g++ inside the
+    emulator: neither it nor any header it includes may include torch, ATen or c10."""
+    kernels = sorted((CSRC / "kernels").iterdir())
+    assert kernels
+    assert not _offending_includes(kernels, r"torch/|ATen/|c10/")
+
+
+def test_cuda_glue_includes_light_headers_only():
+    """nvcc compiles csrc/cuda/*.cu: torch/extension.h (or torch/all.h, ATen/ATen.h) there
+    costs minutes per file, so the glue and what it includes take ATen/c10 headers one by one."""
+    glue = sorted((CSRC / "cuda").glob("*.cu"))
+    assert glue
+    assert not _offending_includes(
+        glue, r"torch/extension\.h|torch/all\.h|torch/torch\.h|ATen/ATen\.h")
+
+
+def test_glue_fills_nothing_per_call():
+    """A zero-filled allocation in the CUDA glue (at::zeros, or a fill_/zero_ of a fresh tensor)
+    would be one more PyTorch kernel on the stream per call, which the static model does not
+    charge: counters live in common/stream_counters.h's buffer per stream (filled when made or
+    grown, and per call only under CUDA-graph capture), which the kernels return to zero."""
+    glue = sorted((CSRC / "cuda").glob("*.cu"))
+    assert glue
+    for path in glue:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//")[0]
+            assert not re.search(r"at::zeros|\.zero_\(|\.fill_\(|cudaMemset", code), (
+                f"{path.name}:{n}: a fill per call: {line.strip()}")
+
+
+def test_every_cuda_glue_has_an_emulator_glue():
+    """The emulated tests run the CUDA glue itself: csrc/sim/glue/<family>.cpp includes
+    csrc/cuda/<family>_cuda.cu (build.py compiles every glue/*.cpp)."""
+    cuda = {family_of_file(p, "_cuda"): p for p in sorted((CSRC / "cuda").glob("*_cuda.cu"))}
+    glue = {p.stem: p for p in sorted((CSRC / "sim" / "glue").glob("*.cpp"))}
+    assert cuda and set(cuda) == set(glue), (sorted(cuda), sorted(glue))
+    for family, path in glue.items():
+        assert f"../../cuda/{family}_cuda.cu" in _quoted_includes(path), path.name
+
+
+def test_every_op_has_cpu_and_cuda_registrations():
+    """Each op of csrc/schemas.h has exactly one CPU and one CUDA kernel, registered by the
+    files of one family (cpu/<family>_cpu.cpp, cuda/<family>_cuda.cu), and nothing else is."""
+    ops = header_ops()
+    assert ops and len(set(ops)) == len(ops), ops
+    cpu = registrations("cpu", "CPU")
+    cuda = registrations("cuda", "CUDA")
+    for backend, found in (("CPU", cpu), ("CUDA", cuda)):
+        registered = [op for names in found.values() for op in names]
+        missing = sorted(set(ops) - set(registered))
+        extra = sorted(op for op in set(registered) if registered.count(op) > 1 or op not in ops)
+        assert not missing and not extra, f"{backend}: no kernel for {missing}; extra: {extra}"
+    cpu_family = {op: family_of_file(p, "_cpu") for p, names in cpu.items() for op in names}
+    cuda_family = {op: family_of_file(p, "_cuda") for p, names in cuda.items() for op in names}
+    split = {op: (cpu_family[op], cuda_family[op]) for op in ops
+             if cpu_family[op] != cuda_family[op]}
+    assert not split, f"op: (CPU family, CUDA family) differ: {split}"
+
+
+def test_every_family_has_its_layer_files():
+    """The map of CONTRIBUTING.md: a family's files in every layer, named after it."""
+    families = sorted(set(op_families().values()))
+    assert families
+    for family in families:
+        paths = [
+            f"csrc/args/{family}_args.h",
+            f"csrc/cpu/{family}_cpu.cpp",
+            f"csrc/kernels/{family}.cuh",
+            f"csrc/cuda/{family}_cuda.cu",
+            f"csrc/sim/glue/{family}.cpp",
+            f"dspark_ops/ops/{family}.py",
+            f"python_tests/test_{family}.py",
+            f"python_tests/test_sim_{family}.py",
+        ]
+        if family not in NO_BENCHMARK:
+            paths.append(f"bench/bench_{family}.py")
+        missing = [p for p in paths if not (ROOT / p).is_file()]
+        assert not missing, f"family {family}: {missing}"
+    assert set(NO_BENCHMARK) <= set(families)
+
+
+def test_every_op_has_its_fake_in_its_family_module():
+    """torch.compile needs a fake kernel per op, kept beside the op's wrapper."""
+    for op, family in op_families().items():
+        text = (ROOT / "dspark_ops" / "ops" / f"{family}.py").read_text()
+        assert f'register_fake("dspark_ops::{op}")' in text, (op, family)
+
+
+def test_every_op_is_in_the_static_model():
+    """bench/static/kernels.py models each op's CUDA kernels, or says in NOT_MODELLED why not."""
+    from bench.static import kernels
+
+    tree = ast.parse((ROOT / "bench" / "static" / "kernels.py").read_text())
+    statements = [s for s in tree.body
+                  if not (isinstance(s, ast.Assign)
+                          and any(getattr(t, "id", None) == "NOT_MODELLED" for t in s.targets))]
+    strings = {node.value for s in statements for node in ast.walk(s)
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    ops = set(header_ops())
+    modelled = {op for op in ops if op in strings}
+    excused = set(kernels.NOT_MODELLED)
+    unknown = sorted(ops - modelled - excused)
+    assert not unknown, f"neither modelled nor in NOT_MODELLED: {unknown}"
+    assert not excused & modelled, f"modelled, yet in NOT_MODELLED: {sorted(excused & modelled)}"
+    assert excused <= ops, f"NOT_MODELLED names no op of csrc/schemas.h: {sorted(excused - ops)}"
+
+
+def test_contributing_maps_every_op():
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    families = op_families()
+    for op in header_ops():
+        family = families.get(op, r"\w+")
+        assert re.search(rf"^\| `{op}` \| {family} \|", text, re.M), f"no map row for {op}"
+
+
+def test_sources_are_comment_stripped_as_meant():
+    # The helpers above read code, not comments: a commented-out registration does not count.
+    assert strip_comments('a // m.impl("x")\nb /* m.impl("y") */ "//kept"') == 'a  \nb   "//kept"'
