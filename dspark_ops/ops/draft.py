@@ -16,7 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..outputs import DraftOutput
-from ._scalars import per_request
+from .._per_request import draw_seeds, per_request_args
 
 __all__ = [
     "DraftOutput",
@@ -90,12 +90,6 @@ _SHARED_RETURNS = """
     a zero row instead of being read out of bounds."""
 
 
-def _seed_or_draw(seed, batch, device, generator):
-    if seed is not None:
-        return seed
-    return torch.randint(0, 2**62, (batch,), generator=generator, device=device, dtype=torch.int64)
-
-
 def _logits_dtype(op, dtype):
     """``draft_logits_dtype`` checked on every device: float32 (default) or bfloat16."""
     if dtype is None:
@@ -109,13 +103,15 @@ def _logits_dtype(op, dtype):
     return dtype
 
 
-def _sampling_args(op, base_logits, temperature, top_k, top_p, min_p):
-    """Python numbers among the per-request sampling arguments, broadcast to [B]."""
+def _sampling_args(op, base_logits, seed, generator, temperature, top_k, top_p, min_p):
+    """The per-request sampling arguments with Python numbers broadcast to [B], and the seeds
+    (drawn from ``generator`` when ``seed`` is None)."""
     batch, device = base_logits.shape[0], base_logits.device
-    return (per_request(op, "temperature", temperature, batch, torch.float32, device),
-            per_request(op, "top_k", top_k, batch, torch.int32, device),
-            per_request(op, "top_p", top_p, batch, torch.float32, device),
-            per_request(op, "min_p", min_p, batch, torch.float32, device))
+    sampling = per_request_args(op, batch, device, temperature=temperature, top_k=top_k,
+                                top_p=top_p, min_p=min_p)
+    if seed is None:
+        seed = draw_seeds(batch, generator, device)
+    return (seed, *sampling)
 
 
 def markov_draft(
@@ -134,9 +130,8 @@ def markov_draft(
     draft_logits_dtype: Optional[torch.dtype] = None,
 ) -> DraftOutput:
     dtype = _logits_dtype("markov_draft", draft_logits_dtype)
-    temperature, top_k, top_p, min_p = _sampling_args("markov_draft", base_logits, temperature,
-                                                      top_k, top_p, min_p)
-    seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
+    seed, temperature, top_k, top_p, min_p = _sampling_args(
+        "markov_draft", base_logits, seed, generator, temperature, top_k, top_p, min_p)
     tokens, draft_logits = torch.ops.dspark_ops.markov_draft(
         base_logits, anchor, w1, w2, temperature, seed, position, top_k, top_p, min_p, dtype
     )
@@ -180,9 +175,8 @@ def rnn_draft(
     draft_logits_dtype: Optional[torch.dtype] = None,
 ) -> DraftOutput:
     dtype = _logits_dtype("rnn_draft", draft_logits_dtype)
-    temperature, top_k, top_p, min_p = _sampling_args("rnn_draft", base_logits, temperature,
-                                                      top_k, top_p, min_p)
-    seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
+    seed, temperature, top_k, top_p, min_p = _sampling_args(
+        "rnn_draft", base_logits, seed, generator, temperature, top_k, top_p, min_p)
     tokens, draft_logits = torch.ops.dspark_ops.rnn_draft(
         base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position,
         top_k, top_p, min_p, dtype,
