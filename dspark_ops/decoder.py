@@ -282,7 +282,8 @@ class SpeculativeDecoder:
         last, features, t_cache, target_len = _prefill(target, prompts, length, device)
         d_k, d_v = draft.new_caches(batch, length)
         draft_len = torch.zeros(batch, dtype=torch.int32, device=device)
-        draft.append_context(features.to(dtype), None, target_len, d_k, d_v, draft_len)
+        draft.append_context(features.to(dtype), positions=None, num_new=target_len, k_caches=d_k,
+                             v_caches=d_v, cache_seqlens=draft_len)
         position = target_len.long()  # p0 of each anchor
         anchor = _sample_from_target(last, temperature, seed, position - 1, filters)
 
@@ -298,7 +299,8 @@ class SpeculativeDecoder:
             active = torch.tensor([not d for d in done], device=device)
             started = time.perf_counter()
             # 1. Draft: one parallel pass over the block, then the sequential head.
-            hidden = draft(draft.block_hidden(anchor, block), None, d_k, d_v, draft_len)
+            hidden = draft(draft.block_hidden(anchor, block), block_positions=None, k_caches=d_k,
+                           v_caches=d_v, cache_seqlens=draft_len)
             base_logits = draft.lm_head(hidden)
             drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature, seed,
                                                  position, **filters)
@@ -325,7 +327,8 @@ class SpeculativeDecoder:
             # 4. Commit the anchor and the accepted drafts; the emitted token is the next anchor.
             kept = torch.where(active, out.num_accepted + 1, 0).int()
             new_rows = (starts.long()[:, None] + rows).clamp_max(features.shape[0] - 1)
-            draft.append_context(features[new_rows].to(dtype), None, kept, d_k, d_v, draft_len)
+            draft.append_context(features[new_rows].to(dtype), positions=None, num_new=kept,
+                                 k_caches=d_k, v_caches=d_v, cache_seqlens=draft_len)
             target_len = target_len + kept
             position = position + kept
             emitted = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]

@@ -42,11 +42,13 @@ Example
 >>> # Prefill: target features of the prompt (3 target layers, concatenated), 10 and 7 tokens.
 >>> features = torch.randn(B, 10, 3 * config.hidden_size)
 >>> num_new = torch.tensor([10, 7], dtype=torch.int32)
->>> draft.append_context(features, None, num_new, k_caches, v_caches, seqlens)
+>>> draft.append_context(features, positions=None, num_new=num_new, k_caches=k_caches,
+...                      v_caches=v_caches, cache_seqlens=seqlens)
 >>> seqlens.tolist()
 [10, 7]
 >>> block = torch.randn(B, G, config.hidden_size)  # embeddings of [x0, MASK, MASK, MASK]
->>> draft(block, None, k_caches, v_caches, seqlens).shape  # h_0 .. h_{G-1}, before lm_head
+>>> draft(block, block_positions=None, k_caches=k_caches, v_caches=v_caches,
+...       cache_seqlens=seqlens).shape  # h_0 .. h_{G-1}, before lm_head
 torch.Size([2, 4, 256])
 """
 
