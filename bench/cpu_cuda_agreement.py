@@ -44,7 +44,8 @@ from bench.bench_draft import (
     make_confidence_inputs, make_draft_inputs, markov_weights, max_logit_difference, same_prefix,
 )
 from bench.bench_verify import make_verify_inputs
-from bench.common import RESULTS_DIR, device_name, device_slug
+from bench.common import device_name, device_slug
+from bench.report import RESULTS_DIR
 
 V_LARGE, V_SMALL = 151936, 4096
 
