@@ -22,7 +22,7 @@ less than ``--draft-threshold`` (95 %) of the requests or slot 0's relative logi
 ``--cpu-only`` (a dry run where there is no GPU) compares the CPU with itself, at small batches
 unless given, to exercise the script.
 
-Run from the repository root: ``python bench/cpu_cuda_agreement.py [--out summary.json]``.
+Run from the repository root: ``python -m gpu_checks.cpu_cuda_agreement [--out summary.json]``.
 """
 
 from __future__ import annotations
