@@ -23,8 +23,6 @@ from torch import nn
 
 from ..modules import DraftBackbone
 from ..ops.draft import DraftOutput, draft_confidence, markov_draft, rnn_draft
-from ..ops.random import philox_uniform
-from ..sampling import filter_logits
 from .checkpoint import load_state_dict_file, save_safetensors
 from .config import DSparkConfig
 
@@ -75,11 +73,10 @@ def sample_base_logits(base_logits: torch.Tensor, temperature: torch.Tensor, see
                        min_p: Optional[torch.Tensor] = None) -> DraftOutput:
     """Drafts sampled from the base logits alone (a DFlash draft: no sequential head).
 
-    The same rule and random stream as :func:`dspark_ops.markov_draft` with a zero bias: slot
-    ``j`` takes ``argmax_v z(v) / T - log(-log1p(-u_v))`` with the Philox uniforms of the draft
-    stream of position ``p0 + 1 + j`` (greedy argmax when ``T <= 1e-5``), so the verifier's
-    acceptance and resampling streams stay independent of the drafts. Sampling filters
-    (per-request ``[B]``) apply as in :func:`dspark_ops.markov_draft`.
+    :func:`dspark_ops.markov_draft` with a zero head (``W1 = W2 = 0``, rank 1): its bias is an
+    exact zero, so ``z_j`` is the base logits and the drafts follow markov_draft's rule and
+    random stream (the draft stream of position ``p0 + 1 + j``), its sampling filters and its
+    handling of non-finite logits.
 
     Returns
     -------
@@ -87,19 +84,11 @@ def sample_base_logits(base_logits: torch.Tensor, temperature: torch.Tensor, see
         ``tokens`` int64 ``[B, G]`` and ``draft_logits``: ``base_logits`` as float32, -inf
         where a filter drops a token.
     """
-    batch, block, vocab = base_logits.shape
-    logits = base_logits.float()
-    filters = {k: v[:, None].expand(batch, block) for k, v in
-               (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None}
-    if filters:
-        logits = filter_logits(logits, temperature[:, None].expand(batch, block), **filters)
-    slots = position.long()[:, None] + 1 + torch.arange(block, device=logits.device)
-    uniforms = philox_uniform(seed.long().repeat_interleave(block), slots.reshape(-1), 0, vocab)
-    noise = -torch.log(-torch.log1p(-uniforms.double())).reshape(batch, block, vocab)
-    temp = temperature.double()[:, None, None]
-    greedy = temp <= 1e-5
-    scores = torch.where(greedy, logits.double(), logits.double() / temp.clamp_min(1e-5) + noise)
-    return DraftOutput(scores.argmax(-1), logits)
+    batch, _, vocab = base_logits.shape
+    zero_head = base_logits.new_zeros((vocab, 1), dtype=torch.float32)
+    anchor = torch.zeros(batch, dtype=torch.int64, device=base_logits.device)  # W1[0] = 0
+    return markov_draft(base_logits, anchor, zero_head, zero_head, temperature, seed, position,
+                        top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 class DSparkDraft(DraftBackbone):
