@@ -22,11 +22,10 @@ Parameter names follow the Qwen3 DSpark drafts of DeepSpec
 ``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.input_layernorm.weight``,
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
 ``layers.{i}.post_attention_layernorm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight`` and
-``norm.weight``. The DSpark notes name ``fc``, ``hidden_norm``, ``layers.*`` and the per-head
-``q_norm``/``k_norm``; the names inside a layer are those of Hugging Face's Qwen3 decoder layer,
-which DeepSpec's draft layer reuses. A checkpoint's ``embed_tokens``, ``lm_head``, ``markov_head``
-and ``confidence_head`` belong to the full draft model, not to these modules (load with
-``strict=False`` or strip those keys).
+``norm.weight``. The names inside a layer are those of Hugging Face's Qwen3 decoder layer, which
+DeepSpec's draft layer reuses. A checkpoint's ``embed_tokens``, ``lm_head``, ``markov_head`` and
+``confidence_head`` belong to the full draft model (:class:`dspark_ops.models.DSparkDraft`), not
+to these modules (load with ``strict=False`` or strip those keys).
 
 Example
 -------
