@@ -16,10 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import (
-    add_output_args, environment, log, measure_copy_bandwidth, print_table, resolve_device,
-    write_results,
-)
+from bench.common import log, resolve_device
+from bench.report import add_output_args, environment, print_table, write_results
+from bench.timing import measure_copy_bandwidth
 
 
 def families() -> list:

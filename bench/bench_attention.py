@@ -71,10 +71,9 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from bench.common import (
-    Row, Timing, family_arg_parser, family_main, finish_row, format_us, has_kernel, log,
-    measure, measure_copy_bandwidth, report_once, synchronize,
-)
+from bench.common import has_kernel, log, report_once, synchronize
+from bench.report import Row, family_arg_parser, family_main, finish_row, format_us
+from bench.timing import Timing, measure, measure_copy_bandwidth
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
 WINDOW: Optional[int] = None  # full attention, as the DeepSpec drafts

@@ -66,11 +66,9 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from bench.common import (
-    Row, Timing, count_launches, family_arg_parser, family_main, finish_row, format_us,
-    has_kernel, log,
-    measure, measure_copy_bandwidth, report_once, synchronize,
-)
+from bench.common import has_kernel, log, report_once, synchronize
+from bench.report import Row, family_arg_parser, family_main, finish_row, format_us
+from bench.timing import Timing, count_launches, measure, measure_copy_bandwidth
 
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
 VARIANTS = ("sampled", "greedy", "mixed")

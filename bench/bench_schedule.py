@@ -66,10 +66,9 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from bench.common import (
-    Row, Timing, count_launches, family_arg_parser, family_main, format_us, log, measure,
-    report_once, synchronize,
-)
+from bench.common import log, report_once, synchronize
+from bench.report import Row, family_arg_parser, family_main, format_us
+from bench.timing import Timing, count_launches, measure
 
 BATCHES = (64, 256, 1024)
 BLOCKS = (7, 16)

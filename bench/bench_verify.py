@@ -63,10 +63,9 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from bench.common import (
-    Row, Timing, family_arg_parser, family_main, finish_row, format_us, log,
-    measure, measure_copy_bandwidth, report_once, synchronize,
-)
+from bench.common import log, report_once, synchronize
+from bench.report import Row, family_arg_parser, family_main, finish_row, format_us
+from bench.timing import Timing, measure, measure_copy_bandwidth
 
 GREEDY_TEMPERATURE = reference.GREEDY_TEMPERATURE
 VARIANTS = ("sampled", "greedy", "one-hot")

@@ -17,8 +17,6 @@ from .ops.attention import append_context_kv, block_draft_attention  # noqa: E40
 from .ops.draft import (  # noqa: E402
     DraftOutput,
     draft_confidence,
-    expected_calibration_error,
-    fit_sequential_temperatures,
     markov_draft,
     rnn_draft,
 )
@@ -29,10 +27,11 @@ from .ops.schedule import (  # noqa: E402
     allocate_verify,
     pack_verify_inputs,
     plan_verify_budget,
-    profile_step_rate,
     schedule_verify,
 )
 from .ops.verify import VerifyOutput, verify  # noqa: E402
+from .calibration import expected_calibration_error, fit_sequential_temperatures  # noqa: E402
+from .profiling import profile_step_rate  # noqa: E402
 from . import sampling  # noqa: E402
 from .models import DSparkConfig, DSparkDraft  # noqa: E402,I001
 from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder, generate_target_only  # noqa: E402,I001

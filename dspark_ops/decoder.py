@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from ._per_request import as_per_request, draw_seeds
 from .models import DSparkDraft, TinyTarget
 from .ops.schedule import allocate_verify, pack_verify_inputs, plan_verify_budget, schedule_verify
 from .ops.verify import verify
@@ -80,25 +81,22 @@ def default_step_rate(max_tokens: int, batch: int, cost_per_token: float = 0.1) 
     return (1.0 / (1.0 + cost_per_token * n / max(batch, 1))).float()
 
 
-def _per_request(value, batch: int, dtype, device) -> torch.Tensor:
-    t = torch.as_tensor(value, dtype=dtype, device=device)
-    return t.expand(batch).contiguous() if t.dim() == 0 else t.to(dtype=dtype, device=device)
-
-
 def _filters(top_k, top_p, min_p, batch: int, device) -> dict:
     """The sampling filters as per-request tensors (README "Sampling filters"); None = off."""
     out = {}
     for name, value, dtype in (("top_k", top_k, torch.int32), ("top_p", top_p, torch.float32),
                                ("min_p", min_p, torch.float32)):
         if value is not None:
-            out[name] = _per_request(value, batch, dtype, device)
+            out[name] = as_per_request(value, batch, dtype, device)
     return out
 
 
 def _seeds(seed, batch, device, generator) -> torch.Tensor:
+    """``seed`` per request, or seeds drawn from ``generator`` on torch's default device (the
+    CPU unless changed), so that a CPU generator serves a model on any device."""
     if seed is None:
-        return torch.randint(0, 2**62, (batch,), generator=generator, dtype=torch.int64).to(device)
-    return _per_request(seed, batch, torch.int64, device)
+        return draw_seeds(batch, generator).to(device)
+    return as_per_request(seed, batch, torch.int64, device)
 
 
 def _prefill(target: TinyTarget, prompts: Sequence[Sequence[int]], length: int, device):
@@ -160,7 +158,7 @@ def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], m
     device = target.device
     batch = len(prompts)
     length = max(len(p) for p in prompts) + max_new_tokens + 1
-    temperature = _per_request(temperature, batch, torch.float32, device)
+    temperature = as_per_request(temperature, batch, torch.float32, device)
     seed = _seeds(seed, batch, device, generator)
     filters = _filters(top_k, top_p, min_p, batch, device)
     last, _, cache, lengths = _prefill(target, prompts, length, device)
@@ -270,7 +268,7 @@ class SpeculativeDecoder:
         dtype = draft.fc.weight.dtype
         batch = len(prompts)
         length = max(len(p) for p in prompts) + max_new_tokens + block + 2
-        temperature = _per_request(temperature, batch, torch.float32, device)
+        temperature = as_per_request(temperature, batch, torch.float32, device)
         seed = _seeds(seed, batch, device, generator)
         filters = _filters(top_k, top_p, min_p, batch, device)
         step_rate = self.step_rate
@@ -284,7 +282,8 @@ class SpeculativeDecoder:
         last, features, t_cache, target_len = _prefill(target, prompts, length, device)
         d_k, d_v = draft.new_caches(batch, length)
         draft_len = torch.zeros(batch, dtype=torch.int32, device=device)
-        draft.append_context(features.to(dtype), None, target_len, d_k, d_v, draft_len)
+        draft.append_context(features.to(dtype), positions=None, num_new=target_len, k_caches=d_k,
+                             v_caches=d_v, cache_seqlens=draft_len)
         position = target_len.long()  # p0 of each anchor
         anchor = _sample_from_target(last, temperature, seed, position - 1, filters)
 
@@ -300,7 +299,8 @@ class SpeculativeDecoder:
             active = torch.tensor([not d for d in done], device=device)
             started = time.perf_counter()
             # 1. Draft: one parallel pass over the block, then the sequential head.
-            hidden = draft(draft.block_hidden(anchor, block), None, d_k, d_v, draft_len)
+            hidden = draft(draft.block_hidden(anchor, block), block_positions=None, k_caches=d_k,
+                           v_caches=d_v, cache_seqlens=draft_len)
             base_logits = draft.lm_head(hidden)
             drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature, seed,
                                                  position, **filters)
@@ -327,7 +327,8 @@ class SpeculativeDecoder:
             # 4. Commit the anchor and the accepted drafts; the emitted token is the next anchor.
             kept = torch.where(active, out.num_accepted + 1, 0).int()
             new_rows = (starts.long()[:, None] + rows).clamp_max(features.shape[0] - 1)
-            draft.append_context(features[new_rows].to(dtype), None, kept, d_k, d_v, draft_len)
+            draft.append_context(features[new_rows].to(dtype), positions=None, num_new=kept,
+                                 k_caches=d_k, v_caches=d_v, cache_seqlens=draft_len)
             target_len = target_len + kept
             position = position + kept
             emitted = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]

@@ -19,9 +19,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from .calibration import fit_sequential_temperatures
 from .decoder import SpeculativeDecoder, generate_target_only
 from .models import DSparkConfig, DSparkDraft, TargetConfig, TinyTarget
-from .ops.draft import fit_sequential_temperatures
 
 __all__ = ["tiny_pair", "main"]
 

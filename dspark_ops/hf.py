@@ -22,7 +22,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from .models import forward_ragged
+from .models.target import forward_ragged
 
 __all__ = ["HFTarget"]
 

@@ -22,11 +22,10 @@ Parameter names follow the Qwen3 DSpark drafts of DeepSpec
 ``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.input_layernorm.weight``,
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
 ``layers.{i}.post_attention_layernorm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight`` and
-``norm.weight``. The DSpark notes name ``fc``, ``hidden_norm``, ``layers.*`` and the per-head
-``q_norm``/``k_norm``; the names inside a layer are those of Hugging Face's Qwen3 decoder layer,
-which DeepSpec's draft layer reuses. A checkpoint's ``embed_tokens``, ``lm_head``, ``markov_head``
-and ``confidence_head`` belong to the full draft model, not to these modules (load with
-``strict=False`` or strip those keys).
+``norm.weight``. The names inside a layer are those of Hugging Face's Qwen3 decoder layer, which
+DeepSpec's draft layer reuses. A checkpoint's ``embed_tokens``, ``lm_head``, ``markov_head`` and
+``confidence_head`` belong to the full draft model (:class:`dspark_ops.models.DSparkDraft`), not
+to these modules (load with ``strict=False`` or strip those keys).
 
 Example
 -------
@@ -42,11 +41,13 @@ Example
 >>> # Prefill: target features of the prompt (3 target layers, concatenated), 10 and 7 tokens.
 >>> features = torch.randn(B, 10, 3 * config.hidden_size)
 >>> num_new = torch.tensor([10, 7], dtype=torch.int32)
->>> draft.append_context(features, None, num_new, k_caches, v_caches, seqlens)
+>>> draft.append_context(features, positions=None, num_new=num_new, k_caches=k_caches,
+...                      v_caches=v_caches, cache_seqlens=seqlens)
 >>> seqlens.tolist()
 [10, 7]
 >>> block = torch.randn(B, G, config.hidden_size)  # embeddings of [x0, MASK, MASK, MASK]
->>> draft(block, None, k_caches, v_caches, seqlens).shape  # h_0 .. h_{G-1}, before lm_head
+>>> draft(block, block_positions=None, k_caches=k_caches, v_caches=v_caches,
+...       cache_seqlens=seqlens).shape  # h_0 .. h_{G-1}, before lm_head
 torch.Size([2, 4, 256])
 """
 

@@ -1,5 +1,6 @@
-"""The benchmark harness (bench/common.py): interleaved rounds, spread and load flags, the table's
-legend and where results go. Timing-free: the competitors' durations are forced."""
+"""The benchmark harness (bench/timing.py, bench/report.py): interleaved rounds, spread and load
+flags, the table's legend and where results go. Timing-free: the competitors' durations are
+forced."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common  # noqa: E402
+from bench import report, timing  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -25,10 +26,10 @@ def fake_clock(monkeypatch):
         calls.append(fn.name)
         return fn.next_seconds()
 
-    monkeypatch.setattr(common, "time_op", fake_time_op)
+    monkeypatch.setattr(timing, "time_op", fake_time_op)
     # A scripted row takes microseconds of real time, over which the clock-tick counts of
     # /proc/stat say nothing: no load unless a test sets one.
-    monkeypatch.setattr(common.LoadMeter, "others_cores", lambda self: 0.0)
+    monkeypatch.setattr(timing.LoadMeter, "others_cores", lambda self: 0.0)
     return calls
 
 
@@ -46,21 +47,21 @@ class Scripted:
 
 
 def _timing(rounds):
-    return common.Timing(dict(min_run_time=1.0), dict(min_run_time=1.0), rounds=rounds)
+    return timing.Timing(dict(min_run_time=1.0), dict(min_run_time=1.0), rounds=rounds)
 
 
 def test_rounds_interleave_and_rotate(fake_clock):
-    row = common.Row("op", "s", "v")
+    row = report.Row("op", "s", "v")
     competitors = {n: Scripted(n, [1e-3]) for n in ("ours", "ref", "eager")}
-    common.measure(row, competitors, CPU, _timing(3))
+    timing.measure(row, competitors, CPU, _timing(3))
     assert fake_clock == ["ours", "ref", "eager", "ref", "eager", "ours", "eager", "ours", "ref"]
     assert (row.ours_us, row.reference_us, row.anchors["eager"]) == (1000.0, 1000.0, 1000.0)
     assert row.rounds == 3 and row.flags == [] and row.spread["ours"] == 0.0
 
 
 def test_medians_of_rounds_and_best_baseline(fake_clock):
-    row = common.Row("op", "s", "v")
-    common.measure(row, {"ours": Scripted("ours", [1e-3, 1e-3, 9e-3, 1e-3, 1e-3]),
+    row = report.Row("op", "s", "v")
+    timing.measure(row, {"ours": Scripted("ours", [1e-3, 1e-3, 9e-3, 1e-3, 1e-3]),
                          "ref": Scripted("ref", [5e-3]), "eager": Scripted("eager", [2e-3])},
                    CPU, _timing(5))
     assert row.ours_us == 1000.0  # one slow round moves the median not at all
@@ -69,18 +70,18 @@ def test_medians_of_rounds_and_best_baseline(fake_clock):
 
 
 def test_noisy_row_is_measured_again_then_flagged(fake_clock):
-    row = common.Row("op", "s", "v")
+    row = report.Row("op", "s", "v")
     noisy = Scripted("ours", [1e-3, 4e-3])  # every other round 4x slower
-    common.measure(row, {"ours": noisy, "ref": Scripted("ref", [1e-3])}, CPU, _timing(4))
+    timing.measure(row, {"ours": noisy, "ref": Scripted("ref", [1e-3])}, CPU, _timing(4))
     assert len([c for c in fake_clock if c == "ours"]) == 8  # 4 rounds, then 4 more
     assert row.rounds == 8 and "noisy" in row.flags
-    assert row.spread["ours"] > common.NOISY_SPREAD
+    assert row.spread["ours"] > timing.NOISY_SPREAD
 
 
 def test_busy_flag_from_other_processes_load(fake_clock, monkeypatch):
-    monkeypatch.setattr(common.LoadMeter, "others_cores", lambda self: 1.7)
-    row = common.Row("op", "s", "v")
-    common.measure(row, {"ours": Scripted("ours", [1e-3])}, CPU, _timing(2))
+    monkeypatch.setattr(timing.LoadMeter, "others_cores", lambda self: 1.7)
+    row = report.Row("op", "s", "v")
+    timing.measure(row, {"ours": Scripted("ours", [1e-3])}, CPU, _timing(2))
     assert row.flags == ["busy"] and row.others_load == 1.7
 
 
@@ -88,8 +89,8 @@ def test_failing_or_absent_competitor_is_not_measured(fake_clock):
     def broken():
         raise RuntimeError("no kernel")
 
-    row = common.Row("op", "s", "v")
-    common.measure(row, {"ours": Scripted("ours", [1e-3]), "ref": None, "anchor": broken},
+    row = report.Row("op", "s", "v")
+    timing.measure(row, {"ours": Scripted("ours", [1e-3]), "ref": None, "anchor": broken},
                    CPU, _timing(2))
     assert row.reference_us is None and row.anchors["anchor"] is None
     assert fake_clock == ["ours", "ours"]
@@ -98,7 +99,7 @@ def test_failing_or_absent_competitor_is_not_measured(fake_clock):
 def test_load_meter_sees_a_busy_process():
     import subprocess
 
-    meter = common.LoadMeter()
+    meter = timing.LoadMeter()
     if meter.others_cores() is None:
         pytest.skip("no /proc/stat")
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.0: pass"])
@@ -107,39 +108,39 @@ def test_load_meter_sees_a_busy_process():
 
 
 def test_table_legend_explains_every_column():
-    row = common.Row("verify", "B=1", "sampled", ours_us=10.0, reference_us=30.0,
+    row = report.Row("verify", "B=1", "sampled", ours_us=10.0, reference_us=30.0,
                      anchors={"eager-torch": 20.0}, extra={"acc.len": 2.0, "match": "1/1"},
                      others_load=0.1, flags=["noisy"], rounds=5, spread={"ours": 0.1})
     for wide in (False, True):
-        text = common.format_table([row], wide=wide)
+        text = report.format_table([row], wide=wide)
         header = text.splitlines()[0]
         legend = text.split("\n\n", 1)[1]
         for column in header.split():
             if column in ("us", "%"):  # the second word of "ours us", "% copy", ...
                 continue
             assert f"  {column}" in legend, (column, wide)
-    compact = common.format_table([row])
+    compact = report.format_table([row])
     assert "eager-torch" in compact and "2.00" in compact and "acc.len" not in compact.split("\n\n")[0]
-    assert "acc.len" in common.format_table([row], wide=True)
+    assert "acc.len" in report.format_table([row], wide=True)
 
 
 def test_unexplained_family_column_is_an_error():
-    row = common.Row("op", "s", "v", extra={"mystery": 1})
+    row = report.Row("op", "s", "v", extra={"mystery": 1})
     with pytest.raises(KeyError, match="mystery"):
-        common.format_table([row], wide=True)
+        report.format_table([row], wide=True)
 
 
 def test_results_go_outside_the_tracked_tree(tmp_path):
-    assert common.RESULTS_DIR.parts[-2:] == ("build", "bench-results")
-    paths = common.write_results([common.Row("op", "s", "v", ours_us=1.0)], "unit", CPU,
+    assert report.RESULTS_DIR.parts[-2:] == ("build", "bench-results")
+    paths = report.write_results([report.Row("op", "s", "v", ours_us=1.0)], "unit", CPU,
                                  {"device": "cpu"}, results_dir=tmp_path)
     assert [p.parent for p in paths] == [tmp_path, tmp_path]
     assert "speedup_vs_best" in paths[1].read_text()
 
 
 def test_only_the_decisive_competitors_make_a_row_noisy(fake_clock):
-    row = common.Row("op", "s", "v")
+    row = report.Row("op", "s", "v")
     slow_and_noisy_ref = Scripted("ref", [1.0, 4.0])  # far slower than the best: not decisive
-    common.measure(row, {"ours": Scripted("ours", [1e-3]), "ref": slow_and_noisy_ref,
+    timing.measure(row, {"ours": Scripted("ours", [1e-3]), "ref": slow_and_noisy_ref,
                          "eager": Scripted("eager", [2e-3])}, CPU, _timing(4))
-    assert row.flags == [] and row.rounds == 4 and row.spread["ref"] > common.NOISY_SPREAD
+    assert row.flags == [] and row.rounds == 4 and row.spread["ref"] > timing.NOISY_SPREAD

@@ -19,7 +19,7 @@ from dspark_ops import decoder as decoder_module
 from dspark_ops.decoder import SpeculativeDecoder, default_step_rate, generate_target_only
 from dspark_ops.demo import main as demo_main
 from dspark_ops.demo import tiny_pair
-from dspark_ops.models import DSparkConfig, DSparkDraft, load_state_dict_file
+from dspark_ops.models import DSparkConfig, DSparkDraft, load_state_dict_file, sample_base_logits
 from conftest import cuda_only
 from stats import chi_square, chi_square_passes
 
@@ -100,6 +100,32 @@ def test_dflash_draft_greedy_equals_plain_decoding(pair, block):
     assert out.tokens == expected
     with pytest.raises(ValueError, match="confidence head"):
         SpeculativeDecoder(target, dflash, scheduler="confidence")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("filters", [False, True])
+def test_dflash_sampler_is_markov_draft_with_a_zero_head(dtype, filters):
+    """A DFlash draft's proposal: the reference Markov head with W1 = W2 = 0, bit for bit (tokens
+    and draft logits), greedy and sampled requests mixed; the draft logits are the base logits."""
+    gen = torch.Generator().manual_seed(11)
+    batch, block, vocab = 6, 5, 1000
+    base = (3 * torch.randn(batch, block, vocab, generator=gen)).to(dtype)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 1.0])
+    seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    position = torch.randint(0, 2**40, (batch,), generator=gen)
+    kwargs = {}
+    if filters:
+        kwargs = dict(top_k=torch.tensor([0, 5, 50, 0, 3, 0], dtype=torch.int32),
+                      top_p=torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 0.8]),
+                      min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.1]))
+    got = sample_base_logits(base, temperature, seed, position, **kwargs)
+    zero = torch.zeros(vocab, 1)
+    want = reference.markov_draft(base, torch.zeros(batch, dtype=torch.int64), zero, zero,
+                                  temperature, seed, position, **kwargs)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.draft_logits, want.draft_logits)
+    if not filters:
+        assert torch.equal(got.draft_logits, base.float())
 
 
 def test_exact_draft_is_always_accepted():

@@ -356,9 +356,10 @@ def check_against_reference(case: DraftCase):
 # Exact agreement with the reference over shapes, dtypes and temperatures
 # --------------------------------------------------------------------------------------------
 
-# (B, G, V, r, weights, base dtype, anchor dtype, temperature). Every V and G of the brief's
-# sweep, both ranks, every weight and base dtype and both id dtypes appear; the reference costs
-# tens of ms per slot at V = 151936, so large vocabularies run with small B and G here.
+# (B, G, V, r, weights, base dtype, anchor dtype, temperature). V in {2, 100, 8193, 151936}, G in
+# {1, 2, 7, 16, 32}, both ranks, every weight and base dtype and both id dtypes appear; the
+# reference costs tens of ms per slot at V = 151936, so large vocabularies run with small B and G
+# here.
 MARKOV_CASES = [
     (3, 7, 2, 8, "f32", torch.float32, torch.int64, "mixed"),
     (64, 32, 2, 256, "bf16", torch.bfloat16, torch.int32, "sampled"),

@@ -188,11 +188,11 @@ def test_head_dim_256_on_smaller_devices(sim, device):
 
 
 def test_split_plan_at_the_wave_boundary(sim):
-    """On the emulated L4 (58 SMs, one D = 256 block each) B x Hkv x row groups = 24 blocks: the
-    old plan's ceil(58 / 24) = 3 splits (72 blocks, two waves) gives way to 2 (48 blocks, one
-    wave), 4 splits (96 blocks, two waves of quarter-size work) being no better; the merge folds
-    2 splits per row, one of them partly filled or empty for the shorter contexts. Also the
-    window that leaves one split."""
+    """On the emulated L4 (58 SMs, one D = 256 block each) B x Hkv x row groups = 24 blocks:
+    2 splits (48 blocks, one wave), not ceil(58 / 24) = 3 (72 blocks, two waves), 4 splits (96
+    blocks, two waves of quarter-size work) being no better; the merge folds 2 splits per row,
+    one of them partly filled or empty for the shorter contexts. Also the window that leaves one
+    split."""
     t, cache_slot = make_inputs("wave", 3, 8, 16, 4, 256, 1024, "spread", BF16)
     with emulator.emulated_device("l4"):
         check(sim, t, i32(1024, 700, 300), "l4", cache_slot=cache_slot)

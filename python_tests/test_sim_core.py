@@ -314,7 +314,7 @@ def test_in_bounds_kernels_are_quiet(sim):
     sim.selftest("async_copy_tail", torch.randn(260), 256)
 
 
-# ---- the emulation against the hardware (runs only where a GPU is present: bench/gpu_check.sh)
+# ---- the emulation against the hardware (runs only where a GPU is present: gpu_checks/gpu_check.sh)
 
 
 @cuda_only

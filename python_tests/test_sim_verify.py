@@ -568,7 +568,7 @@ def test_single_finite_logit_in_one_chunk(sim):
 def test_grid_plan_depends_on_vocab_only(sim):
     """The same V gets the same chunks on every emulated device and at every B (seen in the
     workspace the glue sizes): B = 1 and B = 175 at V = 1025 (2 chunks) and V = 8193 (9) on the
-    H200, the A100 and the L4, where the old plan (one resident wave) varied with both."""
+    H200, the A100 and the L4, where a plan sized to one resident wave would vary with both."""
     assert [expected_chunks(v) for v in (1, 1024, 1025, 8193, 16384, 50257, 151936)] == \
         [1, 1, 2, 9, 16, 16, 16]
     gen = generator(381)
@@ -595,10 +595,10 @@ def _joined(case: Case, others: Case, order: torch.Tensor) -> Case:
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_request_outputs_are_bitwise_batch_invariant(sim, dtype):
-    """A request verified alone and inside a batch of 200 (at V = 8193: 9 chunks either way;
-    the old plan split its rows into 9 chunks alone and 5 in the batch) gets bitwise the same
-    tokens, num_accepted, valid and logprobs (float sums merged in the same order), sampled and
-    greedy, with draft logits and one-hot drafts."""
+    """A request verified alone and inside a batch of 200 (at V = 8193: 9 chunks either way; a
+    plan sized to the batch would split its rows into 9 chunks alone and 5 in the batch) gets
+    bitwise the same tokens, num_accepted, valid and logprobs (float sums merged in the same
+    order), sampled and greedy, with draft logits and one-hot drafts."""
     block, vocab = 2, 8193
     call = lambda c, fn: c.call(_filtered(fn), return_logprobs=True)  # noqa: E731
     for draft in ("logits", "onehot"):

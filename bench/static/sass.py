@@ -361,7 +361,7 @@ def iteration_path(cfg: CFG, loop: Loop, need: Dict[str, int]) -> Path:
         backs[(n, state)] = back
 
     w0, c0 = weight(header)
-    insert(header, tuple(min(c, cap) for c, cap in zip(c0, caps)), w0, None)
+    insert(header, tuple(min(c, cap) for c, cap in zip(c0, caps)), w0, back=None)
     for n in order:
         for state, (cost, _) in list(best[n].items()):
             for c in edges[n]:

@@ -6,7 +6,7 @@ The parallel backbone gives base logits for all G block slots in one pass; a thi
 then walks the slots, adding to slot j's logits a low-rank bias that depends on the token just
 drafted, and samples the next token from the corrected distribution. Each op here runs the whole
 walk in one call and returns the corrected logits it sampled from, so :func:`verify` sees exactly
-the proposal distribution. :func:`fit_sequential_temperatures` calibrates the confidence head.
+the proposal distribution. The confidence head's calibration is in :mod:`dspark_ops.calibration`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..outputs import DraftOutput
-from ._scalars import per_request
+from .._per_request import draw_seeds, per_request_args
 
 __all__ = [
     "DraftOutput",
     "markov_draft",
     "rnn_draft",
     "draft_confidence",
-    "expected_calibration_error",
-    "fit_sequential_temperatures",
 ]
 
 _SHARED_PARAMETERS = """
@@ -92,12 +90,6 @@ _SHARED_RETURNS = """
     a zero row instead of being read out of bounds."""
 
 
-def _seed_or_draw(seed, batch, device, generator):
-    if seed is not None:
-        return seed
-    return torch.randint(0, 2**62, (batch,), generator=generator, device=device, dtype=torch.int64)
-
-
 def _logits_dtype(op, dtype):
     """``draft_logits_dtype`` checked on every device: float32 (default) or bfloat16."""
     if dtype is None:
@@ -111,13 +103,15 @@ def _logits_dtype(op, dtype):
     return dtype
 
 
-def _sampling_args(op, base_logits, temperature, top_k, top_p, min_p):
-    """Python numbers among the per-request sampling arguments, broadcast to [B]."""
+def _sampling_args(op, base_logits, seed, generator, temperature, top_k, top_p, min_p):
+    """The per-request sampling arguments with Python numbers broadcast to [B], and the seeds
+    (drawn from ``generator`` when ``seed`` is None)."""
     batch, device = base_logits.shape[0], base_logits.device
-    return (per_request(op, "temperature", temperature, batch, torch.float32, device),
-            per_request(op, "top_k", top_k, batch, torch.int32, device),
-            per_request(op, "top_p", top_p, batch, torch.float32, device),
-            per_request(op, "min_p", min_p, batch, torch.float32, device))
+    sampling = per_request_args(op, batch, device, temperature=temperature, top_k=top_k,
+                                top_p=top_p, min_p=min_p)
+    if seed is None:
+        seed = draw_seeds(batch, generator, device)
+    return (seed, *sampling)
 
 
 def markov_draft(
@@ -136,9 +130,8 @@ def markov_draft(
     draft_logits_dtype: Optional[torch.dtype] = None,
 ) -> DraftOutput:
     dtype = _logits_dtype("markov_draft", draft_logits_dtype)
-    temperature, top_k, top_p, min_p = _sampling_args("markov_draft", base_logits, temperature,
-                                                      top_k, top_p, min_p)
-    seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
+    seed, temperature, top_k, top_p, min_p = _sampling_args(
+        "markov_draft", base_logits, seed, generator, temperature, top_k, top_p, min_p)
     tokens, draft_logits = torch.ops.dspark_ops.markov_draft(
         base_logits, anchor, w1, w2, temperature, seed, position, top_k, top_p, min_p, dtype
     )
@@ -182,9 +175,8 @@ def rnn_draft(
     draft_logits_dtype: Optional[torch.dtype] = None,
 ) -> DraftOutput:
     dtype = _logits_dtype("rnn_draft", draft_logits_dtype)
-    temperature, top_k, top_p, min_p = _sampling_args("rnn_draft", base_logits, temperature,
-                                                      top_k, top_p, min_p)
-    seed = _seed_or_draw(seed, base_logits.shape[0], base_logits.device, generator)
+    seed, temperature, top_k, top_p, min_p = _sampling_args(
+        "rnn_draft", base_logits, seed, generator, temperature, top_k, top_p, min_p)
     tokens, draft_logits = torch.ops.dspark_ops.rnn_draft(
         base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed, position,
         top_k, top_p, min_p, dtype,
@@ -277,84 +269,6 @@ def _confidence_logits(hidden, prev_tokens, w1, weight, bias):
     if bias is not None:
         logits = logits + bias.double().reshape(())
     return logits.float()
-
-
-def expected_calibration_error(
-    probability: torch.Tensor, outcome: torch.Tensor, num_bins: int = 20
-) -> float:
-    """ECE over equal-width bins of ``[0, 1]``: ``sum_bins (n_bin / n) |mean p - mean outcome|``."""
-    p = probability.double().flatten()
-    y = outcome.double().flatten()
-    if p.numel() == 0:
-        return 0.0
-    bins = (p * num_bins).long().clamp(0, num_bins - 1)
-    gap = torch.zeros(num_bins, dtype=torch.float64, device=p.device).index_add_(0, bins, p - y)
-    return float(gap.abs().sum() / p.numel())
-
-
-def fit_sequential_temperatures(
-    confidence_logits: torch.Tensor,
-    num_accepted: torch.Tensor,
-    *,
-    num_verified: Optional[torch.Tensor] = None,
-    grid: Optional[torch.Tensor] = None,
-    num_bins: int = 20,
-) -> torch.Tensor:
-    """Sequential temperature scaling of the confidence head (DSpark §3.2.1).
-
-    From left to right, slot ``k``'s temperature is the grid value minimising the expected
-    calibration error of the survival ``prod_{i<=k} sigmoid(z_i / tau_i)`` against the outcome
-    "the first ``k + 1`` drafts were all accepted", with the temperatures of earlier slots held
-    fixed. Temperature scaling keeps each slot's ranking, so it changes what the scheduler
-    believes, never the order in which it admits a request's drafts.
-
-    Parameters
-    ----------
-    confidence_logits : torch.Tensor
-        ``[N, G]`` held-out confidence logits (``w . [h_j; W1[x_j]] + b``, before the sigmoid).
-    num_accepted : torch.Tensor
-        int ``[N]``: how many drafts of each sample were accepted (``verify``'s ``num_accepted``).
-    num_verified : torch.Tensor, optional
-        int ``[N]``: how many drafts of each sample were verified (default ``G``); slot ``k`` is
-        fitted on the samples with ``num_verified > k`` only.
-    grid : torch.Tensor, optional
-        Candidate temperatures (positive); default 241 values spaced geometrically over
-        ``[0.05, 20]``, plus 1.
-    num_bins : int
-        Bins of the calibration error (20, as DeepSpec's evaluator uses).
-
-    Returns
-    -------
-    torch.Tensor
-        float32 ``[G]``: ``calib_temperature`` for :func:`draft_confidence`.
-    """
-    logits = confidence_logits.double()
-    samples, block = logits.shape
-    accepted = num_accepted.long().to(logits.device)
-    verified = (
-        torch.full_like(accepted, block) if num_verified is None
-        else num_verified.long().to(logits.device)
-    )
-    if grid is None:
-        grid = torch.cat([torch.logspace(-1.30103, 1.30103, 241, dtype=torch.float64),
-                          torch.ones(1, dtype=torch.float64)])
-    grid = grid.double().to(logits.device)
-    temperatures = torch.ones(block, dtype=torch.float64, device=logits.device)
-    survival_before = torch.ones(samples, dtype=torch.float64, device=logits.device)
-    for k in range(block):
-        seen = verified > k
-        outcome = (accepted > k).double()
-        if bool(seen.any()):
-            errors = [
-                expected_calibration_error(
-                    (survival_before * torch.sigmoid(logits[:, k] / t))[seen], outcome[seen],
-                    num_bins,
-                )
-                for t in grid.tolist()
-            ]
-            temperatures[k] = grid[int(torch.tensor(errors).argmin())]
-        survival_before = survival_before * torch.sigmoid(logits[:, k] / temperatures[k])
-    return temperatures.float()
 
 
 @torch.library.register_fake("dspark_ops::markov_draft")

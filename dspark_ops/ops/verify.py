@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ..outputs import VerifyOutput
-from ._scalars import per_request
+from .._per_request import draw_seeds, per_request_args
 
 __all__ = ["VerifyOutput", "verify"]
 
@@ -114,15 +114,11 @@ def verify(
     and on CUDA only with ``DSPARK_OPS_DEBUG=1``, because they need a sync.
     """
     batch, device = draft_tokens.shape[0], draft_tokens.device
-    temperature = per_request("verify", "temperature", temperature, batch, torch.float32, device)
-    draft_temperature = per_request("verify", "draft_temperature", draft_temperature, batch,
-                                    torch.float32, device)
-    top_k = per_request("verify", "top_k", top_k, batch, torch.int32, device)
-    top_p = per_request("verify", "top_p", top_p, batch, torch.float32, device)
-    min_p = per_request("verify", "min_p", min_p, batch, torch.float32, device)
+    temperature, draft_temperature, top_k, top_p, min_p = per_request_args(
+        "verify", batch, device, temperature=temperature, draft_temperature=draft_temperature,
+        top_k=top_k, top_p=top_p, min_p=min_p)
     if seed is None:
-        seed = torch.randint(0, 2**62, (batch,), generator=generator, device=device,
-                             dtype=torch.int64)
+        seed = draw_seeds(batch, generator, device)
     tokens, num_accepted, valid, logprobs = torch.ops.dspark_ops.verify(
         target_logits, draft_tokens, num_draft, temperature, seed, position,
         draft_logits, target_start, draft_temperature, top_k, top_p, min_p, allowed_token_mask,

@@ -3,7 +3,7 @@
 # limits summing to 12):
 #   1. build the extension for this GPU's arch (pip, no build isolation, no dependencies fetched)
 #   2. run the CUDA tests
-#   3. compute-sanitizer memcheck and racecheck over bench/cuda_smoke.py (every kernel, the
+#   3. compute-sanitizer memcheck and racecheck over gpu_checks/cuda_smoke.py (every kernel, the
 #      drafting ops included)
 #   4. CPU-vs-CUDA agreement on shared seeds: verify tokens, draft tokens and draft logits
 #   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included)
@@ -13,13 +13,13 @@
 #      needed), printed in the summary next to the measured times of step 5
 # and print a summary table last. Logs, ptxas report and JSON results go to OUTDIR.
 #
-# Usage: bash bench/gpu_check.sh OUTDIR [--dry-run] [--with-sim]
+# Usage: bash gpu_checks/gpu_check.sh OUTDIR [--dry-run] [--with-sim]
 #   --dry-run runs everything that needs no GPU (build for sm_90, CPU versions of the checks: the
 #   smoke run and the agreement script comparing the CPU with itself), to catch script errors
 #   before spending GPU time.
 set -uo pipefail
 
-OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR [--dry-run]}
+OUT=${1:?usage: bash gpu_checks/gpu_check.sh OUTDIR [--dry-run]}
 DRY_RUN=0
 WITH_SIM=0
 for flag in "${@:2}"; do
@@ -69,25 +69,25 @@ $PY -m dspark_ops.info >"$OUT/info.txt" 2>&1
 if ((build_ok == 0)); then
   if ((DRY_RUN)); then
     run_step cuda_tests 90 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider
-    run_step smoke_cpu 60 $PY -m bench.cuda_smoke --device cpu
+    run_step smoke_cpu 60 $PY -m gpu_checks.cuda_smoke --device cpu
   else
     # About 1,000 CUDA cases, most milliseconds; the torch.compile ones compile Triton kernels.
     run_step cuda_tests 240 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider \
       --junitxml="$OUT/cuda_tests.xml"
     if command -v compute-sanitizer >/dev/null; then
-      run_step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m bench.cuda_smoke
-      run_step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 1 $PY -m bench.cuda_smoke
+      run_step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY -m gpu_checks.cuda_smoke
+      run_step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 1 $PY -m gpu_checks.cuda_smoke
     else
       printf 'sanitizer\tnot installed\t0\n' >>"$OUT/steps.tsv"
     fi
   fi
   if ((DRY_RUN)); then
-    run_step agreement 90 $PY -m bench.cpu_cuda_agreement --cpu-only --out "$OUT/agreement.json"
+    run_step agreement 90 $PY -m gpu_checks.cpu_cuda_agreement --cpu-only --out "$OUT/agreement.json"
     run_step bench 420 $PY -m bench --quick --results-dir "$OUT"  # 2 busy cores: minutes
   else
     # The drafting section adds a few seconds; the draft family about 30 s (torch.compile of
     # the eager step, once).
-    run_step agreement 50 $PY -m bench.cpu_cuda_agreement --out "$OUT/agreement.json"
+    run_step agreement 50 $PY -m gpu_checks.cpu_cuda_agreement --out "$OUT/agreement.json"
     run_step bench 180 $PY -m bench --results-dir "$OUT"
   fi
   # 7. The static model of this build's sm_90 code (its own folder: a failed run leaves nothing).
@@ -138,6 +138,6 @@ for path in sorted(out.glob("verify_*.json")) + sorted(out.glob("draft_*.json"))
 EOF
 if [[ -f "$OUT/static_model/static_sm90.json" ]]; then
   echo
-  $PY -m bench.model_vs_measured --model "$OUT/static_model/static_sm90.json" --bench "$OUT"/all_*.json
+  $PY -m gpu_checks.model_vs_measured --model "$OUT/static_model/static_sm90.json" --bench "$OUT"/all_*.json
 fi
 ! grep -qv $'\tok\t' "$OUT/steps.tsv"

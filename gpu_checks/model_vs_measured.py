@@ -1,7 +1,7 @@
 """Side by side: the static MODEL's prediction (python -m bench.static) and the benchmarks'
 measured time (python -m bench) per op and shape, with the measured time as % of the floor.
 
-    python -m bench.model_vs_measured --model DIR/static_sm90.json --bench DIR/all_*.json
+    python -m gpu_checks.model_vs_measured --model DIR/static_sm90.json --bench DIR/all_*.json
 
 Only GPU measurements are compared; a CPU benchmark file (or a shape the benchmarks did not run)
 prints "-" in the measured columns.
@@ -66,7 +66,7 @@ def table(model: dict, measured: List[dict]) -> List[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.model_vs_measured",
+    parser = argparse.ArgumentParser(prog="python -m gpu_checks.model_vs_measured",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="static_sm90.json")
     parser.add_argument("--bench", type=Path, nargs="*", default=[],

@@ -22,7 +22,7 @@ less than ``--draft-threshold`` (95 %) of the requests or slot 0's relative logi
 ``--cpu-only`` (a dry run where there is no GPU) compares the CPU with itself, at small batches
 unless given, to exercise the script.
 
-Run from the repository root: ``python bench/cpu_cuda_agreement.py [--out summary.json]``.
+Run from the repository root: ``python -m gpu_checks.cpu_cuda_agreement [--out summary.json]``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from bench.bench_draft import (
     make_confidence_inputs, make_draft_inputs, markov_weights, max_logit_difference, same_prefix,
 )
 from bench.bench_verify import make_verify_inputs
-from bench.common import RESULTS_DIR, device_name, device_slug
+from bench.common import device_name, device_slug
+from bench.report import RESULTS_DIR
 
 V_LARGE, V_SMALL = 151936, 4096
 

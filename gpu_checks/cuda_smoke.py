@@ -1,6 +1,6 @@
 """Short CUDA run of every kernel over edge cases, compared with the reference.
 
-Small enough to run under compute-sanitizer (memcheck, racecheck) in bench/gpu_check.sh:
+Small enough to run under compute-sanitizer (memcheck, racecheck) in gpu_checks/gpu_check.sh:
 odd and tiny vocabularies, misaligned rows, ragged layouts, rows with no finite logit,
 out-of-range draft ids (not value-checked on CUDA), int32 ids, greedy drafts, G = 0; the
 scheduling ops over ties, caps, capacity limits and both sort paths (shared and global memory);
@@ -9,7 +9,7 @@ that land past L; markov_draft, rnn_draft and draft_confidence over every weight
 1..1024, vocabularies that are not multiples of 16, batches of 1 and of more than 64 (several
 batch groups), G = 0, 1, 5, greedy, sampled and mixed temperatures, misaligned and non-finite
 base-logit rows and (on CUDA) out-of-range ids.
-Run as `python -m bench.cuda_smoke [--device cpu]`. Exits non-zero on any disagreement with dspark_ops.reference beyond 1% of requests (float-rounding
+Run as `python -m gpu_checks.cuda_smoke [--device cpu]`. Exits non-zero on any disagreement with dspark_ops.reference beyond 1% of requests (float-rounding
 near-ties are the only allowed differences; for the drafting ops, 1% of all drafted requests,
 and draft logits and confidences must match wherever the drafted prefix does).
 """

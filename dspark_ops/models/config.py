@@ -1,0 +1,237 @@
+""":class:`DSparkConfig`: the configuration of a DSpark or DFlash draft, read from and written to
+DeepSpec's ``config.json`` (transformers 4.x and 5.x layouts). Whatever this library does not
+implement is refused with an error naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional
+
+from ..modules import DraftConfig
+
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES"]
+
+
+MARKOV_HEAD_TYPES = ("vanilla", "rnn")
+
+# Fields of DeepSpec's draft configs (a copy of the target's transformers config plus its own)
+# that do not change what the draft computes at inference: read and dropped.
+_INFERENCE_NEUTRAL_FIELDS = frozenset({
+    "transformers_version", "torch_dtype", "dtype", "_name_or_path", "bos_token_id",
+    "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
+    "max_window_layers",  # only meaningful with use_sliding_window, which is refused
+    "output_attentions", "output_hidden_states", "return_dict",
+    # what every transformers config carries (task heads, encoder-decoder switches)
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "problem_type",
+})
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                    "target_layer_ids", "block_size", "mask_token_id", "markov_rank",
+                    "enable_confidence_head")
+_COPIED_FIELDS = _REQUIRED_FIELDS + ("attention_bias", "target_hidden_size", "num_anchors",
+                                     "max_position_embeddings")
+
+
+def _rope_theta(values: dict) -> float:
+    """The RoPE base from either layout: transformers 5.x ``rope_parameters`` or 4.x
+    ``rope_theta`` (+ ``rope_scaling``). Only plain (``"default"``) RoPE is implemented."""
+    theta = values.get("rope_theta")
+    for field in ("rope_parameters", "rope_scaling"):
+        spec = values.get(field)
+        if spec is None:
+            continue
+        if not isinstance(spec, dict):
+            raise ValueError(f"config field {field!r} must be a mapping, got {spec!r}")
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"config field '{field}.rope_type' is {kind!r}: only 'default' RoPE "
+                             "is implemented (no RoPE scaling)")
+        for key in sorted(set(spec) - {"rope_type", "type", "rope_theta"}):
+            raise ValueError(f"config field '{field}.{key}' is not supported (only plain RoPE "
+                             "with a base 'rope_theta' is implemented)")
+        if "rope_theta" in spec:
+            if theta is not None and float(theta) != float(spec["rope_theta"]):
+                raise ValueError(f"config fields 'rope_theta' ({theta}) and "
+                                 f"'{field}.rope_theta' ({spec['rope_theta']}) disagree")
+            theta = spec["rope_theta"]
+    if theta is None:
+        raise ValueError("config has no RoPE base: neither 'rope_parameters.rope_theta' "
+                         "(transformers 5.x) nor 'rope_theta' (4.x)")
+    return float(theta)
+
+
+@dataclasses.dataclass
+class DSparkConfig(DraftConfig):
+    """:class:`DraftConfig` plus the fields of DeepSpec's DSpark and DFlash draft configs.
+
+    Attributes
+    ----------
+    vocab_size : int
+    block_size : int
+        ``G``: block slots per round (7 in the paper's drafts).
+    mask_token_id : int
+        Id embedded in slots ``1 .. G-1`` (151669 for Qwen3).
+    markov_rank : int
+        ``r`` (256 in every released DSpark draft); 0 for a DFlash draft (no sequential head:
+        the base logits are the proposal).
+    markov_head_type : str
+        ``"vanilla"`` (the Markov head) or ``"rnn"``; ignored when ``markov_rank = 0``.
+    enable_confidence_head : bool
+    confidence_head_with_markov : bool
+        The confidence head reads ``[h; W1[x]]`` (True) or ``h`` only.
+    num_anchors : int
+        Training only (anchors per sequence); kept so a saved config round-trips.
+    target_num_hidden_layers : int, optional
+        Layers of the target the draft was trained on, DeepSpec's ``num_target_layers``
+        (``target_layer_ids`` must be below it).
+    max_position_embeddings : int
+        Informational (RoPE has no table); kept so a saved config round-trips.
+    """
+
+    vocab_size: int = 151936
+    block_size: int = 7
+    mask_token_id: int = 151669
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    num_anchors: int = 512
+    target_num_hidden_layers: Optional[int] = None
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self):
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        ids = self.target_layer_ids
+        if not ids or any(i < -1 for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"config field 'target_layer_ids' must be a non-empty, strictly "
+                             f"increasing list of ids >= -1 (-1: the embedding output), got {ids}")
+        depth = self.target_num_hidden_layers
+        if depth is not None and ids[-1] >= depth:
+            raise ValueError(f"config field 'target_layer_ids' {ids} names a layer past "
+                             f"num_target_layers = {depth}")
+        if self.block_size < 1:
+            raise ValueError(f"config field 'block_size' must be >= 1, got {self.block_size}")
+        if self.markov_rank < 0:
+            raise ValueError(f"config field 'markov_rank' must be >= 0, got {self.markov_rank}")
+        if self.markov_rank > 0 and self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"config field 'markov_head_type' is {self.markov_head_type!r}: "
+                             f"this library implements {MARKOV_HEAD_TYPES}")
+        if self.enable_confidence_head and self.confidence_head_with_markov and not self.markov_rank:
+            raise ValueError("config field 'confidence_head_with_markov' needs a Markov head "
+                             "(markov_rank > 0)")
+
+    @property
+    def is_dflash(self) -> bool:
+        """No sequential head: the block's base logits are the proposal."""
+        return self.markov_rank == 0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "DSparkConfig":
+        """Reads a DeepSpec draft ``config.json`` (transformers 4.x or 5.x layout).
+
+        Raises ``ValueError`` naming the field for anything not implemented here (RoPE scaling,
+        sliding-window layers, tied embeddings, an activation other than SiLU, a Markov head
+        other than vanilla/rnn, a model other than Qwen3's) and for missing required fields;
+        fields that do not affect inference (token ids, dtype, training-only settings) are
+        dropped, and unknown fields are dropped with a warning.
+        """
+        values = dict(values)
+        missing = [name for name in _REQUIRED_FIELDS if name not in values]
+        if missing:
+            raise ValueError(f"config is missing the field(s) {missing}")
+        if values.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"config field 'model_type' is {values['model_type']!r}: only Qwen3 "
+                             "drafts ('qwen3') are implemented")
+        architectures = values.get("architectures") or ["Qwen3DSparkModel"]
+        if list(architectures) != ["Qwen3DSparkModel"]:
+            raise ValueError(f"config field 'architectures' is {architectures}: only "
+                             "'Qwen3DSparkModel' drafts (DSpark or DFlash) are implemented")
+        if values.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config field 'hidden_act' is {values['hidden_act']!r}: the draft "
+                             "MLP implements 'silu'")
+        if values.get("tie_word_embeddings", False):
+            raise ValueError("config field 'tie_word_embeddings' is true: DeepSpec drafts keep "
+                             "lm_head separate and this loader expects it in the checkpoint")
+        layer_types = values.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"config field 'layer_types' is {layer_types}: only "
+                             "'full_attention' draft layers are implemented")
+        if values.get("use_sliding_window", False):
+            raise ValueError("config field 'use_sliding_window' is true: sliding-window draft "
+                             "layers are not implemented")
+        if values.get("sliding_window") is not None and "use_sliding_window" not in values:
+            raise ValueError("config field 'sliding_window' is set: sliding-window draft layers "
+                             "are not implemented")
+        kwargs = {name: values[name] for name in _COPIED_FIELDS if values.get(name) is not None}
+        kwargs["rope_theta"] = _rope_theta(values)
+        if values.get("num_target_layers") is not None:
+            kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
+        head_dim = values.get("head_dim")
+        kwargs["head_dim"] = (int(head_dim) if head_dim is not None
+                              else values["hidden_size"] // values["num_attention_heads"])
+        if int(values["markov_rank"]) > 0:
+            if "markov_head_type" not in values:
+                raise ValueError("config field 'markov_head_type' is required when "
+                                 "markov_rank > 0")
+            kwargs["markov_head_type"] = values["markov_head_type"]
+        if values["enable_confidence_head"]:
+            if "confidence_head_with_markov" not in values:
+                raise ValueError("config field 'confidence_head_with_markov' is required when "
+                                 "enable_confidence_head is true")
+            kwargs["confidence_head_with_markov"] = bool(values["confidence_head_with_markov"])
+        known = (set(_COPIED_FIELDS) | _INFERENCE_NEUTRAL_FIELDS
+                 | {"model_type", "architectures", "hidden_act", "tie_word_embeddings",
+                    "layer_types", "use_sliding_window", "sliding_window", "rope_theta",
+                    "rope_parameters", "rope_scaling", "head_dim", "markov_head_type",
+                    "confidence_head_with_markov", "num_target_layers"})
+        unknown = sorted(set(values) - known)
+        if unknown:
+            warnings.warn(f"DSparkConfig: ignoring config field(s) this library does not read: "
+                          f"{unknown}", stacklevel=2)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """The config as DeepSpec writes it: a transformers 5.x ``Qwen3Config`` plus the draft's
+        fields (``markov_head_type`` only with a Markov head, ``confidence_head_with_markov``
+        only with a confidence head, as DeepSpec's ``build_draft_config``)."""
+        if self.sliding_window is not None:
+            raise ValueError("sliding_window has no equivalent in DeepSpec's draft config")
+        values = {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "num_anchors": self.num_anchors,
+            "enable_confidence_head": self.enable_confidence_head,
+            "markov_rank": self.markov_rank,
+        }
+        if self.target_num_hidden_layers is not None:
+            values["num_target_layers"] = self.target_num_hidden_layers
+        if self.target_hidden_size not in (None, self.hidden_size):
+            values["target_hidden_size"] = self.target_hidden_size  # not a DeepSpec field
+        if self.markov_rank > 0:
+            values["markov_head_type"] = self.markov_head_type
+        if self.enable_confidence_head:
+            values["confidence_head_with_markov"] = self.confidence_head_with_markov
+        return values
+
