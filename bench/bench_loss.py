@@ -42,20 +42,15 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from bench.memory import peak_memory_bytes
-from bench.common import (
-    LEGEND, Row, Timing, family_arg_parser, family_main, format_us, log, measure, report_once,
-)
+from bench.common import log, report_once
+from bench.report import Row, family_arg_parser, family_main, format_us
+from bench.timing import Timing, measure
 
 CPU_SHAPE = dict(rows=2048, vocab=49_152, width=576, rank=64)
 CPU_QUICK_SHAPE = dict(rows=512, vocab=49_152, width=576, rank=64)
 GPU_SHAPE = dict(rows=3584, vocab=151_936, width=2560, rank=256)
 CHUNK = 512
 
-LEGEND.update({
-    "peak MB": "ours: most memory held during forward + backward beyond the inputs, MB",
-    "ref MB": "the same for the eager formula (ref)",
-    "chunked MB": "the same for the chunked eager loss",
-})
 
 
 def make_inputs(rows, vocab, width, rank, *, dtype, device, dflash=False, seed=0):

@@ -97,7 +97,11 @@ def load_library() -> None:
             f"dspark_ops: could not load {os.path.basename(spec.origin)} ({error}). It was built "
             f"against torch {built_with} and this is torch {torch.__version__}; {_BUILD_HINT}"
         ) from error
-    _SCHEMAS = _schemas_of(spec.origin)
+    try:
+        _SCHEMAS = _schemas_of(spec.origin)
+    except AttributeError as error:  # a build from before the library listed its schemas
+        raise ImportError(f"dspark_ops: {os.path.basename(spec.origin)} is an older build that "
+                          f"does not list its ops; {_BUILD_HINT}") from error
 
 
 def schemas() -> tuple:
