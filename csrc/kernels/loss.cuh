@@ -2,7 +2,8 @@
 // draft logits z (and target logits t) the glue has just produced with cuBLAS
 // (args/loss_args.cpp). Math: kernels/loss_math.h.
 //
-// Three passes over the row, each thread striding over the vocabulary:
+// Three passes over the row, each thread striding over the vocabulary (16 bytes of z and of t per
+// iteration where rows are 16-byte multiples):
 //   1. online logsumexps of z and t (max and rescaled sum per thread, merged over the block);
 //   2. p = exp(z - lse_z), q = exp(t - lse_t): |p - q|, <s,p>, <s,q> summed over the block;
 //   3. (training) d loss / d z written over z, and d loss / d t over t when the LM head trains.
@@ -62,6 +63,35 @@ struct LossRowParams {
   bool grad, t_grad;
 };
 
+// Calls f(v, z[v], t[v]) (t[v] = 0 without t) for the elements v of the row this thread owns.
+// Rows whose byte length is a multiple of 16 (so every row of the chunk starts 16-byte aligned)
+// are read 16 bytes per tensor and iteration, a thread's kLossVec elements at a time: a scalar
+// 16-bit load per element keeps too few bytes in flight for the HBM's latency. Other rows are
+// read an element at a time.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_element(const T* z, const T* t, int64_t vocab, F&& f) {
+  constexpr int kVec = 16 / sizeof(T);
+  if ((vocab * static_cast<int64_t>(sizeof(T))) % 16 == 0) {
+    for (int64_t base = threadIdx.x * int64_t{kVec}; base < vocab;
+         base += int64_t{blockDim.x} * kVec) {
+      union Pack {
+        uint4 raw;
+        T x[kVec];
+      } zp, tp;
+      zp.raw = *reinterpret_cast<const uint4*>(z + base);  // no __ldg: pass 3 writes z
+      if (t != nullptr) tp.raw = *reinterpret_cast<const uint4*>(t + base);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        f(base + e, loss_load(zp.x[e]), t != nullptr ? loss_load(tp.x[e]) : 0.f);
+      }
+    }
+  } else {
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+      f(v, loss_load(z[v]), t != nullptr ? loss_load(t[v]) : 0.f);
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kLossThreads)
     dspark_loss_kernel(T* __restrict__ z_rows, T* __restrict__ t_rows, LossRowParams p) {
@@ -76,10 +106,10 @@ __global__ void __launch_bounds__(kLossThreads)
   const float z_y = threadIdx.x == 0 && label_ok ? loss_load(z[y]) : 0.f;
 
   LogSumExp sz{-INFINITY, 0.f}, st{-INFINITY, 0.f};
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-    sz = lse_add(sz, loss_load(z[v]));
-    if (t != nullptr) st = lse_add(st, loss_load(t[v]));
-  }
+  for_each_element(z, t, vocab, [&](int64_t, float zv, float tv) {
+    sz = lse_add(sz, zv);
+    if (t != nullptr) st = lse_add(st, tv);
+  });
   const auto merge_lse = [](LogSumExp a, LogSumExp b) { return lse_merge(a, b); };
   const LogSumExp empty{-INFINITY, 0.f};
   const float lse_z = lse_value(block_reduce(sz, merge_lse, empty, lse_scratch));
@@ -88,29 +118,31 @@ __global__ void __launch_bounds__(kLossThreads)
 
   L1Sums sums{0.f, 0.f, 0.f};
   if (t != nullptr) {
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-      const float pv = loss_exp(loss_load(z[v]) - lse_z), qv = loss_exp(loss_load(t[v]) - lse_t);
+    for_each_element(z, t, vocab, [&](int64_t, float zv, float tv) {
+      const float pv = loss_exp(zv - lse_z), qv = loss_exp(tv - lse_t);
       const float s = l1_sign(pv, qv);
       sums = l1_merge(sums, L1Sums{fabsf(pv - qv), s * pv, s * qv});
-    }
+    });
     const auto merge_sums = [](L1Sums a, L1Sums b) { return l1_merge(a, b); };
     sums = block_reduce(sums, merge_sums, L1Sums{0.f, 0.f, 0.f}, sum_scratch);
     if (threadIdx.x == 0) p.l1[row] = sums.l1;
   }
   if (!p.grad) return;
 
+  // Each thread rewrites only the elements it read itself, after every thread's reads of the
+  // passes above (the block reductions' barriers order them).
   const float w = p.weights[row];
   const float a = w * p.term_scale[0], b = t != nullptr ? w * p.term_scale[1] : 0.f;
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-    const float pv = loss_exp(loss_load(z[v]) - lse_z);
+  for_each_element(z, t, vocab, [&](int64_t v, float zv, float tv) {
+    const float pv = loss_exp(zv - lse_z);
     float s = 0.f, qv = 0.f;
     if (t != nullptr) {
-      qv = loss_exp(loss_load(t[v]) - lse_t);
+      qv = loss_exp(tv - lse_t);
       s = l1_sign(pv, qv);
     }
     loss_store(z + v, draft_logit_grad(pv, s, v == y, a, b, sums.sp));
     if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq));
-  }
+  });
 }
 
 // z and t: contiguous [rows, V] of `dtype` (t may be nullptr).
