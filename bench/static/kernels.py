@@ -799,6 +799,41 @@ def schedule_op(binary: Binary, batch: int, block: int) -> Op:
 
 # The ops of csrc/schemas.h that all_ops leaves out, and why (python_tests/test_layout.py: every
 # other op is modelled above).
+# ------------------------------------------------------------------------------------------------
+# dspark_loss (csrc/kernels/loss.cuh, csrc/args/loss_args.cpp)
+
+LOSS_THREADS = 256
+LOSS_SCRATCH_BYTES = 256 << 20  # args/loss_args.h kLossScratchBytes: z and t of one chunk
+
+
+def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int) -> Op:
+    """The vocabulary pass of dspark_loss (forward + gradients, LM head frozen, bf16): one launch
+    per row chunk, a block per row, three loops over the row. The chunk's matrix products are
+    cuBLAS calls the model does not read; their time is the op's floor row in docs/semantics.md
+    §4 (9.2 TFLOP at this shape), so this row's floor is the pass's own bytes."""
+    k = binary.find(r"dspark_loss_kernelI13__nv_bfloat16E")
+    # Rows of 16-byte multiples (V = 151936 in bf16): 16-byte loads of 8 z and 8 t values per
+    # iteration. The first two loops have the same anchors (2 loads, 16 exponentials); the
+    # cheaper path is charged for both (the logsumexp loop's is a few % longer).
+    ldg, mufu = r"^LDG\.E\.128", r"^MUFU\.EX2"
+    lse = LoopSpec("online logsumexps of z and t", {ldg: 2, mufu: 16}, 8, (ldg, 2), loads=ldg)
+    l1 = LoopSpec("p, q: |p - q|, <s,p>, <s,q>", {ldg: 2, mufu: 16}, 8, (ldg, 2), loads=ldg)
+    grad = LoopSpec("write d loss / d z", {ldg: 2, mufu: 16, r"^STG\.E\.U16": 8}, 8, (ldg, 2),
+                    loads=ldg)
+    chunk = max(1, min(rows, LOSS_SCRATCH_BYTES // (2 * vocab * BF16)))
+    chunks = -(-rows // chunk)
+    elements = chunk * vocab
+    nbytes = 7 * elements * BF16  # z and t read by each of the three loops, z written once
+    launches = [Launch(k, "vocabulary pass (block per row, one launch per chunk)", LOSS_THREADS,
+                       chunk, 0, [term(binary, k, spec, elements) for spec in (lse, l1, grad)],
+                       nbytes, count=chunks, barrier_stages=4,
+                       note=f"{chunks} chunks of {chunk} rows; products by cuBLAS not modelled")]
+    return Op("dspark_loss", f"N={rows} V={vocab} d={hidden} r={rank}", "bf16 vocabulary pass",
+              7 * rows * vocab * BF16, launches,
+              match=dict(op="dspark_loss", params=dict(N=rows, V=vocab, d=hidden, r=rank),
+                         variant="dspark bf16 fwd+bwd"))
+
+
 NOT_MODELLED = {
     "plan_verify_budget": "one block of schedule_kernel in its plan mode (schedule.cuh); the "
                           "model reads the kernel in schedule_verify's mode only",
@@ -832,4 +867,5 @@ def all_ops(binary: Binary) -> List[Op]:
         append_op(binary, B, 9, 8, 128, 4096),
         schedule_op(binary, 256, 16),
         schedule_op(binary, 1024, 32),
+        loss_op(binary, 512 * 7, V, 2560, R),
     ]
