@@ -186,6 +186,49 @@ def draft_smoke(device, on_device, g):
     return bad, rows, cases
 
 
+def loss_smoke(device, on_device) -> int:
+    """dspark_loss forward + backward against the eager formula in float64: both row paths of the
+    kernel (16-byte rows and others), 16-bit and float32, chunk boundaries."""
+    cases = 0
+    for vocab, dtype, rows, chunk in ((1000, torch.float32, 9, 4), (1003, torch.float32, 5, None),
+                                      (2048, torch.bfloat16, 7, 3), (777, torch.float16, 6, None)):
+        gen = torch.Generator().manual_seed(vocab)
+        width, rank = 24, 8
+        data = {
+            "hidden": torch.randn(rows, width, generator=gen) / width ** 0.5 * 3,
+            "lm_head_weight": torch.randn(vocab, width, generator=gen),
+            "target_hidden": torch.randn(rows, width, generator=gen) / width ** 0.5 * 3,
+            "markov_latent": torch.randn(rows, rank, generator=gen) * 0.2,
+            "markov_w2": torch.randn(vocab, rank, generator=gen),
+        }
+        # The reference runs on the same (rounded) values, in float64.
+        data = {k: v.to(dtype) for k, v in data.items()}
+        labels = torch.randint(0, vocab, (rows,), generator=gen)
+        weights = torch.rand(rows, generator=gen)
+        confidence = torch.randn(rows, generator=gen)
+        grads = []
+        for fn, move, cast in ((dspark_ops.dspark_loss, on_device, dtype),
+                               (reference.dspark_loss, lambda t: t, torch.float64)):
+            leaves = {k: move(v.to(cast)).requires_grad_(k != "target_hidden")
+                      for k, v in data.items()}
+            extra = {"chunk_rows": chunk} if fn is dspark_ops.dspark_loss else {}
+            out = fn(leaves["hidden"], leaves["lm_head_weight"], move(labels), move(weights),
+                     target_hidden=leaves["target_hidden"], markov_latent=leaves["markov_latent"],
+                     markov_w2=leaves["markov_w2"], confidence_logits=move(confidence), **extra)
+            out.loss.backward()
+            grads.append((out.loss.item(), leaves["hidden"].grad.double().cpu(),
+                          leaves["markov_w2"].grad.double().cpu()))
+        (loss, g_h, g_w2), (want, w_h, w_w2) = grads
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        assert abs(loss - want) <= tol * max(1.0, abs(want)), \
+            f"dspark_loss differs from the reference on {device} (V={vocab}, {dtype})"
+        for got, ref, name in ((g_h, w_h, "hidden"), (g_w2, w_w2, "markov_w2")):
+            assert (got - ref).abs().max() <= tol * max(1.0, ref.abs().max().item()), \
+                f"dspark_loss's gradient of {name} differs on {device} (V={vocab}, {dtype})"
+        cases += 1
+    return cases
+
+
 def main() -> int:
     # `--device cpu` runs the same checks on the CPU kernel (a dry run of this script), minus
     # out-of-range ids, which the CPU value checks reject.
@@ -289,10 +332,11 @@ def main() -> int:
         want = reference.philox_uniform(seeds, positions, purpose, 37)
         got = dspark_ops.philox_uniform(on_device(seeds), on_device(positions), purpose, 37).cpu()
         assert torch.equal(got, want), f"philox_uniform differs from the reference on {device}"
+    loss_cases = loss_smoke(device, on_device)
     draft_bad, draft_rows, draft_cases = draft_smoke(device, on_device, g)
     print(f"cuda_smoke ({device}): scheduling exact; {cases} verify cases, worst disagreement "
           f"{worst:.3%} of requests; {draft_cases} drafting cases, {draft_bad}/{draft_rows} "
-          f"drafted requests differ")
+          f"drafted requests differ; {loss_cases} dspark_loss cases within tolerance")
     return 0 if worst <= 0.01 and draft_bad <= 0.01 * draft_rows else 1
 
 
