@@ -209,7 +209,7 @@ def loss_smoke(device, on_device) -> int:
         grads = []
         for fn, move, cast in ((dspark_ops.dspark_loss, on_device, dtype),
                                (reference.dspark_loss, lambda t: t, torch.float64)):
-            leaves = {k: move(v.to(cast)).requires_grad_(k != "target_hidden")
+            leaves = {k: move(v.to(cast)).detach().clone().requires_grad_(k != "target_hidden")
                       for k, v in data.items()}
             extra = {"chunk_rows": chunk} if fn is dspark_ops.dspark_loss else {}
             out = fn(leaves["hidden"], leaves["lm_head_weight"], move(labels), move(weights),
