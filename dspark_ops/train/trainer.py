@@ -96,7 +96,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model.add_argument("--markov-head", choices=("vanilla", "rnn"), default="vanilla")
     model.add_argument("--target-layers", type=int, nargs="+", default=None,
                        help="target layer ids of the context features (-1: embedding output); "
-                            "default 5 spread from layer 1 to the fourth-to-last, as DeepSpec's "
+                            "default 5 spread from layer 1 to the third-to-last, as DeepSpec's "
                             "Qwen3 configs ([1, 9, 17, 25, 33] of 36)")
     model.add_argument("--mask-token-id", type=int, default=None,
                        help="default: the tokenizer's mask token, else the first id past the "
@@ -168,9 +168,9 @@ def _text_config(config):
 
 
 def default_target_layers(num_layers: int, count: int = 5) -> List[int]:
-    """``count`` layer ids spread evenly from 1 to ``num_layers - 4`` (DeepSpec's Qwen3 drafts:
+    """``count`` layer ids spread evenly from 1 to ``num_layers - 3`` (DeepSpec's Qwen3 drafts:
     ``[1, 9, 17, 25, 33]`` of 36 layers), fewer on a shallow target; never the last layer."""
-    last = max(num_layers - 4, 1)
+    last = max(num_layers - 3, 1)
     if num_layers < 3:
         return [-1] if num_layers < 2 else [0]
     ids = sorted({round(1 + (last - 1) * i / (count - 1)) for i in range(count)})
