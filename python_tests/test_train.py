@@ -302,3 +302,32 @@ def test_lr_schedule_and_default_layers():
     assert default_target_layers(36) == [1, 9, 17, 25, 33]  # DeepSpec's Qwen3-4B/8B
     assert default_target_layers(4) == [1] and default_target_layers(1) == [-1]
     assert all(max(default_target_layers(n)) < n - 1 for n in range(2, 80))
+
+
+def test_eval_reads_the_calibration(trained, setup, tmp_path):
+    """generate/eval pick up calibration.json from the draft directory (or --calibration)."""
+    import argparse
+
+    from dspark_ops import _cli
+    from dspark_ops.eval import main as eval_main
+
+    _, target, _ = setup
+    ckpt = os.path.join(trained, "step_latest")
+    draft = DSparkDraft.from_pretrained(ckpt)
+    saved = json.load(open(os.path.join(ckpt, "calibration.json")))["calib_temperature"]
+    args = argparse.Namespace(draft=ckpt, calibration=None, block_size=None)
+    assert _cli.load_calibration(args, draft).tolist() == pytest.approx(saved)
+    args.block_size = 2
+    assert len(_cli.load_calibration(args, draft)) == 2
+    other = tmp_path / "calib.json"
+    other.write_text(json.dumps({"calib_temperature": [2.0] * 4}))
+    args.calibration, args.block_size = str(other), None
+    assert _cli.load_calibration(args, draft).tolist() == [2.0] * 4
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"turns": ["hello"]}\n{"turns": ["the cat"]}\n')
+    result = str(tmp_path / "eval.json")
+    eval_main(["--target", target, "--draft", ckpt, "--data", str(prompts), "--device", "cpu",
+               "--dtype", "float64", "--max-new-tokens", "16", "--scheduler", "confidence",
+               "--no-progress", "--output", result])
+    row = json.load(open(result))["results"][0]
+    assert row["greedy_identical_to_plain"] and row["mean_accepted_length"] >= 1.0
