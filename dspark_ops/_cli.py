@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import time
 from typing import List, Optional, Sequence
 
@@ -35,6 +37,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "draft, as in the paper's Table 1)")
     parser.add_argument("--seed", type=int, default=0,
                         help="request i samples with seed + i, in both decoders")
+    parser.add_argument("--calibration", default=None,
+                        help="JSON with the confidence head's 'calib_temperature' (default: the "
+                             "draft directory's calibration.json, written by dspark_ops.train)")
     add_sampling_arguments(parser)
 
 
@@ -120,12 +125,31 @@ def load_models(args: argparse.Namespace) -> Models:
     target = HFTarget(model, config.target_layer_ids)
     scheduler = args.scheduler or "fixed"
     stop = stop_token_ids(model, tokenizer)
+    calib = load_calibration(args, draft)
     try:
         decoder = SpeculativeDecoder(target, draft, block_size=args.block_size,
-                                     scheduler=scheduler, eos_token_id=stop)
+                                     scheduler=scheduler, eos_token_id=stop,
+                                     calib_temperature=calib)
     except ValueError as error:  # e.g. a DFlash draft (no confidence head) with --scheduler
         raise SystemExit(f"--scheduler {scheduler}: {error}") from error
     return Models(tokenizer, target, draft, decoder, stop)
+
+
+def load_calibration(args: argparse.Namespace, draft: DSparkDraft) -> Optional[torch.Tensor]:
+    """The confidence head's temperatures (float32 ``[G]``) from ``--calibration`` or the draft
+    directory's ``calibration.json``; None without either or without a confidence head."""
+    path = getattr(args, "calibration", None) or os.path.join(args.draft, "calibration.json")
+    if draft.confidence_head is None or not os.path.isfile(path):
+        if getattr(args, "calibration", None):
+            raise SystemExit(f"--calibration {path}: no such file, or the draft has no "
+                             "confidence head")
+        return None
+    with open(path) as f:
+        temps = json.load(f).get("calib_temperature")
+    block = args.block_size or draft.config.block_size
+    if not isinstance(temps, list) or len(temps) < block:
+        raise SystemExit(f"{path}: 'calib_temperature' must list at least {block} temperatures")
+    return torch.tensor(temps[:block], dtype=torch.float32)
 
 
 def chat_prompt(tokenizer, text: str) -> List[int]:
