@@ -710,7 +710,7 @@ class Trainer:
         """
         if not self.calibration_samples or self.draft.confidence_head is None:
             return None
-        from ..ops.draft import fit_sequential_temperatures
+        from ..calibration import fit_sequential_temperatures
 
         args = self.args
         self.draft.eval()
