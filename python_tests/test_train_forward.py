@@ -557,3 +557,16 @@ def test_argument_checks():
 def test_docstring_example_runs():
     result = doctest.testmod(forward_module, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_draft_method_is_the_function():
+    """DSparkDraft.training_forward is dspark_ops.train.training_forward with the draft."""
+    draft = _draft()
+    input_ids, features, loss_mask, last = _inputs(1, 16)
+    options = dict(num_anchors=4, attention="sdpa")
+    with torch.no_grad():
+        a = draft.training_forward(input_ids, features, loss_mask, last,
+                                   generator=torch.Generator().manual_seed(1), **options)
+        b = training_forward(draft, input_ids, features, loss_mask, last,
+                             generator=torch.Generator().manual_seed(1), **options)
+    assert torch.equal(a.hidden, b.hidden) and torch.equal(a.anchor_positions, b.anchor_positions)

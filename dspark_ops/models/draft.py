@@ -178,6 +178,15 @@ class DSparkDraft(DraftBackbone):
         return self.markov_head.sample(base_logits, anchor, hidden, temperature, seed, position,
                                        **filters)
 
+    def training_forward(self, input_ids: torch.Tensor, target_features: torch.Tensor,
+                         loss_mask: torch.Tensor, target_last_hidden=None, **options):
+        """The teacher-forced, anchor-parallel training forward:
+        :func:`dspark_ops.train.training_forward` with this draft (same arguments and result)."""
+        from ..train.forward import training_forward
+
+        return training_forward(self, input_ids, target_features, loss_mask, target_last_hidden,
+                                **options)
+
     def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor,
                    calib_temperature: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:func:`draft_confidence` with this model's heads, float32 ``[B, G]``."""
