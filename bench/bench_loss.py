@@ -70,7 +70,8 @@ def make_inputs(rows, vocab, width, rank, *, dtype, device, dflash=False, seed=0
         return dict(args, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
     target = 0.8 * hidden + torch.randn(rows, width, generator=gen) * (1.8 / width ** 0.5)
     args["target_hidden"] = target.to(dtype).to(device)
-    args["markov_latent"] = (torch.randn(rows, rank, generator=gen) / rank ** 0.5).to(dtype).to(device)
+    latent = torch.randn(rows, rank, generator=gen) / rank ** 0.5
+    args["markov_latent"] = latent.to(dtype).to(device)
     args["markov_w2"] = (torch.randn(vocab, rank, generator=gen) * 0.5).to(dtype).to(device)
     args["confidence_logits"] = torch.randn(rows, generator=gen).to(device)
     return args
@@ -87,7 +88,7 @@ def _leaves(args):
     return out
 
 
-def step_with(loss_fn: Callable, backward: bool = True) -> Callable[[dict], Callable[[], torch.Tensor]]:
+def step_with(loss_fn: Callable, backward: bool = True) -> Callable[[dict], Callable]:
     """One forward + backward from fresh leaves (``backward=False``: loss_fn runs its own)."""
     def make(args):
         def step():
@@ -100,16 +101,20 @@ def step_with(loss_fn: Callable, backward: bool = True) -> Callable[[dict], Call
     return make
 
 
+POSITIONAL = ("hidden", "lm_head_weight", "labels", "weights")
+
+
+def _call(fn, a):
+    rest = {k: v for k, v in a.items() if k not in POSITIONAL}
+    return fn(*(a[k] for k in POSITIONAL), **rest).loss
+
+
 def ours_loss(a):
-    rest = {k: v for k, v in a.items() if k not in ("hidden", "lm_head_weight", "labels", "weights")}
-    return dspark_ops.dspark_loss(a["hidden"], a["lm_head_weight"], a["labels"], a["weights"],
-                                  **rest).loss
+    return _call(dspark_ops.dspark_loss, a)
 
 
 def ref_loss(a):
-    rest = {k: v for k, v in a.items() if k not in ("hidden", "lm_head_weight", "labels", "weights")}
-    return reference.dspark_loss(a["hidden"], a["lm_head_weight"], a["labels"], a["weights"],
-                                 **rest).loss
+    return _call(reference.dspark_loss, a)
 
 
 def chunked_loss(a):

@@ -25,7 +25,8 @@ def run_both(args, names=TRAINABLE, **options):
     results = []
     for fn in (dspark_ops.dspark_loss, reference.dspark_loss):
         a = with_grad(args, names)
-        kwargs = {k: v for k, v in a.items() if k not in ("hidden", "lm_head_weight", "labels", "weights")}
+        kwargs = {k: v for k, v in a.items()
+                  if k not in ("hidden", "lm_head_weight", "labels", "weights")}
         if fn is dspark_ops.dspark_loss:
             kwargs.update(options)
         out = fn(a["hidden"], a["lm_head_weight"], a["labels"], a["weights"], **kwargs)
@@ -37,8 +38,8 @@ def run_both(args, names=TRAINABLE, **options):
 def assert_close(ours, ref, dtype, what):
     atol, rtol = TOL[dtype]
     scale = ref.detach().abs().max().item() if ref.numel() else 0.0
-    torch.testing.assert_close(ours.detach().to(ref.dtype), ref.detach(), atol=atol * max(scale, 1.0),
-                               rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(ours.detach().to(ref.dtype), ref.detach(),
+                               atol=atol * max(scale, 1.0), rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
 def check_against_reference(args, dtype, names=TRAINABLE, **options):

@@ -803,7 +803,7 @@ def schedule_op(binary: Binary, batch: int, block: int) -> Op:
 # dspark_loss (csrc/kernels/loss.cuh, csrc/args/loss_args.cpp)
 
 LOSS_THREADS = 256
-LOSS_SCRATCH_BYTES = 256 << 20  # args/loss_args.h kLossScratchBytes: z and t of one chunk
+LOSS_SCRATCH_BYTES = 256 << 20  # args/loss_args.h kLossScratchBytesCuda: z and t of a chunk
 
 
 def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int) -> Op:

@@ -27,7 +27,8 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
                                 const std::optional<at::Tensor>& target_hidden,
                                 const std::optional<at::Tensor>& markov_latent,
                                 const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                                bool lm_head_grad, int64_t chunk_rows) {
+                                bool lm_head_grad, int64_t chunk_rows,
+                                int64_t default_scratch_bytes) {
   LossArgs a;
   check_dim(kOp, "hidden", hidden, {2}, "2-D [N, d]");
   check_dtype(kOp, "hidden", hidden, {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble});
@@ -79,7 +80,8 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
   a.lm_head_grad = lm_head_grad;
   const int64_t per_row =
       a.vocab * static_cast<int64_t>(hidden.element_size()) * (a.target_hidden.defined() ? 2 : 1);
-  a.chunk_rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kLossScratchBytes / per_row);
+  a.chunk_rows =
+      chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, default_scratch_bytes / per_row);
   a.chunk_rows = std::max<int64_t>(1, std::min(a.chunk_rows, a.rows));
 
   // The kernels guard out-of-range labels (their row's ce is NaN); the checks say so first.

@@ -34,7 +34,8 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
                                 const std::optional<at::Tensor>& target_hidden,
                                 const std::optional<at::Tensor>& markov_latent,
                                 const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                                bool lm_head_grad, int64_t chunk_rows);
+                                bool lm_head_grad, int64_t chunk_rows,
+                                int64_t default_scratch_bytes);
 
 // One chunk of C rows as the backend kernel sees it. z (and t) are contiguous [C, V] in the
 // inputs' dtype; with `grad` the kernel overwrites z with d loss / d z, with `t_grad` t with
@@ -54,7 +55,10 @@ using LossRowKernel = void (*)(const LossChunk&);
 LossResult run_dspark_loss(const LossArgs& args, LossRowKernel kernel);
 
 // The row-chunk size when the caller passes 0: the z and t scratch of a chunk within this many
-// bytes (at least one row).
-constexpr int64_t kLossScratchBytes = int64_t{256} << 20;
+// bytes (at least one row). CUDA wants chunks that fill the GPU (a block per row: 441 rows at
+// V = 151,936 in bf16); on CPU a row's pass runs in cache whatever the chunk, which only needs to
+// keep the products efficient, so it holds half as much.
+constexpr int64_t kLossScratchBytesCuda = int64_t{256} << 20;
+constexpr int64_t kLossScratchBytesCpu = int64_t{128} << 20;
 
 }  // namespace dspark_ops

@@ -194,7 +194,8 @@ LossResult dspark_loss_cpu(const at::Tensor& hidden, const at::Tensor& lm_head_w
                            bool lm_head_grad, int64_t chunk_rows) {
   const auto args = check_dspark_loss_args(hidden, lm_head_weight, labels, weights, term_scale,
                                            target_hidden, markov_latent, markov_w2, compute_grad,
-                                           lm_head_grad, chunk_rows);
+                                           lm_head_grad, chunk_rows,
+                                           kLossScratchBytesCpu);
   return run_dspark_loss(args, &loss_rows_cpu);
 }
 

@@ -46,7 +46,8 @@ LossResult dspark_loss_cuda(const at::Tensor& hidden, const at::Tensor& lm_head_
                    "bfloat16 or float16");
   const auto args = check_dspark_loss_args(hidden, lm_head_weight, labels, weights, term_scale,
                                            target_hidden, markov_latent, markov_w2, compute_grad,
-                                           lm_head_grad, chunk_rows);
+                                           lm_head_grad, chunk_rows,
+                                           kLossScratchBytesCuda);
   const c10::cuda::CUDAGuard guard(hidden.device());
   return run_dspark_loss(args, &loss_rows_cuda);
 }

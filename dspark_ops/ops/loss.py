@@ -64,8 +64,8 @@ def dspark_loss(
     fused vocabulary pass computes both log-sum-exps, ``ce``, ``l1`` and, when anything requires
     grad, the gradients with respect to the logits, which the chunk's products turn into the
     inputs' gradients right away: the backward only scales them. Extra memory: one chunk of
-    ``[rows, V]`` draft and target logits in the inputs' dtype (256 MiB by default), plus the
-    gradients.
+    ``[rows, V]`` draft and target logits in the inputs' dtype (by default 256 MiB on CUDA,
+    128 MiB on CPU), plus the gradients.
 
     Parameters
     ----------
@@ -83,7 +83,8 @@ def dspark_loss(
         ``[N, d]`` the target's final-normed hidden states at the aligned positions; needed when
         ``l1_weight`` or ``confidence_weight`` is nonzero. Never gets a gradient.
     markov_latent, markov_w2 : torch.Tensor, optional
-        ``[N, r]`` and ``[V, r]``, together: the Markov head's bias is ``markov_latent @ markov_w2.T``.
+        ``[N, r]`` and ``[V, r]``, together: the Markov head's bias is
+        ``markov_latent @ markov_w2.T``.
     confidence_logits : torch.Tensor, optional
         ``[N]`` the confidence head's logits; needed when ``confidence_weight`` is nonzero.
     ce_weight, l1_weight, confidence_weight : float
@@ -91,7 +92,7 @@ def dspark_loss(
     denominators : float, tensor or sequence of three, optional
         Global divisors per term (see :func:`loss_denominators`); default the local ``S``.
     chunk_rows : int, optional
-        Rows per chunk; default: as many as fit 256 MiB of logits.
+        Rows per chunk; default: as many as fit 256 MiB of logits on CUDA, 128 MiB on CPU.
 
     Returns
     -------
