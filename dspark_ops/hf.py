@@ -18,7 +18,7 @@ this module imports it.
 from __future__ import annotations
 
 import inspect
-from typing import Sequence, Tuple
+from typing import Any, Callable, Sequence, Tuple
 
 import torch
 
@@ -188,16 +188,26 @@ class HFTarget:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
         positions = cache_len.long()[:, None] + torch.arange(width, device=device)
+        out, features = self.capture_features(lambda: self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{self._cache_argument: cache.hf_cache}))
+        cache.append(width, cache_len)
+        return out.logits, features
+
+    def capture_features(self, run: Callable[[], Any]) -> Tuple[Any, torch.Tensor]:
+        """Calls ``run()`` (a forward of this model or its backbone) with the feature hooks on.
+
+        Returns ``run()``'s result and the hooked layers' outputs concatenated along the last
+        dimension (``[..., n_layers * hidden]``, the layout of :meth:`forward`'s features)."""
         self._captured.clear()
         self._capturing = True
         try:
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, **{self._cache_argument: cache.hf_cache})
+            out = run()
         finally:
             self._capturing = False
-        cache.append(width, cache_len)
         features = torch.cat([self._captured.pop(i) for i in self.feature_layers], -1)
-        return out.logits, features
+        self._captured.clear()
+        return out, features
 
     def forward_ragged(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: _Cache,
                        cache_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -60,17 +60,9 @@ class OnlineTarget:
         target_last_hidden : torch.Tensor
             ``[B, L, H]``, zero on padding.
         """
-        hf = self.hf
-        # HFTarget's hooks store the hooked layers' outputs while _capturing is set: the same
-        # capture as its decoding forward, here around a plain causal forward of the backbone.
-        hf._captured.clear()
-        hf._capturing = True
-        try:
-            out = self.backbone(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
-        finally:
-            hf._capturing = False
-        features = torch.cat([hf._captured.pop(i) for i in hf.feature_layers], -1)
-        hf._captured.clear()
+        # The same hooks as decoding, around a plain causal forward of the backbone.
+        out, features = self.hf.capture_features(
+            lambda: self.backbone(input_ids=input_ids, attention_mask=valid.long(), use_cache=False))
         keep = valid[..., None]
         zero = features.new_zeros(())
         return torch.where(keep, features, zero), torch.where(keep, out.last_hidden_state, zero)
