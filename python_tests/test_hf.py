@@ -18,6 +18,7 @@ from dspark_ops import DSparkConfig, DSparkDraft, SpeculativeDecoder  # noqa: E4
 from dspark_ops import decoder as decoder_module  # noqa: E402
 from dspark_ops.decoder import default_step_rate, generate_target_only  # noqa: E402
 from dspark_ops.hf import HFTarget  # noqa: E402
+from cases.hf import char_tokenizer  # noqa: E402
 from stats import chi_square, chi_square_passes  # noqa: E402
 
 VOCAB = 64
@@ -289,32 +290,13 @@ def test_saved_draft_reads_as_a_transformers_qwen3_config(tmp_path):
 # The commands
 
 
-def _tokenizer(vocab: int):
-    """A character-level tokenizer with a chat template, ``vocab`` ids."""
-    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    chars = list("abcdefghijklmnopqrstuvwxyz .,?!'\n")
-    names = specials + chars
-    names += [f"<extra_{i}>" for i in range(vocab - len(names))]
-    model = tokenizers.models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")
-    tok = tokenizers.Tokenizer(model)
-    tok.add_special_tokens(specials)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("(?m)."), "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                "{% endif %}")
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
-        chat_template=template)
-
-
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory, qwen3, hf_greedy):
     """The tiny Qwen3 target with a tokenizer and a draft, saved as a user would have them."""
     root = tmp_path_factory.mktemp("models")
     target_dir, draft_dir = str(root / "target"), str(root / "draft")
     qwen3.model.save_pretrained(target_dir)
-    _tokenizer(VOCAB).save_pretrained(target_dir)
+    char_tokenizer(VOCAB).save_pretrained(target_dir)
     draft = table_draft(qwen3, [p + t for p, t in zip(PROMPTS, hf_greedy["qwen3"])])
     draft.save_pretrained(draft_dir)
     return target_dir, draft_dir

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from test_train_helpers import (LAYERS, VOCAB, read_metrics, save_target, train_args,
+from cases.training import (LAYERS, VOCAB, read_metrics, save_target, train_args,
                                 write_greedy_data)
 
 from dspark_ops import DSparkDraft, SpeculativeDecoder  # noqa: E402

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from test_train_helpers import read_metrics, save_target, train_args, write_greedy_data
+from cases.training import read_metrics, save_target, train_args, write_greedy_data
 
 from dspark_ops.models import load_state_dict_file  # noqa: E402
 from dspark_ops.train.trainer import main  # noqa: E402

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from test_train_helpers import save_target, tokenizer, train_args
+from cases.training import save_target, tokenizer, train_args
 
 from dspark_ops.prepare_data import conversation_tokens, main, read_prompts  # noqa: E402
 from dspark_ops.train.trainer import main as train_main  # noqa: E402

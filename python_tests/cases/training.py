@@ -13,6 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from cases.hf import char_tokenizer  # noqa: E402
+
 VOCAB = 48  # the tokenizer has 41 entries: id 41 is the default mask token
 LAYERS = 4
 TARGET_LAYERS = ("0", "2")
@@ -22,20 +24,8 @@ PROMPT_TEXTS = ["hello", "why is the sky blue?", "a b c", "count to ten", "say y
 
 
 def tokenizer():
-    """A character-level tokenizer with a chat template."""
-    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    names = specials + list("abcdefghijklmnopqrstuvwxyz .,?!'\n")
-    model = tokenizers.models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")
-    tok = tokenizers.Tokenizer(model)
-    tok.add_special_tokens(specials)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("(?m)."), "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                "{% endif %}")
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
-        chat_template=template)
+    """The character-level tokenizer of the tiny targets (41 ids)."""
+    return char_tokenizer()
 
 
 def tiny_target(kind: str = "qwen3", seed: int = 0):
