@@ -38,6 +38,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -121,12 +122,6 @@ def _two_people(rng: random.Random):
     return first, second
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
 def _m_add(r):
     return f"What is {r.randint(100, 9999)} + {r.randint(100, 9999)}?"
 
@@ -170,7 +165,7 @@ def _m_fraction_add(r):
 
 def _m_simplify(r):
     a, b = r.randint(1, 12), r.randint(2, 15)
-    while _gcd(a, b) != 1 or a >= b:
+    while math.gcd(a, b) != 1 or a >= b:
         a, b = r.randint(1, 12), r.randint(2, 15)
     k = r.randint(2, 12)
     return f"Simplify the fraction {a * k}/{b * k}."
