@@ -20,6 +20,7 @@
 #include "../common/dispatch.h"
 #include "../kernels/loss_math.h"
 #include "../ops.h"
+#include "to_float.h"
 
 namespace dspark_ops {
 namespace {
@@ -37,13 +38,13 @@ F reduce_lanes(const at::vec::Vectorized<F>& v) {
   return out;
 }
 
-// dst = src as F, a vector at a time (exact: the source type is at most as wide).
+// dst = src as F: float64 rows as they are, the others through to_float.h.
 template <typename T, typename F>
 void load_row(const T* src, int64_t n, F* dst) {
-  if constexpr (std::is_same_v<T, F>) {
+  if constexpr (std::is_same_v<T, double>) {
     std::copy(src, src + n, dst);
   } else {
-    at::vec::convert(src, dst, n);
+    to_float(src, n, dst);
   }
 }
 
