@@ -332,19 +332,6 @@ def test_argument_errors(device):
             call(**changes)
 
 
-def test_opcheck():
-    args = make_loss_case(5, 33, 8, rank=3)
-    term_scale = torch.tensor([0.1, 0.9])
-    op = torch.ops.dspark_ops.dspark_loss.default
-    for grad in (False, True):
-        a = with_grad(args, WITH_LM_HEAD) if grad else args
-        torch.library.opcheck(op, (a["hidden"], a["lm_head_weight"], a["labels"], a["weights"],
-                                   term_scale),
-                              dict(target_hidden=a["target_hidden"], markov_latent=a["markov_latent"],
-                                   markov_w2=a["markov_w2"], compute_grad=grad, lm_head_grad=grad,
-                                   chunk_rows=2))
-
-
 def test_compile_fullgraph():
     args = make_loss_case(6, 40, 8, rank=3)
 

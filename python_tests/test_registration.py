@@ -11,6 +11,7 @@ import torch
 
 import dspark_ops
 from dspark_ops import _library
+from cases.loss import TRAINABLE, WITH_LM_HEAD, make_loss_case, with_grad
 from conftest import DEVICES
 from source_tree import header_ops, header_schemas, op_name
 
@@ -168,6 +169,23 @@ def test_opcheck_philox_uniform(device, purpose, count):
     position = torch.randint(0, 2**40, (5,), generator=gen).to(device)
     torch.library.opcheck(torch.ops.dspark_ops.philox_uniform.default,
                           (seed, position, purpose, count))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["dspark", "dspark_grad", "lm_head_grad", "dflash"])
+def test_opcheck_dspark_loss(device, variant):
+    args = make_loss_case(5, 33, 8, rank=0 if variant == "dflash" else 3, device=device,
+                          target=variant != "dflash")
+    grad = variant != "dspark"
+    if grad:
+        args = with_grad(args, WITH_LM_HEAD if variant == "lm_head_grad" else TRAINABLE)
+    torch.library.opcheck(
+        torch.ops.dspark_ops.dspark_loss.default,
+        (args["hidden"], args["lm_head_weight"], args["labels"], args["weights"],
+         torch.tensor([0.1, 0.9], device=device)),
+        dict(target_hidden=args.get("target_hidden"), markov_latent=args.get("markov_latent"),
+             markov_w2=args.get("markov_w2"), compute_grad=grad,
+             lm_head_grad=variant == "lm_head_grad", chunk_rows=2))
 
 
 def _schedule_args(device, batch=5, block=6, seed=9):
