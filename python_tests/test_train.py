@@ -331,3 +331,71 @@ def test_eval_reads_the_calibration(trained, setup, tmp_path):
                "--no-progress", "--output", result])
     row = json.load(open(result))["results"][0]
     assert row["greedy_identical_to_plain"] and row["mean_accepted_length"] >= 1.0
+
+
+class _Tokenizer:
+    """What the trainer reads of a tokenizer to choose the mask token."""
+
+    def __init__(self, added, size, mask=None, template=""):
+        self.added, self.size, self.mask_token_id, self.chat_template = added, size, mask, template
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = 1, 2, 2
+
+    def __len__(self):
+        return self.size
+
+    def get_added_vocab(self):
+        return self.added
+
+
+def test_mask_token_choice():
+    from dspark_ops.train.trainer import _mask_token_id
+
+    assert _mask_token_id(_Tokenizer({}, 10, mask=7), 12) == 7  # the tokenizer's own
+    assert _mask_token_id(_Tokenizer({}, 10), 12) == 10  # a row no text maps to
+    # every row is text (SmolLM2): the last added token that is not BOS/EOS/PAD and that the
+    # chat template does not write
+    added = {"<s>": 1, "</s>": 2, "<|im_start|>": 3, "<spare>": 4, "<other>": 5}
+    tok = _Tokenizer(added, 12, template="{{ '<|im_start|>' + m['content'] + '<other>' }}")
+    assert _mask_token_id(tok, 12) == 4
+    with pytest.raises(SystemExit, match="pass --mask-token-id"):
+        _mask_token_id(_Tokenizer({"<s>": 1, "</s>": 2}, 12), 12)
+
+
+def test_collate_drops_padding_blocks_only():
+    """collate cuts the anchor columns that are padding in every row; the loss with the cut
+    anchors equals the loss with DeepSpec's full 512 (zero-weight padding blocks)."""
+    from dspark_ops.models import DSparkConfig
+    from dspark_ops.train.data import collate
+    from dspark_ops.train.forward import sample_anchor_positions, training_forward
+    from dspark_ops.train.loss import draft_loss
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (n, masked) in enumerate(((30, 20), (18, 6))):
+        ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        samples.append(Sample(i, ids, [0] * (n - masked) + [1] * masked))
+    data = collate(samples, 0, 42, 512, "cpu", sample_anchor_positions)
+    keep = data["block_keep_mask"]
+    assert keep.shape == (2, 19) and keep.sum(1).tolist() == [19, 5]
+    full = {k: v.clone() for k, v in data.items()}
+    pad = 512 - keep.shape[1]
+    full["anchor_positions"] = torch.cat([data["anchor_positions"],
+                                          torch.full((2, pad), 31)], 1)
+    full["block_keep_mask"] = torch.cat([keep, torch.zeros(2, pad, dtype=torch.bool)], 1)
+    config = DSparkConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=1,
+                          num_key_value_heads=1, head_dim=32, intermediate_size=48,
+                          num_hidden_layers=1, target_layer_ids=(0,), block_size=4,
+                          mask_token_id=VOCAB - 1, markov_rank=4, enable_confidence_head=True,
+                          confidence_head_with_markov=True, rope_theta=10_000.0)
+    torch.manual_seed(0)
+    draft = DSparkDraft(config)
+    width = draft.config.hidden_size
+    feats = torch.randn(2, 30, len(draft.config.target_layer_ids) * width, generator=gen)
+    last = torch.randn(2, 30, width, generator=gen)
+    losses = []
+    for d in (data, full):
+        batch = training_forward(draft, d["input_ids"], feats, d["loss_mask"], last,
+                                 anchor_positions=d["anchor_positions"],
+                                 block_keep_mask=d["block_keep_mask"])
+        losses.append(draft_loss(draft, batch).loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)

@@ -205,7 +205,8 @@ def collate(samples: Sequence[Sample], epoch: int, seed: int, num_anchors: int, 
     Returns ``input_ids`` int64 ``[B, L]`` (padding: 0), ``loss_mask`` float32 (padding: 0),
     ``valid`` bool (real tokens), ``anchor_positions`` int64 ``[B, A]`` and ``block_keep_mask``
     bool ``[B, A]``, the anchors drawn per sequence by ``sample_anchors`` (DeepSpec's sampler) on
-    that sequence alone with :func:`anchor_generator`.
+    that sequence alone with :func:`anchor_generator`, with ``A`` cut to the most blocks any
+    sequence keeps (at least 1; at most ``num_anchors``).
     """
     length = max(len(s.input_ids) for s in samples)
     ids = torch.zeros(len(samples), length, dtype=torch.long)
@@ -221,6 +222,11 @@ def collate(samples: Sequence[Sample], epoch: int, seed: int, num_anchors: int, 
                               anchor_generator(seed, epoch, s.index))
         anchors.append(a)
         keep.append(k)
+    anchors, keep = torch.cat(anchors), torch.cat(keep)
+    # Kept blocks come first in every row, so the columns past the longest kept run are padding
+    # blocks in every row: zero weight, zero gradient. Dropping them changes no number and spares
+    # the attention and the loss their rows (a short sequence has far fewer than 512 anchors).
+    used = max(int(keep.sum(1).max()), 1) if keep.numel() else 0
+    anchors, keep = anchors[:, :used], keep[:, :used]
     return {"input_ids": ids.to(device), "loss_mask": mask.to(device), "valid": valid.to(device),
-            "anchor_positions": torch.cat(anchors).to(device),
-            "block_keep_mask": torch.cat(keep).to(device)}
+            "anchor_positions": anchors.to(device), "block_keep_mask": keep.to(device)}

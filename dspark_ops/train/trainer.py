@@ -213,8 +213,19 @@ def _mask_token_id(tokenizer, vocab_size: int) -> int:
         return int(mask)
     if tokenizer is not None and len(tokenizer) < vocab_size:
         return len(tokenizer)  # an embedding row no text maps to (Qwen3: 151669)
-    raise SystemExit("no mask token: the tokenizer has none and uses every embedding row; pass "
-                     "--mask-token-id")
+    # Every row is a token (SmolLM2): borrow the last added token that plain text, the chat
+    # template and generation never produce (SmolLM2: 16, ``<empty_output>``).
+    if tokenizer is not None:
+        used = {getattr(tokenizer, f"{kind}_token_id", None)
+                for kind in ("bos", "eos", "pad", "unk", "sep", "cls")}
+        template = getattr(tokenizer, "chat_template", None) or ""
+        template = template if isinstance(template, str) else json.dumps(template)
+        spare = [i for text, i in tokenizer.get_added_vocab().items()
+                 if i not in used and text not in template and i < vocab_size]
+        if spare:
+            return max(spare)
+    raise SystemExit("no mask token: the tokenizer has none, uses every embedding row and has "
+                     "no spare added token; pass --mask-token-id")
 
 
 def build_draft_config(target_config, args: argparse.Namespace, tokenizer=None) -> DSparkConfig:
