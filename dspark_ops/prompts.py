@@ -24,9 +24,10 @@ with the same seed. The same seed and sizes write byte-identical files::
     python -m dspark_ops.prompts --out prompts [--train-per-category 2000]
         [--eval-per-category 40] [--seed 0]
 
-writes ``train.jsonl`` (every category), ``eval_math.jsonl``, ``eval_code.jsonl``,
-``eval_chat.jsonl`` — one ``{"id": ..., "category": ..., "turns": [prompt]}`` per line, the
-format ``python -m dspark_ops.eval --data`` reads — and ``manifest.json`` (sizes, seed, held-out
+writes ``train.jsonl`` (every category, interleaved: any prefix is balanced),
+``eval_math.jsonl``, ``eval_code.jsonl``, ``eval_chat.jsonl`` — one
+``{"id": ..., "category": ..., "turns": [prompt]}`` per line, the format
+``python -m dspark_ops.eval --data`` reads — and ``manifest.json`` (sizes, seed, held-out
 units).
 """
 
@@ -37,6 +38,7 @@ import dataclasses
 import hashlib
 import importlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -669,12 +671,12 @@ def write(out: str, *, train: int = 2000, held_out_count: int = 40, seed: int = 
         raise ValueError(f"unknown categories {unknown}; choose from {list(CATEGORIES)}")
     os.makedirs(out, exist_ok=True)
     paths: Dict[str, str] = {}
-    train_rows: List[dict] = []
+    per_category: List[List[dict]] = []
     manifest = {"seed": seed, "train_per_category": train, "eval_per_category": held_out_count,
                 "python": "{}.{}".format(*sys.version_info[:2]), "categories": {}}
     for category in categories:
         train_part, eval_part = build(category, train, held_out_count, seed)
-        train_rows += train_part
+        per_category.append(train_part)
         paths[f"eval_{category}"] = os.path.join(out, f"eval_{category}.jsonl")
         _write_jsonl(paths[f"eval_{category}"], eval_part)
         pool = units(category)
@@ -682,6 +684,9 @@ def write(out: str, *, train: int = 2000, held_out_count: int = 40, seed: int = 
             "train_units": sum(not u.held_out for u in pool),
             "held_out_units": [u.key for u in pool if u.held_out],
             "eval_file": os.path.basename(paths[f"eval_{category}"])}
+    # Categories interleaved, so that the first N training prompts are balanced.
+    train_rows = [row for group in itertools.zip_longest(*per_category) for row in group
+                  if row is not None]
     paths["train"] = os.path.join(out, "train.jsonl")
     _write_jsonl(paths["train"], train_rows)
     paths["manifest"] = os.path.join(out, "manifest.json")

@@ -57,7 +57,10 @@ def test_another_seed_other_prompts_same_split(default_sets, tmp_path):
 
 def test_format_and_counts(default_sets):
     train = read_rows(default_sets / "train.jsonl")
-    assert [r["category"] for r in train] == [c for c in prompts.CATEGORIES for _ in range(2000)]
+    # interleaved, so that any prefix is balanced
+    assert [r["category"] for r in train] == [c for _ in range(2000) for c in prompts.CATEGORIES]
+    assert [r["id"] for r in train[:6]] == [f"{c}-train-{i:05d}" for i in range(2)
+                                            for c in prompts.CATEGORIES]
     ids = [r["id"] for r in train]
     for category in prompts.CATEGORIES:
         held = read_rows(default_sets / f"eval_{category}.jsonl")
