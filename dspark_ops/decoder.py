@@ -73,6 +73,11 @@ class GenerateOutput:
         return sum(counts) / max(len(counts), 1)
 
 
+def _part(name: str):
+    """A ``torch.profiler`` label for one part of a decoding round (``dspark_ops.<name>``)."""
+    return torch.profiler.record_function("dspark_ops." + name)
+
+
 def default_step_rate(max_tokens: int, batch: int, cost_per_token: float = 0.1) -> torch.Tensor:
     """A synthetic step-rate table for ``batch`` requests, ``n < max_tokens`` verify tokens:
     ``1 / (1 + cost_per_token * n / batch)``, i.e. each verified token per request costs
@@ -170,6 +175,8 @@ def generate_target_only(target: TinyTarget, prompts: Sequence[Sequence[int]], m
         for b, t in enumerate(token.tolist()):
             if not done[b]:
                 done[b] = _finish(generated[b], [t], _stop_ids(eos_token_id), max_new_tokens)
+        if all(done):  # the last token needs no forward of its own
+            break
         position = position + 1
         logits, _ = target(token[:, None], torch.ones_like(lengths), cache, position.int())
         last = logits[:, 0]
@@ -298,45 +305,57 @@ class SpeculativeDecoder:
         while not all(done):
             active = torch.tensor([not d for d in done], device=device)
             started = time.perf_counter()
-            # 1. Draft: one parallel pass over the block, then the sequential head.
-            hidden = draft(draft.block_hidden(anchor, block), block_positions=None, k_caches=d_k,
-                           v_caches=d_v, cache_seqlens=draft_len)
-            base_logits = draft.lm_head(hidden)
-            drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature, seed,
-                                                 position, **filters)
-            if draft.confidence_head is not None:
-                prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
-                confidence = draft.confidence(hidden, prev, calib)
-            else:
-                confidence = torch.ones(batch, block, device=device)
+            # 1. Draft: one parallel pass over the block, then the sequential head. (The
+            # labels name each part of a round in a torch.profiler trace; free otherwise.)
+            with _part("draft_forward"):
+                hidden = draft(draft.block_hidden(anchor, block), block_positions=None,
+                               k_caches=d_k, v_caches=d_v, cache_seqlens=draft_len)
+            with _part("draft_lm_head"):
+                base_logits = draft.lm_head(hidden)
+            with _part("markov_drafting"):
+                drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature,
+                                                     seed, position, **filters)
+            with _part("confidence"):
+                if draft.confidence_head is not None:
+                    prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
+                    confidence = draft.confidence(hidden, prev, calib)
+                else:
+                    confidence = torch.ones(batch, block, device=device)
             # 2. Schedule.
-            stale = history[-2] if len(history) >= 2 else None
-            num_verify = self._num_verify(confidence, stale, active, step_rate)
-            history = (history + [confidence])[-2:]
+            with _part("schedule"):
+                stale = history[-2] if len(history) >= 2 else None
+                num_verify = self._num_verify(confidence, stale, active, step_rate)
+                history = (history + [confidence])[-2:]
             drafted = time.perf_counter()
 
             # 3. Verify: one target forward over the ragged batch of [x0, x_1..x_l].
-            packed = pack_verify_inputs(anchor, drafts, num_verify, position)
-            logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens,
-                                                     t_cache, target_len)
+            with _part("pack_verify_inputs"):
+                packed = pack_verify_inputs(anchor, drafts, num_verify, position)
+            with _part("target_forward"):
+                logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens,
+                                                         t_cache, target_len)
             starts = packed.cu_seqlens[:-1]
-            out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
-                         draft_logits=draft_logits, target_start=starts,
-                         draft_temperature=temperature, **filters)
+            with _part("verify"):
+                out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
+                             draft_logits=draft_logits, target_start=starts,
+                             draft_temperature=temperature, **filters)
 
             # 4. Commit the anchor and the accepted drafts; the emitted token is the next anchor.
-            kept = torch.where(active, out.num_accepted + 1, 0).int()
-            new_rows = (starts.long()[:, None] + rows).clamp_max(features.shape[0] - 1)
-            draft.append_context(features[new_rows].to(dtype), positions=None, num_new=kept,
-                                 k_caches=d_k, v_caches=d_v, cache_seqlens=draft_len)
-            target_len = target_len + kept
-            position = position + kept
-            emitted = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
-            anchor = torch.where(active, emitted, anchor)
+            with _part("commit"):
+                kept = torch.where(active, out.num_accepted + 1, 0).int()
+                new_rows = (starts.long()[:, None] + rows).clamp_max(features.shape[0] - 1)
+                draft.append_context(features[new_rows].to(dtype), positions=None,
+                                     num_new=kept, k_caches=d_k, v_caches=d_v,
+                                     cache_seqlens=draft_len)
+                target_len = target_len + kept
+                position = position + kept
+                emitted = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
+                anchor = torch.where(active, emitted, anchor)
 
             # The one host sync of the round: what was emitted, and who is done.
-            tokens, accepted = out.tokens.tolist(), out.num_accepted.tolist()
-            verified, confidences = num_verify.tolist(), confidence.tolist()
+            with _part("host_sync"):
+                tokens, accepted = out.tokens.tolist(), out.num_accepted.tolist()
+                verified, confidences = num_verify.tolist(), confidence.tolist()
             finished = time.perf_counter()
             stats = RoundStats([], [], 0, drafted - started, finished - drafted, [])
             for b in range(batch):

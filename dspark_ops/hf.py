@@ -181,17 +181,20 @@ class HFTarget:
         """
         batch, width = input_ids.shape
         device = input_ids.device
-        cache.commit(cache_len)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        visible = torch.cat([cache.visible[:, None, :].expand(batch, width, -1),
-                             causal.expand(batch, width, width)], -1)
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
-        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
-        positions = cache_len.long()[:, None] + torch.arange(width, device=device)
-        out, features = self.capture_features(lambda: self.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **{self._cache_argument: cache.hf_cache}))
-        cache.append(width, cache_len)
+        with torch.profiler.record_function("dspark_ops.hf_mask_and_cache"):
+            cache.commit(cache_len)
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            visible = torch.cat([cache.visible[:, None, :].expand(batch, width, -1),
+                                 causal.expand(batch, width, width)], -1)
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+            mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
+            positions = cache_len.long()[:, None] + torch.arange(width, device=device)
+        with torch.profiler.record_function("dspark_ops.hf_model"):
+            out, features = self.capture_features(lambda: self.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                use_cache=True, **{self._cache_argument: cache.hf_cache}))
+        with torch.profiler.record_function("dspark_ops.hf_mask_and_cache"):
+            cache.append(width, cache_len)
         return out.logits, features
 
     def capture_features(self, run: Callable[[], Any]) -> Tuple[Any, torch.Tensor]:

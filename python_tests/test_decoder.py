@@ -152,6 +152,18 @@ def test_eos_ends_a_request_mid_block(pair):
         assert eos not in tokens[:-1]
 
 
+def test_plain_decoding_runs_one_forward_per_token(pair, monkeypatch):
+    """The prefill gives the first token and each later token one forward; none after the
+    last."""
+    target, _ = pair
+    calls = []
+    forward = type(target).__call__
+    monkeypatch.setattr(type(target), "__call__",
+                        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    tokens = generate_target_only(target, PROMPTS[:1], 9)
+    assert len(tokens[0]) == 9 and len(calls) == 9
+
+
 def test_batch_invariance_with_fixed_schedule(pair):
     """A request's sampled output depends only on its prompt, temperature and seed."""
     target, draft = pair
