@@ -62,7 +62,8 @@ class OnlineTarget:
         """
         # The same hooks as decoding, around a plain causal forward of the backbone.
         out, features = self.hf.capture_features(
-            lambda: self.backbone(input_ids=input_ids, attention_mask=valid.long(), use_cache=False))
+            lambda: self.backbone(input_ids=input_ids, attention_mask=valid.long(),
+                                  use_cache=False))
         keep = valid[..., None]
         zero = features.new_zeros(())
         return torch.where(keep, features, zero), torch.where(keep, out.last_hidden_state, zero)
