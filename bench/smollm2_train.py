@@ -12,9 +12,10 @@ stopped; the answers file and the checkpoints are resumable):
    and the held-out evaluation sets that ``bench.e2e`` reads);
 3. answers: ``python -m dspark_ops.prepare_data`` (the target's own answers, DeepSpec's sampling:
    T 0.7, top-p 0.8, top-k 20, at most ``--max-new-tokens`` tokens);
-4. the drafts: ``python -m dspark_ops.train --arch dspark`` and ``--arch dflash`` with the same
+4. the target's features of every sample, once, into DeepSpec's offline cache (``OUT/cache``);
+5. the drafts: ``python -m dspark_ops.train --arch dspark`` and ``--arch dflash`` with the same
    flags (data, epochs, batch, anchors, learning rate, seed, draft depth; the DSpark draft adds
-   its Markov rank), side by side, one
+   its Markov rank), both reading the cache, side by side, one
    thread each when ``--threads`` is 2 or more; each writes ``OUT/<arch>/budget.json``
    (steps, tokens, minutes) when it finishes.
 
@@ -60,12 +61,46 @@ def train_args(args: argparse.Namespace, arch: str, data: str, target: str) -> L
                "--anchors", str(args.anchors), "--batch-tokens", str(args.batch_tokens),
                "--epochs", str(args.epochs), "--lr", str(args.lr), "--seed", str(args.seed),
                "--max-length", str(args.max_length), "--checkpoint-every", "50",
-               "--device", "cpu", "--dtype", "float32", "--no-progress"]
+               "--device", "cpu", "--dtype", "float32", "--no-progress",
+               "--cache", os.path.join(args.out, "cache")]
     if arch == "dspark":
         command += ["--markov-rank", str(args.markov_rank)]
     if os.path.lexists(os.path.join(out, "step_latest")):
         command.append("--resume")
     return command
+
+
+def write_features(args: argparse.Namespace, target: str, data: str, cache: str) -> None:
+    """The target's features of every training sample, once, into DeepSpec's offline cache:
+    both drafts then read them (``--cache``) instead of running the target every epoch."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dspark_ops.train.cache import TargetCache, write_cache
+    from dspark_ops.train.data import read_training_data
+    from dspark_ops.train.target import OnlineTarget
+    from dspark_ops.train.trainer import default_target_layers
+
+    config = AutoConfig.from_pretrained(target)
+    layers = default_target_layers(config.num_hidden_layers)  # what the trainer picks
+    samples, _ = read_training_data(data, vocab_size=config.vocab_size,
+                                    max_length=args.max_length, min_loss_tokens=2 * 7)
+    try:
+        if all(s.index in TargetCache(cache, layers, config.hidden_size) for s in samples):
+            return
+    except SystemExit:
+        pass
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    online = OnlineTarget(model, layers)
+    from tqdm import tqdm
+
+    with tqdm(total=len(samples), desc="features", unit="sample") as bar:
+        write_cache(cache, samples, online, target_layer_ids=layers,
+                    hidden_size=config.hidden_size, target_name=target, data_path=data,
+                    batch_tokens=args.batch_tokens, progress=bar.update)
+    online.close()
 
 
 def _summarise(out: str, seconds: float) -> dict:
@@ -124,6 +159,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32",
           "--device", "cpu"], threads=args.threads)
     print(f"answers: {time.perf_counter() - started:.0f} s", flush=True)
+    started = time.perf_counter()
+    write_features(args, target, data, os.path.join(args.out, "cache"))
+    print(f"features: {time.perf_counter() - started:.0f} s", flush=True)
 
     todo = [a for a in args.archs
             if not os.path.isfile(os.path.join(args.out, a, "budget.json"))]
