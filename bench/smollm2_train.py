@@ -125,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", default="runs/smollm2")
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads in all; 2 or more trains both drafts side by side")
-    parser.add_argument("--train-per-category", type=int, default=160)
+    parser.add_argument("--train-per-category", type=int, default=128)
     parser.add_argument("--eval-per-category", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=160, help="per training answer")
     parser.add_argument("--num-layers", type=int, default=2, help="draft layers")
