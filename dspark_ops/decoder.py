@@ -115,9 +115,9 @@ def _prefill(target: TinyTarget, prompts: Sequence[Sequence[int]], length: int, 
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
     cache = target.new_cache(len(prompts), length)
-    logits, features = target(ids, lengths, cache, torch.zeros_like(lengths))
-    last = logits[torch.arange(len(prompts), device=device), lengths.long() - 1]
-    return last, features, cache, lengths
+    logits, features = target(ids, lengths, cache, torch.zeros_like(lengths),
+                              logits_at=[len(p) - 1 for p in prompts])
+    return logits[:, 0], features, cache, lengths
 
 
 def _sample_from_target(logits: torch.Tensor, temperature, seed, position,

@@ -18,7 +18,7 @@ this module imports it.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -125,6 +125,7 @@ class HFTarget:
         # transformers >= 5.2x names the cache argument ``cache``; earlier versions
         # ``past_key_values``.
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in parameters
         self._captured: dict = {}
         self._capturing = False
         self._hooks = []
@@ -172,12 +173,15 @@ class HFTarget:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, num_valid: torch.Tensor, cache: _Cache,
-                 cache_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                 cache_len: torch.Tensor, logits_at: Optional[Sequence[int]] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Padded forward: request ``b``'s first ``num_valid[b]`` tokens of ``input_ids[b]`` at
         positions ``cache_len[b] + i``, attending to its committed rows and causally to each
         other. Rows of the previous forward past ``cache_len[b]`` are dropped (hidden) first.
 
-        Returns ``logits [B, T, V]`` and ``features [B, T, n_layers * hidden]``.
+        Returns ``logits [B, T, V]`` (``[B, 1, V]``, row ``logits_at[b]`` of request ``b``,
+        when ``logits_at`` is given: the LM head then runs on those rows only, as
+        ``model.generate``'s prefill) and ``features [B, T, n_layers * hidden]``.
         """
         batch, width = input_ids.shape
         device = input_ids.device
@@ -189,13 +193,23 @@ class HFTarget:
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
             mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
             positions = cache_len.long()[:, None] + torch.arange(width, device=device)
+        extra = {}
+        if logits_at is not None and self._logits_to_keep:
+            keep = sorted(set(int(i) for i in logits_at))
+            extra["logits_to_keep"] = torch.tensor(keep, device=device)
         with torch.profiler.record_function("dspark_ops.hf_model"):
             out, features = self.capture_features(lambda: self.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                use_cache=True, **{self._cache_argument: cache.hf_cache}))
+                use_cache=True, **{self._cache_argument: cache.hf_cache}, **extra))
         with torch.profiler.record_function("dspark_ops.hf_mask_and_cache"):
             cache.append(width, cache_len)
-        return out.logits, features
+        logits = out.logits
+        if logits_at is not None:
+            columns = ([keep.index(int(i)) for i in logits_at] if extra
+                       else [int(i) for i in logits_at])
+            logits = logits[torch.arange(batch, device=device),
+                            torch.tensor(columns, device=device)][:, None]
+        return logits, features
 
     def capture_features(self, run: Callable[[], Any]) -> Tuple[Any, torch.Tensor]:
         """Calls ``run()`` (a forward of this model or its backbone) with the feature hooks on.

@@ -223,6 +223,39 @@ def test_features_follow_deepspec_target_cache(qwen3):
     torch.testing.assert_close(logits, model(input_ids=ids).logits)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["hf", "tiny"])
+def test_logits_at_picks_one_row_per_request(qwen3, kind):
+    """``logits_at`` (the prefill's last prompt rows): the rows the full forward gives, with the
+    LM head run on those rows only (transformers' ``logits_to_keep``)."""
+    if kind == "hf":
+        target = qwen3
+    else:
+        from dspark_ops.demo import tiny_pair
+
+        target, _ = tiny_pair(vocab=VOCAB, target_dtype=torch.float64)
+    prompts = [PROMPTS[1], PROMPTS[0][:3], PROMPTS[1][:5]]
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    full, features = target(ids, lengths, target.new_cache(3, 32), torch.zeros_like(lengths))
+    at = [len(p) - 1 for p in prompts]
+    heads = []
+    if kind == "hf":
+        head = target.model.lm_head
+        head.register_forward_hook(lambda m, a, out: heads.append(a[0].shape[1]))
+    some, same = target(ids, lengths, target.new_cache(3, 32), torch.zeros_like(lengths),
+                        logits_at=at)
+    assert some.shape == (3, 1, full.shape[-1])
+    torch.testing.assert_close(some[:, 0], full[torch.arange(3), torch.tensor(at)])
+    torch.testing.assert_close(same, features)
+    if kind == "hf":
+        head._forward_hooks.clear()
+        assert heads == [len(set(at))]  # the LM head saw the distinct kept rows only
+
+
 @pytest.mark.parametrize("theta", [1e6, 2.5e4])
 def test_draft_rope_matches_transformers_rope_of_the_loaded_base(theta):
     """The base read from a 5.x config (rope_parameters only) rotates as transformers' Qwen3

@@ -109,13 +109,16 @@ class TinyTarget(nn.Module):
                 [weight.new_zeros(shape, dtype=dtype) for _ in self.layers])
 
     def forward(self, input_ids: torch.Tensor, num_valid: torch.Tensor, cache,
-                cache_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                cache_len: torch.Tensor, logits_at: Optional[Sequence[int]] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Padded forward: request ``b``'s ``num_valid[b]`` tokens ``input_ids[b]`` sit at
         positions ``cache_len[b] + i``; their K/V are written to the cache there. ``cache_len``
         is what the caller has committed: rows written past it by an earlier call (rejected
         drafts) are overwritten, so committing the accepted rows is advancing ``cache_len``.
 
-        Returns ``logits [B, T, V]`` and ``features [B, T, n_layers * hidden]``.
+        Returns ``logits [B, T, V]`` (``[B, 1, V]``, row ``logits_at[b]`` of request ``b``,
+        when ``logits_at`` is given: a prefill needs only the last prompt token's) and
+        ``features [B, T, n_layers * hidden]``.
         """
         k_caches, v_caches = cache
         positions = cache_len.long()[:, None] + torch.arange(input_ids.shape[1],
@@ -126,6 +129,9 @@ class TinyTarget(nn.Module):
             h = layer(h, positions, num_valid, k_cache, v_cache, cache_len)
             outputs[i] = h
         features = torch.cat([outputs[i] for i in self.feature_layers], -1)
+        if logits_at is not None:
+            rows = torch.arange(h.shape[0], device=h.device)
+            h = h[rows, torch.as_tensor(list(logits_at), device=h.device)][:, None]
         return self.lm_head(self.norm(h)), features
 
     def forward_ragged(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache,
