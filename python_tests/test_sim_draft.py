@@ -34,27 +34,21 @@ import dspark_ops
 import emulator
 from conftest import full_tests
 from dspark_ops import reference
-from test_draft import (
-    DEBUG,
-    DTYPE_IDS,
-    INF,
-    NAN,
-    DraftCase,
+from cases.common import DEBUG, DTYPE_IDS, INF, NAN, generator, is_greedy, stable_seed
+from cases.draft import (
     assert_sampled_from_stored_logits,
     bf16_representable,
     check_output_contract,
     confidence_logits,
     cuda_tolerance,
     draft_keys,
-    generator,
-    is_greedy,
+    DraftCase,
     make_case,
     make_confidence_case,
     rnn_state_case,
-    stable_seed,
     teacher_forced_logits,
 )
-from test_verify import make_case as verify_case
+from cases.verify import make_case as verify_case
 
 pytestmark = pytest.mark.sim
 
@@ -73,7 +67,7 @@ def run_sim(sim, case: DraftCase) -> dspark_ops.DraftOutput:
 
 
 def sim_tolerance(case: DraftCase, z: torch.Tensor) -> dict:
-    """test_draft.check_against_reference's CUDA tolerance."""
+    """The CUDA tolerance of test_draft.py's check_against_reference (cases/draft.py)."""
     full_f32 = case.w1.dtype == torch.float32 and not bf16_representable(case.w1, case.w2)
     return cuda_tolerance(case, z, 4.0 if full_f32 else 1.0)
 
@@ -547,7 +541,7 @@ def test_rnn_draft_full_sweep(sim, params):
 
 
 def test_rnn_state_update_is_after_the_bias(sim):
-    """o = s_j and constant gate/candidate (test_draft.rnn_state_case): slot j's bias is
+    """o = s_j and constant gate/candidate (cases/draft.py rnn_state_case): slot j's bias is
     W2 . tanh(s_j) from the state before its update (slot 0 unbiased), on the CUDA-core and the
     tensor-core path."""
     gen = generator(208)
