@@ -61,10 +61,10 @@ def dspark_loss(
 
     The logits are made a chunk of rows at a time (one product for the draft's, one for the
     target's) and a fused vocabulary pass computes both log-sum-exps, ``ce``, ``l1`` and, when
-    anything requires grad, the gradients with respect to the logits, which the chunk's products turn into the
-    inputs' gradients right away: the backward only scales them. Extra memory: one chunk of
-    ``[rows, V]`` draft and target logits in the inputs' dtype (by default 256 MiB on CUDA,
-    128 MiB on CPU), plus the gradients.
+    anything requires grad, the gradients with respect to the logits, which the chunk's products
+    turn into the inputs' gradients right away: the backward only scales them. Extra memory: one
+    chunk of ``[rows, V]`` draft and target logits in the inputs' dtype (by default 256 MiB on
+    CUDA, 128 MiB on CPU), plus the gradients.
 
     Parameters
     ----------
