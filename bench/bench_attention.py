@@ -26,8 +26,7 @@ Before timing, every competitor's output is compared with ``reference.block_draf
 disagrees beyond rounding is reported. ``MB`` counts the bytes the op must move: the K and V
 context rows it reads, ``sum_b min(p0_b, window) * Hkv * D * 2`` elements, plus q, the block K/V
 and the output; GB/s follows, and on GPU its share of the measured copy bandwidth
-(docs/semantics.md §4: at ``B = 64, ctx = 4k`` the K/V read alone is 1.07 GB, a floor of about
-250 µs on an H200).
+(the floor of the K/V read at ``B = 64, ctx = 4k``: docs/semantics.md §4).
 
 ``append_context_kv`` rows append up to ``G + 1`` rows per request (the anchor and the accepted
 drafts; counts uniform in ``[1, G + 1]``) at ``p0 = ctx``, timed with ``ref``

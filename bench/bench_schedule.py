@@ -40,8 +40,8 @@ Columns besides the times: ``mean l`` (mean ``num_verify`` of the row's lengths;
 the allocation its budget gives), ``match``; on GPU also ``graph us`` (a CUDA graph of 20 calls
 replayed, divided by 20: the kernel time without the host's launch overhead, where the event
 times of ``ours us`` are per call with the host running ahead), ``launches`` (device kernels and
-copies of one call of ours, counted with the profiler) and ``target`` (at ``B = 256, G = 16`` the
-target of docs/semantics.md §4 for single-op rows: one launch and at most 10 µs by CUDA events).
+copies of one call of ours, counted with the profiler) and ``target`` (at ``B = 256, G = 16``,
+whether the row meets the target docs/semantics.md §4 sets for the scheduling ops).
 
 Run from the repository root: ``python bench/bench_schedule.py [--quick] [--device D]
 [--json-only]`` (or ``python -m bench`` for every family).

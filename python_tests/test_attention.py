@@ -14,7 +14,6 @@ edge, context end, a block key, the GQA mapping, the cache row, the scale) fails
 from __future__ import annotations
 
 import math
-import os
 import zlib
 
 import pytest
@@ -23,12 +22,26 @@ import torch
 import dspark_ops
 from dspark_ops import reference
 from conftest import cuda_only, cuda_param, full_tests, non_contiguous
+from cases.arguments import (
+    error_params, raises, skip_value_checks_without_debug, with_overrides,
+)
+from cases.common import DEBUG
+from cases.attention import (
+    BF16,
+    F16,
+    F32,
+    LSE_TOL,
+    NAN,
+    OUT_TOL,
+    i32,
+    make_slots,
+    randn,
+    same_bits,
+    strided_cache,
+)
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPE_IDS = {F32: "f32", BF16: "bf16", F16: "f16"}
-NAN = float("nan")
 INF = float("inf")
-DEBUG = os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0")
 
 # float32 attention runs on CPU only: the CUDA attention kernel takes float16/bfloat16.
 DEVICE_DTYPES = [
@@ -41,10 +54,6 @@ DEVICE_DTYPES = [
 # One low-precision dtype per device, for tests about layouts and bounds rather than numerics.
 DEVICE_HALF = [pytest.param("cpu", BF16, id="cpu-bf16"), cuda_param("cuda", F16, id="cuda-f16")]
 
-OUT_TOL = {F32: dict(atol=1e-5, rtol=1e-5), BF16: dict(atol=2e-2, rtol=2e-2),
-           F16: dict(atol=3e-3, rtol=5e-3)}
-LSE_TOL = {F32: dict(atol=1e-5, rtol=1e-5), BF16: dict(atol=2e-3, rtol=0),
-           F16: dict(atol=2e-3, rtol=0)}
 # A large finite value every dtype holds (float16 tops out at 65504).
 HUGE = 3.0e4
 
@@ -53,29 +62,9 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def i32(*values, device="cpu"):
-    return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-_SAME_SIZE_INT = {F32: torch.int32, BF16: torch.int16, F16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns (NaN payloads included), for exact before/after comparisons."""
-    return t.view(_SAME_SIZE_INT[t.dtype]) if t.dtype in _SAME_SIZE_INT else t
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
 # --------------------------------------------------------------------------------------------
 # Building inputs
 # --------------------------------------------------------------------------------------------
-
-
-def randn(gen, *shape, dtype, device, scale=1.0) -> torch.Tensor:
-    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(device)
 
 
 def make_block(gen, batch, block, heads, kv_heads, dim, dtype, device, q_scale=1.5) -> dict:
@@ -103,28 +92,6 @@ def make_seqlens(batch, length, gen, device) -> torch.Tensor:
 
 
 SLOT_KINDS = ["none", "none-spare", "permuted", "spread", "shared"]
-
-
-def make_slots(kind, batch, gen, device):
-    """(N, cache_slot): ``none``: N = B, default rows; ``none-spare``: N > B, default rows;
-    ``permuted``: N = B in random order; ``spread``: N > B, distinct random rows;
-    ``shared``: rows repeat (requests forked from one context)."""
-    if kind == "none":
-        return batch, None
-    if kind == "none-spare":
-        return batch + 2, None
-    if kind == "permuted":
-        return batch, torch.randperm(batch, generator=gen).int().to(device)
-    if kind == "spread":
-        slots = 2 * batch + 1
-        return slots, torch.randperm(slots, generator=gen)[:batch].int().to(device)
-    if kind == "shared":
-        slots = batch // 2 + 1
-        chosen = torch.randint(0, slots, (batch,), generator=gen, dtype=torch.int32)
-        if batch > 1:
-            chosen[-1] = chosen[0]
-        return slots, chosen.to(device)
-    raise ValueError(kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,30 +337,6 @@ def test_visible_keys_by_construction(device, dtype):
 # --------------------------------------------------------------------------------------------
 # Layouts
 # --------------------------------------------------------------------------------------------
-
-
-def strided_cache(cache: torch.Tensor, kind: str) -> torch.Tensor:
-    """The same values in a cache layout with non-unit strides on the non-D dims (unit stride
-    along D); the gaps hold NaN."""
-    slots, length, kv_heads, dim = cache.shape
-    nan = dict(dtype=cache.dtype, device=cache.device)
-    if kind == "rows-of-a-larger-cache":  # every other row of a cache with 2N + 1 rows
-        out = torch.full((2 * slots + 1, length, kv_heads, dim), NAN, **nan)[1::2]
-    elif kind == "prefix-of-a-longer-cache":  # positions 3 .. 3+L of a longer cache
-        out = torch.full((slots, length + 7, kv_heads, dim), NAN, **nan)[:, 3 : 3 + length]
-    elif kind == "heads-of-a-wider-cache":  # every other KV head
-        out = torch.full((slots, length, 2 * kv_heads, dim), NAN, **nan)[:, :, 1::2]
-    elif kind == "head-major":  # [N, Hkv, L, D] storage seen as [N, L, Hkv, D]
-        out = torch.full((slots, kv_heads, length, dim), NAN, **nan).transpose(1, 2)
-    elif kind == "padded-rows":  # rows of a buffer with a wider last dimension
-        out = torch.full((slots, length, kv_heads, dim + 16), NAN, **nan)[..., 8 : 8 + dim]
-    elif kind == "unaligned-rows":  # rows 2 bytes off 16-byte alignment (the kernels' slow path)
-        out = torch.full((slots, length, kv_heads, dim + 1), NAN, **nan)[..., 1:]
-    else:
-        raise ValueError(kind)
-    out.copy_(cache)
-    assert out.stride(3) == 1 and not out.is_contiguous()
-    return out
 
 
 CACHE_LAYOUTS = ["rows-of-a-larger-cache", "prefix-of-a-longer-cache", "heads-of-a-wider-cache",
@@ -859,28 +802,14 @@ VALUE_ERRORS = [
     ("cache_slot-duplicate-last-strided", APP,
      lambda: dict(cache_slot=non_contiguous(i32(0, 4, 4), fill=1)), ValueError,
      r"'cache_slot' values must be distinct \(two requests would write the same cache row\)"),
-    ("num_new-last-strided", APP, lambda: dict(num_new=non_contiguous(i32(0, 2, 5), fill=0)), ValueError,
+    ("num_new-last-strided", APP,
+     lambda: dict(num_new=non_contiguous(i32(0, 2, 5), fill=0)), ValueError,
      r"'num_new' values must lie in \[0, 4\], got 5 at index \[2\]"),
 ]
 
 
-def _expand(cases):
-    return [pytest.param(op, overrides, error, message, id=f"{op}-{name}")
-            for name, ops, overrides, error, message in cases for op in ops]
-
-
-def _on(device, t: torch.Tensor) -> torch.Tensor:
-    """``t`` on ``device`` with its layout: .to() would make a view with gaps contiguous, so a
-    view is rebuilt as the same view of its copied buffer."""
-    if t._base is None:
-        return t.to(device)
-    return t._base.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
-
-
 def _with_overrides(device, overrides) -> dict:
-    changed = {k: _on(device, v) if isinstance(v, torch.Tensor) else v
-               for k, v in overrides().items()}
-    return {**valid_args(device), **changed}
+    return with_overrides(valid_args(device), device, overrides)
 
 
 def _assert_untouched(args: dict, before: dict):
@@ -890,23 +819,22 @@ def _assert_untouched(args: dict, before: dict):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), cuda_param("cuda", id="cuda")])
-@pytest.mark.parametrize("op,overrides,error,message", _expand(STRUCTURE_ERRORS))
+@pytest.mark.parametrize("op,overrides,error,message", error_params(STRUCTURE_ERRORS))
 def test_argument_errors(device, op, overrides, error, message):
     args = _with_overrides(device, overrides)
     before = {name: args[name].clone() for name in ("k_cache", "v_cache", "cache_seqlens")}
-    with pytest.raises(error, match=rf"{op}\(\): " + message):
+    with raises(op, error, message):
         call_op(op, args)
     _assert_untouched(args, before)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), cuda_param("cuda", id="cuda")])
-@pytest.mark.parametrize("op,overrides,error,message", _expand(VALUE_ERRORS))
+@pytest.mark.parametrize("op,overrides,error,message", error_params(VALUE_ERRORS))
 def test_value_errors(device, op, overrides, error, message):
-    if device == "cuda" and not DEBUG:
-        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
+    skip_value_checks_without_debug(device)
     args = _with_overrides(device, overrides)
     before = {name: args[name].clone() for name in ("k_cache", "v_cache", "cache_seqlens")}
-    with pytest.raises(error, match=rf"{op}\(\): " + message):
+    with raises(op, error, message):
         call_op(op, args)
     _assert_untouched(args, before)
 

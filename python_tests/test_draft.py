@@ -7,11 +7,6 @@ temperature scaling and every argument check."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
-import zlib
-from typing import Optional
 
 import pytest
 import torch
@@ -20,27 +15,50 @@ import dspark_ops
 from dspark_ops import reference
 from conftest import DEVICES, cuda_only, full_tests, non_contiguous, on_two_streams
 from stats import chi_square, chi_square_passes
-
-FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
-             torch.int64: "i64", torch.int32: "i32"}
-INF = float("inf")
-NAN = float("nan")
-DEBUG = os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0")
-
-# Head weights: the dtype the op receives, and whether float32 values are rounded to bfloat16
-# first. With 16-bit mantissas every product is exact in float64 and so is the whole dot product
-# of the reference. "f32full" keeps full 24-bit mantissas: the float64 sum order may then differ
-# from the reference's BLAS in the last bit of z (1 ulp after rounding to float32). The CPU
-# kernel's float32 head is within logits_tolerance of either; its tokens are always exact.
-WEIGHTS = {
-    "f32": (torch.float32, True),
-    "bf16": (torch.bfloat16, False),
-    "f16": (torch.float16, False),
-    "f32full": (torch.float32, False),
-}
-ULP_RTOL = 1.2e-7  # just above 2**-23: one float32 ulp relative to the value
-RNN_RTOL = 1e-6  # tanh / sigmoid in float64 may differ from torch's in the last float64 bits
+from cases.arguments import (
+    error_params,
+    per_request_errors,
+    per_request_value_errors,
+    raises,
+    skip_value_checks_without_debug,
+    vocabulary_errors,
+    with_overrides,
+)
+from cases.common import (
+    DEBUG,
+    DTYPE_IDS,
+    FLOAT_DTYPES,
+    INF,
+    NAN,
+    f32,
+    generator,
+    i32,
+    i64,
+    is_greedy,
+    stable_seed,
+)
+from cases.draft import (
+    RNN_RTOL,
+    WEIGHTS,
+    assert_sampled_from_stored_logits,
+    bf16_representable,
+    check_output_contract,
+    confidence_logits,
+    ConfidenceCase,
+    cuda_tolerance,
+    describe_token_difference,
+    DraftCase,
+    logits_tolerance,
+    make_case,
+    make_confidence_case,
+    make_temperature,
+    make_weight,
+    near_tie_case,
+    peaky_logits,
+    rnn_state_case,
+    teacher_forced_logits,
+    with_bound_scale,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,203 +66,9 @@ RNN_RTOL = 1e-6  # tanh / sigmoid in float64 may differ from torch's in the last
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class DraftCase:
-    """One call's arguments, for the Markov head or (with ``hidden``) the RNN head."""
-
-    base_logits: torch.Tensor
-    anchor: torch.Tensor
-    w1: torch.Tensor
-    w2: torch.Tensor
-    temperature: torch.Tensor
-    seed: Optional[torch.Tensor]
-    position: torch.Tensor
-    hidden: Optional[torch.Tensor] = None
-    joint_weight: Optional[torch.Tensor] = None
-    joint_bias: Optional[torch.Tensor] = None
-
-    PER_REQUEST = ("base_logits", "anchor", "temperature", "seed", "position", "hidden")
-
-    @property
-    def head(self) -> str:
-        return "markov" if self.hidden is None else "rnn"
-
-    @property
-    def vocab(self) -> int:
-        return self.base_logits.shape[-1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.base_logits.device
-
-    def call(self, ops=dspark_ops, **extra):
-        """Runs ``ops.markov_draft`` / ``ops.rnn_draft`` (the op, or ``reference``)."""
-        if self.head == "markov":
-            return ops.markov_draft(self.base_logits, self.anchor, self.w1, self.w2,
-                                    self.temperature, self.seed, self.position, **extra)
-        return ops.rnn_draft(self.base_logits, self.anchor, self.hidden, self.w1, self.w2,
-                             self.joint_weight, self.joint_bias, self.temperature, self.seed,
-                             self.position, **extra)
-
-    def fields(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def replace(self, **changes) -> "DraftCase":
-        return dataclasses.replace(self, **changes)
-
-    def to(self, device) -> "DraftCase":
-        return DraftCase(**{k: None if v is None else v.to(device)
-                            for k, v in self.fields().items()})
-
-    def select(self, index: torch.Tensor) -> "DraftCase":
-        """The requests ``index``, in that order (the weights are shared)."""
-        return self.replace(**{k: getattr(self, k)[index] for k in self.PER_REQUEST
-                               if getattr(self, k) is not None})
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def stable_seed(*key) -> int:
-    """A seed derived from test parameters, the same in every process (unlike hash())."""
-    return zlib.crc32(repr(key).encode())
-
-
-def peaky_logits(shape, vocab: int, gen: torch.Generator, heads: int = 3) -> torch.Tensor:
-    """float32 logits: a dense random tail plus a few boosted tokens per row, as LM logits have."""
-    logits = torch.randn(*shape, vocab, generator=gen)
-    if vocab > heads:
-        index = torch.rand(*shape, vocab, generator=gen).topk(heads, dim=-1).indices
-        boost = 0.5 * math.log(vocab) + 2 * torch.rand(*shape, heads, generator=gen)
-        logits.scatter_add_(-1, index, boost)
-    return logits
-
-
-def make_weight(shape, scale: float, kind: str, gen: torch.Generator) -> torch.Tensor:
-    dtype, bf16_values = WEIGHTS[kind]
-    w = torch.randn(*shape, generator=gen) * scale
-    if bf16_values:
-        w = w.to(torch.bfloat16)
-    return w.to(dtype)
-
-
-def make_temperature(kind, batch: int, gen: torch.Generator) -> torch.Tensor:
-    if isinstance(kind, torch.Tensor):
-        return kind.float()
-    if isinstance(kind, (int, float)):
-        return torch.full((batch,), float(kind))
-    sampled = 0.4 + 1.2 * torch.rand(batch, generator=gen)
-    if kind == "sampled":
-        return sampled
-    if kind == "greedy":
-        return torch.tensor([0.0, 1e-6, 1e-5])[torch.arange(batch) % 3]
-    if kind == "mixed":
-        # Every third request greedy (0, 1e-6, exactly the 1e-5 threshold), so even B = 2 mixes.
-        greedy = torch.tensor([0.0, 1e-6, 1e-5])[torch.arange(batch) // 3 % 3]
-        return torch.where(torch.arange(batch) % 3 == 0, greedy, sampled)
-    raise ValueError(kind)
-
-
-def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
-    return ~(temperature.float() > reference.GREEDY_TEMPERATURE)
-
-
-def make_case(batch: int, block: int, vocab: int, rank: int = 8, *, seed: int,
-              temperature="mixed", weights: str = "bf16", base_dtype=torch.float32,
-              anchor_dtype=torch.int64, head: str = "markov", hidden_size: int = 16,
-              bias_scale: float = 1.0) -> DraftCase:
-    """Random inputs whose head bias (std about ``bias_scale``) is comparable to the spread of
-    the base logits, so the previous token really changes the next draft."""
-    gen = generator(seed)
-    base = peaky_logits((batch, block), vocab, gen).to(base_dtype)
-    if head == "markov":
-        scale = (bias_scale / rank**0.5) ** 0.5  # W2 . W1[x] ~ sqrt(r) * scale^2
-        w1, w2 = (make_weight((vocab, rank), scale, weights, gen) for _ in range(2))
-        extra = {}
-    else:
-        width = 2 * rank + hidden_size
-        w1 = make_weight((vocab, rank), 1.0, weights, gen)
-        w2 = make_weight((vocab, rank), 1.7 * bias_scale / rank**0.5, weights, gen)
-        extra = dict(
-            hidden=torch.randn(batch, block, hidden_size, generator=gen).to(base_dtype),
-            joint_weight=make_weight((3 * rank, width), 1.5 / width**0.5, weights, gen),
-            joint_bias=make_weight((3 * rank,), 0.5, weights, gen),
-        )
-    return DraftCase(
-        base_logits=base,
-        anchor=torch.randint(0, vocab, (batch,), generator=gen).to(anchor_dtype),
-        w1=w1,
-        w2=w2,
-        temperature=make_temperature(temperature, batch, gen),
-        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
-        # Across the 2^32 boundary of the counter's position words.
-        position=torch.randint(0, 2**33, (batch,), generator=gen),
-        **extra,
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # Checking outputs
 # --------------------------------------------------------------------------------------------
-
-
-def embed(w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """W1[ids] in float64; ids outside [0, V) give zero rows (as the ops specify)."""
-    ids = ids.long()
-    in_range = (ids >= 0) & (ids < w1.shape[0])
-    rows = w1[ids.clamp(0, w1.shape[0] - 1)].double()
-    return torch.where(in_range[..., None], rows, 0.0)
-
-
-def previous_tokens(anchor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[anchor, x_1, ..., x_{G-1}]: the token each slot is biased by."""
-    return torch.cat([anchor.long()[:, None], tokens[:, :-1].long()], 1)
-
-
-def teacher_forced_logits(case: DraftCase, tokens: torch.Tensor) -> torch.Tensor:
-    """z_j (docs/semantics.md §1 step 3) for the given drafts, in float64 rounded once to float32,
-    on the CPU: what draft_logits must be for these tokens."""
-    case, tokens = case.to("cpu"), tokens.cpu()
-    prev = previous_tokens(case.anchor, tokens)
-    w2 = case.w2.double()
-    if case.head == "markov":
-        bias = embed(case.w1, prev) @ w2.T
-    else:
-        rank = case.w1.shape[1]
-        weight, jbias = case.joint_weight.double(), case.joint_bias.double()
-        state = torch.zeros(tokens.shape[0], rank, dtype=torch.float64)
-        inputs = []
-        for j in range(tokens.shape[1]):
-            u = torch.cat([state, embed(case.w1, prev[:, j]), case.hidden[:, j].double()], -1)
-            g, c, o = (u @ weight.T + jbias).split(rank, -1)
-            inputs.append(torch.tanh(o))
-            state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
-        bias = torch.stack(inputs, 1) @ w2.T if inputs else torch.zeros(*tokens.shape, case.vocab,
-                                                                         dtype=torch.float64)
-    return (bias + case.base_logits.double()).float()
-
-
-def check_output_contract(case: DraftCase, out) -> None:
-    """What every output must satisfy whatever the inputs (docs/semantics.md §3.2)."""
-    batch, block, vocab = case.base_logits.shape
-    assert isinstance(out, dspark_ops.DraftOutput)
-    assert out.tokens.dtype == torch.int64 and out.tokens.shape == (batch, block)
-    assert out.draft_logits.dtype == torch.float32
-    assert out.draft_logits.shape == (batch, block, vocab)
-    assert out.tokens.device == out.draft_logits.device == case.device
-    tokens = out.tokens.cpu()
-    assert ((tokens >= 0) & (tokens < vocab)).all(), f"ids out of range: {tokens}"
-
-
-def describe_token_difference(case: DraftCase, got: torch.Tensor, expected: torch.Tensor) -> str:
-    bad = (got.cpu() != expected.cpu()).nonzero()
-    b, j = bad[0].tolist()
-    return (
-        f"{bad.shape[0]} of {got.numel()} tokens differ; first b={b} j={j}: op {got[b].tolist()} "
-        f"reference {expected[b].tolist()}; temperature={float(case.temperature[b])} "
-        f"seed={int(case.seed[b])} position={int(case.position[b])}"
-    )
 
 
 def assert_same_outputs(got, expected, case: DraftCase) -> None:
@@ -254,80 +78,11 @@ def assert_same_outputs(got, expected, case: DraftCase) -> None:
                                equal_nan=True)
 
 
-def fast_head_bound(case: DraftCase) -> float:
-    """The CPU kernel's float32 head against the float64 reference (docs/semantics.md §3.2):
-    |draft_logits - reference| <= gamma(n + 1) ||x||_2 max_v ||W2[v]||_2 (1 + 2^-12) + 2^-22 |z|,
-    gamma(n) = n 2^-24 / (1 - n 2^-24), n = ceil(r / 8) + 8, x the bias input (W1[x_j], or
-    tanh(o_j) with ||x|| <= sqrt(r)); the absolute part returned here."""
-    rank = case.w1.shape[1]
-    n = -(-rank // 8) + 8 + 1
-    gamma = n * 2.0**-24 / (1 - n * 2.0**-24) + (rank + 2) * 2.0**-53
-    w_max = float(case.w2.cpu().double().norm(dim=1).max())
-    x_max = math.sqrt(rank) if case.head == "rnn" else float(case.w1.cpu().double().norm(dim=1).max())
-    return gamma * x_max * w_max * (1 + 2.0**-12) + 2.0**-126
-
-
-def logits_tolerance(case: DraftCase) -> dict:
-    """CPU draft_logits against the reference: within the float32 head's certified bound (rows
-    the kernel recomputed in float64 are bit-exact; tokens always are)."""
-    rtol = max(2.0**-22, RNN_RTOL if case.head == "rnn" else ULP_RTOL)
-    return dict(rtol=rtol, atol=fast_head_bound(case))
-
-
-def bf16_representable(*tensors) -> bool:
-    return all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in tensors)
-
-
-def cuda_tolerance(case: DraftCase, z: torch.Tensor, factor: float = 1.0) -> dict:
-    """CUDA's float32 head against float64 math: relative 1e-3, and an absolute part scaled by
-    the largest head bias |z - base| (the float32 dot product's rounding grows with it)."""
-    bias = (z.double() - case.base_logits.cpu().double()).abs()
-    bias = bias[torch.isfinite(bias)]
-    scale = float(bias.max()) if bias.numel() else 0.0
-    return dict(rtol=1e-3, atol=factor * 1e-3 * max(1.0, scale))
-
-
 def literal_tolerance(case: DraftCase, z: torch.Tensor) -> dict:
     """RNN draft_logits against float64 math spelt out in a test."""
     if case.device.type == "cpu":
         return dict(rtol=RNN_RTOL, atol=1e-6)
     return cuda_tolerance(case, z)
-
-
-def draft_keys(z: torch.Tensor, temperature, seed, position) -> torch.Tensor:
-    """reference.draft_sample's Gumbel-max keys (z for greedy rows; -inf where z is not finite)."""
-    greedy = is_greedy(temperature)
-    inv_t = torch.where(greedy, 1.0, 1.0 / temperature)[:, None]
-    u = reference.philox_uniform(seed, position, reference.PURPOSE_DRAFT, z.shape[-1])
-    key = torch.where(greedy[:, None], z, z * inv_t - torch.log(-torch.log1p(-u)))
-    return torch.where(torch.isfinite(z), key, -INF)
-
-
-def assert_sampled_from_stored_logits(case: DraftCase, out, max_mismatch: float = 0.01) -> None:
-    """Every token is the Gumbel-max winner of its own stored draft_logits row (recomputed on the
-    CPU with reference.draft_sample), except where the two best keys are within float rounding of
-    each other (CUDA computes the keys with its own log/log1p). Greedy rows match exactly."""
-    case = case.to("cpu")
-    z, tokens = out.draft_logits.cpu(), out.tokens.cpu()
-    greedy = is_greedy(case.temperature)
-    mismatches = 0
-    for j in range(tokens.shape[1]):
-        position = case.position + 1 + j
-        expected = reference.draft_sample(z[:, j], case.temperature, case.seed, position)
-        differ = expected != tokens[:, j]
-        if not differ.any():
-            continue
-        assert not (differ & greedy).any(), describe_token_difference(
-            case, tokens[:, j:j + 1], expected[:, None])
-        keys = draft_keys(z[:, j], case.temperature, case.seed, position)
-        rows = differ.nonzero()[:, 0]
-        best, theirs = keys[rows, expected[rows]], keys[rows, tokens[rows, j]]
-        gap = best - theirs
-        assert (gap <= 1e-4 * (1 + best.abs())).all(), (
-            f"slot {j}: tokens {tokens[rows, j].tolist()} are not near-ties of the winners "
-            f"{expected[rows].tolist()} (key gaps {gap.tolist()})")
-        mismatches += int(differ.sum())
-    assert mismatches <= max(1, max_mismatch * tokens.numel()), mismatches
 
 
 def check_against_reference(case: DraftCase):
@@ -422,39 +177,6 @@ def test_markov_draft_full_mantissa_weights(device, shape):
 # --------------------------------------------------------------------------------------------
 # Near-ties: the CPU's float32 head is certified or redone in float64
 # --------------------------------------------------------------------------------------------
-
-
-def near_tie_case(temperature: float, seed: int, batch: int = 16, vocab: int = 512,
-                  rank: int = 256, dtype: torch.dtype = torch.float16,
-                  spread: float = 0.0) -> DraftCase:
-    """One slot whose float64 Gumbel keys (greedy: logits) all lie within ~1e-3 of each other,
-    while the float32 dot products err by ~1e-3 too: large weights (|W2 . W1[x]| ~ 4e3, heavy
-    cancellation) and base logits chosen as c + T log E_v - (W2 . W1[x0])_v, so that only the
-    exact head can tell the winner. 16-bit weights keep the float64 dot product exact.
-    ``spread > 0`` spreads the float64 logits evenly-at-random over ``[3, 3 + spread)`` instead
-    (distinct values whose order the float32 head gets wrong), for the filters' boundaries."""
-    gen = generator(seed)
-    w1 = (torch.randn(vocab, rank, generator=gen) * 16).to(dtype)
-    w2 = (torch.randn(vocab, rank, generator=gen) * 16).to(dtype)
-    anchor = torch.randint(0, vocab, (batch,), generator=gen)
-    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
-    position = torch.randint(0, 2**33, (batch,), generator=gen)
-    temperatures = torch.full((batch,), temperature)
-    dot = embed(w1, anchor) @ w2.double().T
-    base = 3.0 + spread * torch.rand(batch, vocab, generator=gen, dtype=torch.float64) - dot
-    if temperature > reference.GREEDY_TEMPERATURE:
-        u = reference.philox_uniform(seeds, position + 1, reference.PURPOSE_DRAFT, vocab)
-        base = base + temperature * torch.log(-torch.log1p(-u.double()))
-    return DraftCase(base_logits=base.float()[:, None], anchor=anchor, w1=w1, w2=w2,
-                     temperature=temperatures, seed=seeds, position=position)
-
-
-def with_bound_scale(monkeypatch, scale: str, fn):
-    monkeypatch.setenv("DSPARK_OPS_DRAFT_BOUND_SCALE", scale)
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv("DSPARK_OPS_DRAFT_BOUND_SCALE")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6], ids=["greedy", "T1", "T0.6"])
@@ -633,37 +355,6 @@ def test_rnn_gate_candidate_output_order(device):
     expected = (case.base_logits.cpu().double() + bias).float()
     torch.testing.assert_close(out.draft_logits.cpu(), expected,
                                **literal_tolerance(case, expected))
-
-
-def rnn_state_case(gen: torch.Generator, w2: torch.Tensor, weights: torch.dtype = torch.float32):
-    """An RNN-head case whose output rows of J read the state only (o = s_j) and whose gate and
-    candidate are constants: s_{j+1} = sig(g) s_j + (1 - sig(g)) tanh(c), s_0 = 0, so slot j's
-    bias is W2 . tanh(s_j), from the state before its update (slot 0 unbiased). Returns the case
-    (weights of dtype ``weights``; w2 is [200, 8]) and the float32 draft_logits it must give."""
-    batch, block, vocab, hidden_size = 4, 6, 200, 16
-    rank = w2.shape[1]
-    g, c = 0.4, 1.2
-    joint_weight = torch.zeros(3 * rank, 2 * rank + hidden_size)
-    joint_weight[2 * rank:, :rank] = torch.eye(rank)
-    joint_bias = torch.cat([torch.full((rank,), g), torch.linspace(-c, c, rank),
-                            torch.zeros(rank)]).to(weights)
-    case = DraftCase(
-        peaky_logits((batch, block), vocab, gen), torch.randint(0, vocab, (batch,), generator=gen),
-        torch.randn(vocab, rank, generator=gen).to(weights), w2.to(weights),
-        make_temperature("mixed", batch, gen),
-        torch.randint(-(2**62), 2**62, (batch,), generator=gen),
-        torch.randint(0, 2**40, (batch,), generator=gen),
-        hidden=torch.randn(batch, block, hidden_size, generator=gen),
-        joint_weight=joint_weight.to(weights), joint_bias=joint_bias,
-    )
-    gate = torch.sigmoid(joint_bias[:rank].double())
-    candidate = torch.tanh(joint_bias[rank:2 * rank].double())
-    state, expected = torch.zeros(rank, dtype=torch.float64), []
-    for j in range(block):
-        bias = w2.to(weights).double() @ torch.tanh(state)
-        expected.append(case.base_logits[:, j].double() + bias)
-        state = gate * state + (1 - gate) * candidate
-    return case, torch.stack(expected, 1).float()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1156,56 +847,6 @@ def test_verify_accepts_drafts_against_their_own_distribution(device, head, temp
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class ConfidenceCase:
-    hidden: torch.Tensor
-    prev_tokens: torch.Tensor
-    w1: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor] = None
-    calib_temperature: Optional[torch.Tensor] = None
-
-    def call(self, ops=dspark_ops):
-        return ops.draft_confidence(self.hidden, self.prev_tokens, self.w1, self.weight, self.bias,
-                                    self.calib_temperature)
-
-    def fields(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def replace(self, **changes) -> "ConfidenceCase":
-        return dataclasses.replace(self, **changes)
-
-    def to(self, device) -> "ConfidenceCase":
-        return ConfidenceCase(**{k: None if v is None else v.to(device)
-                                 for k, v in self.fields().items()})
-
-
-def make_confidence_case(batch, block, vocab, rank, hidden_size, *, seed,
-                         hidden_dtype=torch.float32, w1_dtype=torch.float32,
-                         weight_dtype=torch.float32, bias=True, calib=True, ids_dtype=torch.int64,
-                         bias_shape=()) -> ConfidenceCase:
-    gen = generator(seed)
-    width = hidden_size + rank
-    return ConfidenceCase(
-        hidden=torch.randn(batch, block, hidden_size, generator=gen).to(hidden_dtype),
-        prev_tokens=torch.randint(0, vocab, (batch, block), generator=gen).to(ids_dtype),
-        w1=torch.randn(vocab, rank, generator=gen).to(w1_dtype),
-        weight=(2 * torch.randn(width, generator=gen) / width**0.5).to(weight_dtype),
-        bias=torch.randn(bias_shape, generator=gen).to(weight_dtype) if bias else None,
-        calib_temperature=0.3 + 3 * torch.rand(block, generator=gen) if calib else None,
-    )
-
-
-def confidence_logits(case: ConfidenceCase) -> torch.Tensor:
-    """w . [h_j; W1[x_j]] + b in float64, rounded to float32 (docs/semantics.md §1 step 4)."""
-    case = case.to("cpu")
-    features = torch.cat([case.hidden.double(), embed(case.w1, case.prev_tokens)], -1)
-    logit = features @ case.weight.double()
-    if case.bias is not None:
-        logit = logit + case.bias.double().reshape(())
-    return logit.float()
-
-
 def check_confidence(case: ConfidenceCase) -> torch.Tensor:
     got = case.call()
     batch, block = case.prev_tokens.shape
@@ -1413,18 +1054,6 @@ def test_calibrated_confidences_feed_draft_confidence(device):
 B, G, V, R, D = 3, 4, 100, 8, 16
 
 
-def i32(*values):
-    return torch.tensor(values, dtype=torch.int32)
-
-
-def i64(*values):
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def f32(*values):
-    return torch.tensor(values, dtype=torch.float32)
-
-
 def valid_draft_args(device) -> dict:
     gen = generator(131)
     args = dict(
@@ -1461,266 +1090,210 @@ def valid_confidence_args(device) -> dict:
     return {k: v.to(device) for k, v in args.items()}
 
 
-def _huge_base(device):
-    # A stride-0 view: a 2^31 - 1 vocabulary without the memory (built on the device directly).
-    return dict(base_logits=torch.randn(1, 1, 1, device=device).expand(B, G, 2**31 - 1))
+def _huge_base():
+    # A stride-0 view: a 2^31 - 1 vocabulary without the memory (moved to the device as a view).
+    return dict(base_logits=torch.randn(1, 1, 1).expand(B, G, 2**31 - 1))
 
 
-def _huge_w1(device):
-    return dict(w1=torch.randn(1, 1, device=device).expand(2**31 - 1, R))
+def _huge_w1():
+    return dict(w1=torch.randn(1, 1).expand(2**31 - 1, R))
 
 
-# (id, overrides: device -> {argument: value}, exception, message after "<op>(): ").
+DRAFT_OPS = ["markov_draft", "rnn_draft"]
+RNN = ["rnn_draft"]
+CONFIDENCE = ["draft_confidence"]
+
+# Rows (id, ops, overrides, exception, message) as cases/arguments.py runs them.
 # The checks both heads share (check_common); run for markov_draft and rnn_draft.
-COMMON_ERRORS = [
-    ("base-2d", lambda d: dict(base_logits=torch.randn(B, V)), ValueError,
+COMMON_ERRORS = vocabulary_errors(
+    DRAFT_OPS, "base_logits",
+    lambda: dict(base_logits=torch.randn(B, G, 0), w1=torch.randn(0, R), w2=torch.randn(0, R)),
+    _huge_base,
+) + per_request_errors(DRAFT_OPS, B) + [
+    ("base-2d", DRAFT_OPS, lambda: dict(base_logits=torch.randn(B, V)), ValueError,
      r"'base_logits' must be 3-D \[B, G, V\], got a 2-D tensor of shape \[3, 100\]"),
-    ("base-4d", lambda d: dict(base_logits=torch.randn(B, G, 1, V)), ValueError,
+    ("base-4d", DRAFT_OPS, lambda: dict(base_logits=torch.randn(B, G, 1, V)), ValueError,
      r"'base_logits' must be 3-D \[B, G, V\], got a 4-D tensor of shape \[3, 4, 1, 100\]"),
-    ("base-float64", lambda d: dict(base_logits=torch.randn(B, G, V, dtype=torch.float64)),
+    ("base-float64", DRAFT_OPS, lambda: dict(base_logits=torch.randn(B, G, V, dtype=torch.float64)),
      TypeError, r"'base_logits' must have dtype Float or BFloat16 or Half, got Double"),
-    ("base-int32", lambda d: dict(base_logits=torch.zeros(B, G, V, dtype=torch.int32)),
+    ("base-int32", DRAFT_OPS, lambda: dict(base_logits=torch.zeros(B, G, V, dtype=torch.int32)),
      TypeError, r"'base_logits' must have dtype Float or BFloat16 or Half, got Int"),
-    ("vocab-0", lambda d: dict(base_logits=torch.randn(B, G, 0), w1=torch.randn(0, R),
-                               w2=torch.randn(0, R)), ValueError,
-     r"'base_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 0"),
-    ("vocab-2^31-1", _huge_base, ValueError,
-     r"'base_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 2147483647"),
-    ("anchor-float", lambda d: dict(anchor=f32(1, 2, 3)), TypeError,
+    ("anchor-float", DRAFT_OPS, lambda: dict(anchor=f32(1, 2, 3)), TypeError,
      r"'anchor' must have dtype Long or Int, got Float"),
-    ("anchor-int16", lambda d: dict(anchor=torch.tensor([1, 2, 3], dtype=torch.int16)),
+    ("anchor-int16", DRAFT_OPS, lambda: dict(anchor=torch.tensor([1, 2, 3], dtype=torch.int16)),
      TypeError, r"'anchor' must have dtype Long or Int, got Short"),
-    ("anchor-shape", lambda d: dict(anchor=i64(1, 2, 3, 4)), ValueError,
+    ("anchor-shape", DRAFT_OPS, lambda: dict(anchor=i64(1, 2, 3, 4)), ValueError,
      r"'anchor' must have shape \[B\] = \[3\], got \[4\]"),
-    ("anchor-2d", lambda d: dict(anchor=i64(1, 2, 3)[:, None]), ValueError,
+    ("anchor-2d", DRAFT_OPS, lambda: dict(anchor=i64(1, 2, 3)[:, None]), ValueError,
      r"'anchor' must have shape \[B\] = \[3\], got \[3, 1\]"),
-    ("w1-float64", lambda d: dict(w1=torch.randn(V, R, dtype=torch.float64)), TypeError,
+    ("w1-float64", DRAFT_OPS, lambda: dict(w1=torch.randn(V, R, dtype=torch.float64)), TypeError,
      r"'w1' must have dtype Float or BFloat16 or Half, got Double"),
-    ("w1-1d", lambda d: dict(w1=torch.randn(V)), ValueError,
+    ("w1-1d", DRAFT_OPS, lambda: dict(w1=torch.randn(V)), ValueError,
      r"'w1' must be 2-D \[V, r\], got a 1-D tensor of shape \[100\]"),
-    ("w1-3d", lambda d: dict(w1=torch.randn(V, R, 1)), ValueError,
+    ("w1-3d", DRAFT_OPS, lambda: dict(w1=torch.randn(V, R, 1)), ValueError,
      r"'w1' must be 2-D \[V, r\], got a 3-D tensor of shape \[100, 8, 1\]"),
-    ("rank-0", lambda d: dict(w1=torch.randn(V, 0), w2=torch.randn(V, 0)), ValueError,
+    ("rank-0", DRAFT_OPS, lambda: dict(w1=torch.randn(V, 0), w2=torch.randn(V, 0)), ValueError,
      r"'w1' must have a rank r in \[1, 1024\], got \[100, 0\]"),
-    ("rank-1025", lambda d: dict(w1=torch.randn(V, 1025), w2=torch.randn(V, 1025)), ValueError,
+    ("rank-1025", DRAFT_OPS,
+     lambda: dict(w1=torch.randn(V, 1025), w2=torch.randn(V, 1025)), ValueError,
      r"'w1' must have a rank r in \[1, 1024\], got \[100, 1025\]"),
-    ("w1-vocab", lambda d: dict(w1=torch.randn(V - 1, R)), ValueError,
+    ("w1-vocab", DRAFT_OPS, lambda: dict(w1=torch.randn(V - 1, R)), ValueError,
      r"'w1' must have shape \[V, r\] = \[100, 8\], got \[99, 8\]"),
-    ("w2-dtype", lambda d: dict(w2=torch.randn(V, R).bfloat16()), TypeError,
+    ("w2-dtype", DRAFT_OPS, lambda: dict(w2=torch.randn(V, R).bfloat16()), TypeError,
      r"'w2' must have dtype Float like 'w1', got BFloat16"),
-    ("w2-dtype-like-w1", lambda d: dict(w1=torch.randn(V, R).half(), w2=torch.randn(V, R)),
+    ("w2-dtype-like-w1", DRAFT_OPS, lambda: dict(w1=torch.randn(V, R).half(), w2=torch.randn(V, R)),
      TypeError, r"'w2' must have dtype Half like 'w1', got Float"),
-    ("w2-rank", lambda d: dict(w2=torch.randn(V, R + 1)), ValueError,
+    ("w2-rank", DRAFT_OPS, lambda: dict(w2=torch.randn(V, R + 1)), ValueError,
      r"'w2' must have shape \[V, r\] like 'w1' = \[100, 8\], got \[100, 9\]"),
-    ("w2-transposed", lambda d: dict(w2=torch.randn(R, V)), ValueError,
+    ("w2-transposed", DRAFT_OPS, lambda: dict(w2=torch.randn(R, V)), ValueError,
      r"'w2' must have shape \[V, r\] like 'w1' = \[100, 8\], got \[8, 100\]"),
-    ("temperature-float64", lambda d: dict(temperature=torch.ones(B, dtype=torch.float64)),
-     TypeError, r"'temperature' must have dtype Float, got Double"),
-    ("temperature-bf16", lambda d: dict(temperature=torch.ones(B, dtype=torch.bfloat16)),
-     TypeError, r"'temperature' must have dtype Float, got BFloat16"),
-    ("temperature-shape", lambda d: dict(temperature=torch.ones(B - 1)), ValueError,
-     r"'temperature' must have shape \[B\] = \[3\], got \[2\]"),
-    ("temperature-0d", lambda d: dict(temperature=torch.tensor(1.0)), ValueError,
-     r"'temperature' must have shape \[B\] = \[3\], got \[\]"),
-    ("seed-int32", lambda d: dict(seed=i32(1, 2, 3)), TypeError,
-     r"'seed' must have dtype Long, got Int"),
-    ("seed-shape", lambda d: dict(seed=i64(1, 2, 3)[:, None]), ValueError,
-     r"'seed' must have shape \[B\] = \[3\], got \[3, 1\]"),
-    ("position-int32", lambda d: dict(position=i32(1, 2, 3)), TypeError,
-     r"'position' must have dtype Long, got Int"),
-    ("position-float", lambda d: dict(position=f32(1, 2, 3)), TypeError,
-     r"'position' must have dtype Long, got Float"),
-    ("position-shape", lambda d: dict(position=i64(1, 2, 3, 4, 5)), ValueError,
-     r"'position' must have shape \[B\] = \[3\], got \[5\]"),
 ]
 
 # The RNN head's own arguments (check_rnn_draft_args).
 RNN_ERRORS = [
-    ("hidden-float64", lambda d: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
+    ("hidden-float64", RNN, lambda: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
      TypeError, r"'hidden' must have dtype Float or BFloat16 or Half, got Double"),
-    ("hidden-2d", lambda d: dict(hidden=torch.randn(B, D)), ValueError,
+    ("hidden-2d", RNN, lambda: dict(hidden=torch.randn(B, D)), ValueError,
      r"'hidden' must be 3-D \[B, G, d\], got a 2-D tensor of shape \[3, 16\]"),
-    ("hidden-G", lambda d: dict(hidden=torch.randn(B, G + 1, D)), ValueError,
+    ("hidden-G", RNN, lambda: dict(hidden=torch.randn(B, G + 1, D)), ValueError,
      r"'hidden' must have shape \[B, G, d\] = \[3, 4, 16\], got \[3, 5, 16\]"),
-    ("hidden-B", lambda d: dict(hidden=torch.randn(B - 1, G, D)), ValueError,
+    ("hidden-B", RNN, lambda: dict(hidden=torch.randn(B - 1, G, D)), ValueError,
      r"'hidden' must have shape \[B, G, d\] = \[3, 4, 16\], got \[2, 4, 16\]"),
-    ("joint_weight-dtype", lambda d: dict(joint_weight=torch.randn(3 * R, 2 * R + D).half()),
+    ("joint_weight-dtype", RNN, lambda: dict(joint_weight=torch.randn(3 * R, 2 * R + D).half()),
      TypeError, r"'joint_weight' must have dtype Float like 'w1', got Half"),
-    ("joint_weight-width", lambda d: dict(joint_weight=torch.randn(3 * R, 2 * R + D + 1)),
+    ("joint_weight-width", RNN, lambda: dict(joint_weight=torch.randn(3 * R, 2 * R + D + 1)),
      ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[24, 33\]"),
-    ("joint_weight-rows", lambda d: dict(joint_weight=torch.randn(4 * R, 2 * R + D)),
+    ("joint_weight-rows", RNN, lambda: dict(joint_weight=torch.randn(4 * R, 2 * R + D)),
      ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[32, 32\]"),
-    ("joint_weight-transposed", lambda d: dict(joint_weight=torch.randn(2 * R + D, 3 * R)),
+    ("joint_weight-transposed", RNN, lambda: dict(joint_weight=torch.randn(2 * R + D, 3 * R)),
      ValueError, r"'joint_weight' must have shape \[3r, 2r \+ d\] = \[24, 32\], got \[32, 24\]"),
-    ("joint_bias-dtype", lambda d: dict(joint_bias=torch.randn(3 * R).bfloat16()), TypeError,
+    ("joint_bias-dtype", RNN, lambda: dict(joint_bias=torch.randn(3 * R).bfloat16()), TypeError,
      r"'joint_bias' must have dtype Float like 'w1', got BFloat16"),
-    ("joint_bias-shape", lambda d: dict(joint_bias=torch.randn(3 * R - 1)), ValueError,
+    ("joint_bias-shape", RNN, lambda: dict(joint_bias=torch.randn(3 * R - 1)), ValueError,
      r"'joint_bias' must have shape \[3r\] = \[24\], got \[23\]"),
-    ("joint_bias-2d", lambda d: dict(joint_bias=torch.randn(3 * R, 1)), ValueError,
+    ("joint_bias-2d", RNN, lambda: dict(joint_bias=torch.randn(3 * R, 1)), ValueError,
      r"'joint_bias' must have shape \[3r\] = \[24\], got \[24, 1\]"),
 ]
 
-CONFIDENCE_ERRORS = [
-    ("hidden-2d", lambda d: dict(hidden=torch.randn(B, D)), ValueError,
+CONFIDENCE_ERRORS = vocabulary_errors(
+    CONFIDENCE, "w1", lambda: dict(w1=torch.randn(0, R)), _huge_w1, prefix="w1-") + [
+    ("hidden-2d", CONFIDENCE, lambda: dict(hidden=torch.randn(B, D)), ValueError,
      r"'hidden' must be 3-D \[B, G, d\], got a 2-D tensor of shape \[3, 16\]"),
-    ("hidden-float64", lambda d: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
+    ("hidden-float64", CONFIDENCE, lambda: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
      TypeError, r"'hidden' must have dtype Float or BFloat16 or Half, got Double"),
-    ("prev_tokens-float", lambda d: dict(prev_tokens=torch.zeros(B, G)), TypeError,
+    ("prev_tokens-float", CONFIDENCE, lambda: dict(prev_tokens=torch.zeros(B, G)), TypeError,
      r"'prev_tokens' must have dtype Long or Int, got Float"),
-    ("prev_tokens-int16", lambda d: dict(prev_tokens=torch.zeros(B, G, dtype=torch.int16)),
+    ("prev_tokens-int16", CONFIDENCE,
+     lambda: dict(prev_tokens=torch.zeros(B, G, dtype=torch.int16)),
      TypeError, r"'prev_tokens' must have dtype Long or Int, got Short"),
-    ("prev_tokens-shape", lambda d: dict(prev_tokens=torch.zeros(B, G + 1, dtype=torch.int64)),
+    ("prev_tokens-shape", CONFIDENCE,
+     lambda: dict(prev_tokens=torch.zeros(B, G + 1, dtype=torch.int64)),
      ValueError, r"'prev_tokens' must have shape \[B, G\] = \[3, 4\], got \[3, 5\]"),
-    ("prev_tokens-1d", lambda d: dict(prev_tokens=i64(1, 2, 3)), ValueError,
+    ("prev_tokens-1d", CONFIDENCE, lambda: dict(prev_tokens=i64(1, 2, 3)), ValueError,
      r"'prev_tokens' must have shape \[B, G\] = \[3, 4\], got \[3\]"),
-    ("w1-1d", lambda d: dict(w1=torch.randn(V)), ValueError,
+    ("w1-1d", CONFIDENCE, lambda: dict(w1=torch.randn(V)), ValueError,
      r"'w1' must be 2-D \[V, r\], got a 1-D tensor of shape \[100\]"),
-    ("w1-vocab-0", lambda d: dict(w1=torch.randn(0, R)), ValueError,
-     r"'w1' must have a vocabulary size in \[1, 2\^31 - 1\), got 0"),
-    ("w1-vocab-2^31-1", _huge_w1, ValueError,
-     r"'w1' must have a vocabulary size in \[1, 2\^31 - 1\), got 2147483647"),
-    ("w1-float64", lambda d: dict(w1=torch.randn(V, R, dtype=torch.float64)), TypeError,
+    ("w1-float64", CONFIDENCE, lambda: dict(w1=torch.randn(V, R, dtype=torch.float64)), TypeError,
      r"'w1' must have dtype Float or BFloat16 or Half, got Double"),
-    ("rank-0", lambda d: dict(w1=torch.randn(V, 0), weight=torch.randn(D)), ValueError,
+    ("rank-0", CONFIDENCE, lambda: dict(w1=torch.randn(V, 0), weight=torch.randn(D)), ValueError,
      r"'w1' must have a rank r in \[1, 1024\], got \[100, 0\]"),
-    ("rank-1025", lambda d: dict(w1=torch.randn(V, 1025), weight=torch.randn(D + 1025)),
+    ("rank-1025", CONFIDENCE, lambda: dict(w1=torch.randn(V, 1025), weight=torch.randn(D + 1025)),
      ValueError, r"'w1' must have a rank r in \[1, 1024\], got \[100, 1025\]"),
-    ("weight-float64", lambda d: dict(weight=torch.randn(D + R, dtype=torch.float64)),
+    ("weight-float64", CONFIDENCE, lambda: dict(weight=torch.randn(D + R, dtype=torch.float64)),
      TypeError, r"'weight' must have dtype Float or BFloat16 or Half, got Double"),
-    ("weight-shape", lambda d: dict(weight=torch.randn(D + R + 1)), ValueError,
+    ("weight-shape", CONFIDENCE, lambda: dict(weight=torch.randn(D + R + 1)), ValueError,
      r"'weight' must have shape \[d \+ r\] = \[24\], got \[25\]"),
-    ("weight-2d", lambda d: dict(weight=torch.randn(1, D + R)), ValueError,
+    ("weight-2d", CONFIDENCE, lambda: dict(weight=torch.randn(1, D + R)), ValueError,
      r"'weight' must have shape \[d \+ r\] = \[24\], got \[1, 24\]"),
-    ("bias-float64", lambda d: dict(bias=torch.tensor(0.5, dtype=torch.float64)), TypeError,
+    ("bias-float64", CONFIDENCE,
+     lambda: dict(bias=torch.tensor(0.5, dtype=torch.float64)), TypeError,
      r"'bias' must have dtype Float or BFloat16 or Half, got Double"),
-    ("bias-two", lambda d: dict(bias=f32(0.5, 0.5)), ValueError,
+    ("bias-two", CONFIDENCE, lambda: dict(bias=f32(0.5, 0.5)), ValueError,
      r"'bias' must have exactly one element, got shape \[2\]"),
-    ("bias-empty", lambda d: dict(bias=torch.zeros(0)), ValueError,
+    ("bias-empty", CONFIDENCE, lambda: dict(bias=torch.zeros(0)), ValueError,
      r"'bias' must have exactly one element, got shape \[0\]"),
-    ("calib-float64", lambda d: dict(calib_temperature=torch.ones(G, dtype=torch.float64)),
+    ("calib-float64", CONFIDENCE,
+     lambda: dict(calib_temperature=torch.ones(G, dtype=torch.float64)),
      TypeError, r"'calib_temperature' must have dtype Float, got Double"),
-    ("calib-bf16", lambda d: dict(calib_temperature=torch.ones(G, dtype=torch.bfloat16)),
+    ("calib-bf16", CONFIDENCE, lambda: dict(calib_temperature=torch.ones(G, dtype=torch.bfloat16)),
      TypeError, r"'calib_temperature' must have dtype Float, got BFloat16"),
-    ("calib-shape", lambda d: dict(calib_temperature=torch.ones(G + 1)), ValueError,
+    ("calib-shape", CONFIDENCE, lambda: dict(calib_temperature=torch.ones(G + 1)), ValueError,
      r"'calib_temperature' must have shape \[G\] = \[4\], got \[5\]"),
-    ("calib-per-request", lambda d: dict(calib_temperature=torch.ones(B, G)), ValueError,
+    ("calib-per-request", CONFIDENCE, lambda: dict(calib_temperature=torch.ones(B, G)), ValueError,
      r"'calib_temperature' must have shape \[G\] = \[4\], got \[3, 4\]"),
 ]
 
 # Value checks: always on CPU; on CUDA only with DSPARK_OPS_DEBUG=1 (they cost a sync).
-DRAFT_VALUE_ERRORS = [
-    ("anchor-V", lambda d: dict(anchor=i64(0, 100, 5)), ValueError,
+DRAFT_VALUE_ERRORS = per_request_value_errors(DRAFT_OPS, B) + [
+    ("anchor-V", DRAFT_OPS, lambda: dict(anchor=i64(0, 100, 5)), ValueError,
      r"'anchor' values must lie in \[0, 99\], got 100 at index \[1\]"),
-    ("anchor-negative-int32", lambda d: dict(anchor=i32(0, 5, -1)), ValueError,
+    ("anchor-negative-int32", DRAFT_OPS, lambda: dict(anchor=i32(0, 5, -1)), ValueError,
      r"'anchor' values must lie in \[0, 99\], got -1 at index \[2\]"),
-    ("position-negative", lambda d: dict(position=i64(5, -1, 9)), ValueError,
-     r"'position' values must lie in \[0, 4611686018427387904\], got -1 at index \[1\]"),
-    ("position-overflows", lambda d: dict(position=i64(2**62 + 1, 0, 9)), ValueError,
-     r"'position' values must lie in \[0, 4611686018427387904\], got 4611686018427387905 "
-     r"at index \[0\]"),
-    ("temperature-negative", lambda d: dict(temperature=f32(0.0, -0.5, 1.0)), ValueError,
-     r"'temperature' must be finite and >= 0, got -0.5 at index \[1\]"),
-    ("temperature-nan", lambda d: dict(temperature=f32(NAN, 1.0, 1.0)), ValueError,
-     r"'temperature' must be finite and >= 0, got nan at index \[0\]"),
-    ("temperature-inf", lambda d: dict(temperature=f32(0.0, 1.0, INF)), ValueError,
-     r"'temperature' must be finite and >= 0, got inf at index \[2\]"),
     # Offenders at the last element (the CPU checks loop over the data), int64 beyond int32.
-    ("anchor-int64-beyond-int32-last", lambda d: dict(anchor=i64(0, 5, 2**32)), ValueError,
+    ("anchor-int64-beyond-int32-last", DRAFT_OPS, lambda: dict(anchor=i64(0, 5, 2**32)), ValueError,
      r"'anchor' values must lie in \[0, 99\], got 4294967296 at index \[2\]"),
-    ("temperature-nan-last", lambda d: dict(temperature=f32(0.0, 1.0, NAN)), ValueError,
-     r"'temperature' must be finite and >= 0, got nan at index \[2\]"),
 ]
 
 CONFIDENCE_VALUE_ERRORS = [
-    ("prev_tokens-V", lambda d: dict(prev_tokens=i64([0, 1, 2, 3], [4, 5, 100, 7], [1, 1, 1, 1])),
+    ("prev_tokens-V", CONFIDENCE,
+     lambda: dict(prev_tokens=i64([0, 1, 2, 3], [4, 5, 100, 7], [1, 1, 1, 1])),
      ValueError, r"'prev_tokens' values must lie in \[0, 99\], got 100 at index \[1, 2\]"),
-    ("prev_tokens-negative-int32",
-     lambda d: dict(prev_tokens=i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -3])), ValueError,
+    ("prev_tokens-negative-int32", CONFIDENCE,
+     lambda: dict(prev_tokens=i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -3])), ValueError,
      r"'prev_tokens' values must lie in \[0, 99\], got -3 at index \[2, 3\]"),
-    ("calib-zero", lambda d: dict(calib_temperature=f32(1.0, 0.0, 1.0, 1.0)), ValueError,
+    ("calib-zero", CONFIDENCE, lambda: dict(calib_temperature=f32(1.0, 0.0, 1.0, 1.0)), ValueError,
      r"'calib_temperature' must be finite and > 0, got 0 at index \[1\]"),
-    ("calib-negative", lambda d: dict(calib_temperature=f32(1.0, 1.0, -1.0, 1.0)), ValueError,
+    ("calib-negative", CONFIDENCE,
+     lambda: dict(calib_temperature=f32(1.0, 1.0, -1.0, 1.0)), ValueError,
      r"'calib_temperature' must be finite and > 0, got -1 at index \[2\]"),
-    ("calib-nan", lambda d: dict(calib_temperature=f32(NAN, 1.0, 1.0, 1.0)), ValueError,
+    ("calib-nan", CONFIDENCE, lambda: dict(calib_temperature=f32(NAN, 1.0, 1.0, 1.0)), ValueError,
      r"'calib_temperature' must be finite and > 0, got nan at index \[0\]"),
-    ("calib-inf", lambda d: dict(calib_temperature=f32(1.0, 1.0, 1.0, INF)), ValueError,
+    ("calib-inf", CONFIDENCE, lambda: dict(calib_temperature=f32(1.0, 1.0, 1.0, INF)), ValueError,
      r"'calib_temperature' must be finite and > 0, got inf at index \[3\]"),
     # The CPU checks read the data through its strides: offenders at the last element read, in
     # non-contiguous layouts, and int64 ids beyond int32.
-    ("prev_tokens-last-strided",
-     lambda d: dict(prev_tokens=non_contiguous(i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 100]), fill=7)),
+    ("prev_tokens-last-strided", CONFIDENCE,
+     lambda: dict(prev_tokens=non_contiguous(i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 100]),
+                                             fill=7)),
      ValueError, r"'prev_tokens' values must lie in \[0, 99\], got 100 at index \[2, 3\]"),
-    ("prev_tokens-last-transposed-int32",
-     lambda d: dict(prev_tokens=non_contiguous(i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -1]),
-                                               "transposed")),
+    ("prev_tokens-last-transposed-int32", CONFIDENCE,
+     lambda: dict(prev_tokens=non_contiguous(i32([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, -1]),
+                                             "transposed")),
      ValueError, r"'prev_tokens' values must lie in \[0, 99\], got -1 at index \[2, 3\]"),
-    ("prev_tokens-int64-beyond-int32",
-     lambda d: dict(prev_tokens=i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 2**32 + 1])),
+    ("prev_tokens-int64-beyond-int32", CONFIDENCE,
+     lambda: dict(prev_tokens=i64([0, 1, 2, 3], [4, 5, 6, 7], [1, 1, 1, 2**32 + 1])),
      ValueError,
      r"'prev_tokens' values must lie in \[0, 99\], got 4294967297 at index \[2, 3\]"),
-    ("calib-nan-last-strided",
-     lambda d: dict(calib_temperature=non_contiguous(f32(1.0, 1.0, 1.0, NAN), fill=1.0)), ValueError,
+    ("calib-nan-last-strided", CONFIDENCE,
+     lambda: dict(calib_temperature=non_contiguous(f32(1.0, 1.0, 1.0, NAN), fill=1.0)), ValueError,
      r"'calib_temperature' must be finite and > 0, got nan at index \[3\]"),
 ]
 
 
-def _with_overrides(valid: dict, device, overrides) -> dict:
-    changed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-               for k, v in overrides(device).items()}
-    return {**valid, **changed}
+STRUCTURE_ERRORS = COMMON_ERRORS + RNN_ERRORS + CONFIDENCE_ERRORS
+VALUE_ERRORS = DRAFT_VALUE_ERRORS + CONFIDENCE_VALUE_ERRORS
 
 
-def _ids(cases):
-    return [c[0] for c in cases]
-
-
-DRAFT_OPS = ["markov_draft", "rnn_draft"]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", DRAFT_OPS)
-@pytest.mark.parametrize("name,overrides,error,message", COMMON_ERRORS, ids=_ids(COMMON_ERRORS))
-def test_draft_argument_errors(device, op, name, overrides, error, message):
-    with pytest.raises(error, match=rf"^{op}\(\): " + message):
-        call_draft(op, _with_overrides(valid_draft_args(device), device, overrides))
+def call_with_overrides(op: str, device, overrides):
+    if op == "draft_confidence":
+        return ConfidenceCase(**with_overrides(valid_confidence_args(device), device,
+                                               overrides)).call()
+    return call_draft(op, with_overrides(valid_draft_args(device), device, overrides))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", RNN_ERRORS, ids=_ids(RNN_ERRORS))
-def test_rnn_argument_errors(device, name, overrides, error, message):
-    with pytest.raises(error, match=r"^rnn_draft\(\): " + message):
-        call_draft("rnn_draft", _with_overrides(valid_draft_args(device), device, overrides))
+@pytest.mark.parametrize("op,overrides,error,message", error_params(STRUCTURE_ERRORS))
+def test_argument_errors(device, op, overrides, error, message):
+    with raises(op, error, message):
+        call_with_overrides(op, device, overrides)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", CONFIDENCE_ERRORS,
-                         ids=_ids(CONFIDENCE_ERRORS))
-def test_confidence_argument_errors(device, name, overrides, error, message):
-    args = _with_overrides(valid_confidence_args(device), device, overrides)
-    with pytest.raises(error, match=r"^draft_confidence\(\): " + message):
-        ConfidenceCase(**args).call()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", DRAFT_OPS)
-@pytest.mark.parametrize("name,overrides,error,message", DRAFT_VALUE_ERRORS,
-                         ids=_ids(DRAFT_VALUE_ERRORS))
-def test_draft_value_errors(device, op, name, overrides, error, message):
-    if device == "cuda" and not DEBUG:
-        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
-    with pytest.raises(error, match=rf"^{op}\(\): " + message):
-        call_draft(op, _with_overrides(valid_draft_args(device), device, overrides))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", CONFIDENCE_VALUE_ERRORS,
-                         ids=_ids(CONFIDENCE_VALUE_ERRORS))
-def test_confidence_value_errors(device, name, overrides, error, message):
-    if device == "cuda" and not DEBUG:
-        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
-    args = _with_overrides(valid_confidence_args(device), device, overrides)
-    with pytest.raises(error, match=r"^draft_confidence\(\): " + message):
-        ConfidenceCase(**args).call()
+@pytest.mark.parametrize("op,overrides,error,message", error_params(VALUE_ERRORS))
+def test_value_errors(device, op, overrides, error, message):
+    skip_value_checks_without_debug(device)
+    with raises(op, error, message):
+        call_with_overrides(op, device, overrides)
 
 
 @pytest.mark.parametrize("device", DEVICES)

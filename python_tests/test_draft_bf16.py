@@ -16,18 +16,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dspark_ops
 from dspark_ops import reference
 from conftest import DEVICES
-from test_draft import (
+from cases.common import generator, stable_seed
+from cases.draft import (
     assert_sampled_from_stored_logits,
     describe_token_difference,
-    generator,
     logits_tolerance,
     make_case,
     near_tie_case,
-    stable_seed,
     teacher_forced_logits,
     with_bound_scale,
 )
-from test_draft_filters import filters_for
+from cases.draft import filters_for
 
 BF16 = dict(draft_logits_dtype=torch.bfloat16)
 BF16_RTOL = 2.0**-8  # one bfloat16 ulp relative to the value

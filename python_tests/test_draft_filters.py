@@ -12,38 +12,30 @@ import torch
 
 import dspark_ops
 from dspark_ops import reference
-from conftest import DEVICES
+from conftest import DEVICES, cuda_only
 from stats import chi_square, chi_square_passes
-from test_draft import (
+from cases.arguments import (
+    error_params,
+    raises,
+    sampling_filter_errors,
+    sampling_filter_value_errors,
+    skip_value_checks_without_debug,
+    with_overrides,
+)
+from cases.common import generator, stable_seed
+from cases.draft import (
+    FILTER_SETS,
     assert_sampled_from_stored_logits,
     check_output_contract,
     cuda_tolerance,
     describe_token_difference,
-    generator,
+    filters_for,
     logits_tolerance,
     make_case,
     near_tie_case,
-    stable_seed,
     teacher_forced_logits,
     with_bound_scale,
 )
-
-# Per-request settings, some off, cycled over the batch.
-FILTER_SETS = {
-    "top_k": dict(top_k=[1, 5, 0, 40]),
-    "top_p": dict(top_p=[0.5, 0.9, 1.0, 0.05]),
-    "min_p": dict(min_p=[0.0, 0.1, 0.5, 1.0]),
-    "all": dict(top_k=[3, 0, 50, 8], top_p=[0.8, 0.95, 1.0, 0.3], min_p=[0.05, 0.0, 0.2, 0.01]),
-}
-
-
-def filters_for(name: str, batch: int, device) -> dict:
-    out = {}
-    for key, values in FILTER_SETS[name].items():
-        dtype = torch.int32 if key == "top_k" else torch.float32
-        out[key] = torch.tensor([values[b % len(values)] for b in range(batch)], dtype=dtype,
-                                device=device)
-    return out
 
 
 def expected_kept(case, tokens: torch.Tensor, filters: dict) -> torch.Tensor:
@@ -229,29 +221,36 @@ def test_verify_with_the_same_filters_accepts_every_draft(device, head):
     assert torch.equal(out.tokens[:, :block], draft.tokens)
 
 
+# The filter checks are verify's (csrc/args/filter_args.cpp): the same rows, for both heads.
+DRAFT_OPS = ["markov_draft", "rnn_draft"]
+
+
+def _call_with_filters(op: str, device, overrides):
+    head = {"markov_draft": "markov", "rnn_draft": "rnn"}[op]
+    case = make_case(3, 2, 50, 8, seed=1, head=head).to(device)
+    return case.call(**with_overrides({}, device, overrides))
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op,overrides,error,message",
+                         error_params(sampling_filter_errors(DRAFT_OPS)))
+def test_filter_argument_errors(device, op, overrides, error, message):
+    with raises(op, error, message):
+        _call_with_filters(op, device, overrides)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op,overrides,error,message",
+                         error_params(sampling_filter_value_errors(DRAFT_OPS)))
+def test_filter_value_errors(device, op, overrides, error, message):
+    skip_value_checks_without_debug(device)
+    with raises(op, error, message):
+        _call_with_filters(op, device, overrides)
+
+
+@cuda_only
 @pytest.mark.parametrize("head", ["markov", "rnn"])
-def test_filter_argument_errors(device, head):
-    batch = 3
-    case = make_case(batch, 2, 50, 8, seed=1, head=head).to(device)
-    ones = dict(device=device)
-    bad = [
-        (dict(top_k=torch.ones(batch, **ones)), TypeError, "'top_k' must have dtype"),
-        (dict(top_k=torch.ones(batch + 1, dtype=torch.int32, **ones)), ValueError, "'top_k' must have shape"),
-        (dict(top_p=torch.ones(batch, dtype=torch.float64, **ones)), TypeError, "'top_p' must have dtype"),
-        (dict(top_p=torch.ones(1, batch, **ones)), ValueError, "'top_p' must have shape"),
-        (dict(min_p=torch.ones(batch, dtype=torch.int32, **ones)), TypeError, "'min_p' must have dtype"),
-    ]
-    if device == "cpu":  # value checks: always on CPU, on CUDA with DSPARK_OPS_DEBUG=1
-        bad += [
-            (dict(top_k=torch.tensor([1, -1, 0], dtype=torch.int32)), ValueError, "'top_k' values must lie in"),
-            (dict(top_p=torch.tensor([0.5, 0.0, 1.0])), ValueError, r"'top_p' must be in \(0, 1\]"),
-            (dict(top_p=torch.tensor([0.5, 1.5, 1.0])), ValueError, r"'top_p' must be in \(0, 1\]"),
-            (dict(min_p=torch.tensor([0.5, float("nan"), 0.0])), ValueError, "'min_p' must be probabilities"),
-        ]
-    for kwargs, error, message in bad:
-        with pytest.raises(error, match=message):
-            case.call(**kwargs)
-    if torch.cuda.is_available() and device == "cpu":
-        with pytest.raises(ValueError, match="'top_k' must be on"):
-            case.call(top_k=torch.ones(batch, dtype=torch.int32, device="cuda"))
+def test_filter_device_mismatch(head):
+    case = make_case(3, 2, 50, 8, seed=1, head=head).to("cuda")
+    with pytest.raises(ValueError, match="'top_k' must be on"):
+        case.call(top_k=torch.ones(3, dtype=torch.int32))

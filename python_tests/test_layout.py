@@ -162,3 +162,31 @@ def test_contributing_maps_every_op():
 def test_sources_are_comment_stripped_as_meant():
     # The helpers above read code, not comments: a commented-out registration does not count.
     assert strip_comments('a // m.impl("x")\nb /* m.impl("y") */ "//kept"') == 'a  \nb   "//kept"'
+
+
+def _imported_modules(path):
+    """The top-level names of every module ``path`` imports, at any depth of its code."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module.split(".")[0]
+
+
+def test_no_test_file_imports_another():
+    """Test files are not libraries: what several of them share lives in python_tests/cases/
+    (input builders, output checks, argument-error tables) or in conftest.py (fixtures)."""
+    tests = ROOT / "python_tests"
+    sources = sorted(tests.rglob("*.py"))
+    test_modules = {p.stem for p in sources if p.name.startswith("test_")}
+    assert len(test_modules) > 10, test_modules
+    offending = sorted(f"{p.relative_to(ROOT)} imports {name}" for p in sources
+                       for name in set(_imported_modules(p)) if name in test_modules)
+    assert not offending, offending
+
+
+def test_the_import_check_sees_a_test_file_import(tmp_path):
+    # The check above reads imports anywhere in a file, including inside a function.
+    path = tmp_path / "test_example.py"
+    path.write_text("import os\n\ndef helper():\n    from test_verify import make_case\n")
+    assert set(_imported_modules(path)) == {"os", "test_verify"}

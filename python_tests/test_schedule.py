@@ -11,7 +11,6 @@ B are never read (the tests put absurd values there to catch an off-by-one).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -21,12 +20,21 @@ import dspark_ops
 from dspark_ops import reference
 from conftest import CUDA_AVAILABLE, DEVICES, cuda_only, full_tests, non_contiguous
 from stats import binomial_z, chi_square, chi_square_passes
+from cases.arguments import (
+    error_params, per_request_errors, raises, skip_value_checks_without_debug, with_overrides,
+)
+from cases.common import DEBUG
+from cases.schedule import (
+    make_capacity,
+    make_confidence,
+    make_step_rate,
+    random_caps,
+)
 
 INF = float("inf")
 NAN = float("nan")
 INT32_MAX = 2**31 - 1
 FIXED_POINT_ZERO = 2.0**-33  # survivals at or below this add nothing to tau (fixed point 2^32)
-DEBUG = os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0")
 
 
 def generator(seed: int) -> torch.Generator:
@@ -48,78 +56,10 @@ def f32(*values, device="cpu"):
 CONFIDENCE_KINDS = ["uniform", "high", "quantised", "ones", "zeros", "zeros-mid-row", "tiny"]
 
 
-def make_confidence(kind: str, batch: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    """float32 [B, G] conditional confidences of one flavour."""
-    shape = (batch, block)
-    if kind == "uniform":
-        return torch.rand(shape, generator=gen)
-    if kind == "high":  # realistic heads: long survivals, few cut-offs
-        return 0.6 + 0.4 * torch.rand(shape, generator=gen)
-    if kind == "quantised":
-        # Quarters: survivals are exact products, so pairs tie across requests and positions.
-        return torch.randint(1, 5, shape, generator=gen).float() / 4
-    if kind == "ones":  # every survival ties at 1: the order is position, then request
-        return torch.ones(shape)
-    if kind == "zeros":  # nothing is eligible
-        return torch.zeros(shape)
-    if kind == "zeros-mid-row":
-        # Zeros (and -0.0) in the middle of rows: everything after them is ineligible.
-        c = 0.5 + 0.5 * torch.rand(shape, generator=gen)
-        zero = torch.rand(shape, generator=gen) < 0.15
-        negative = torch.rand(shape, generator=gen) < 0.5
-        return c.masked_fill(zero & negative, -0.0).masked_fill(zero & ~negative, 0.0)
-    if kind == "tiny":
-        # Factors down to 1e-6: survivals fall below 2^-33 (zero in fixed point) and into
-        # float32 subnormals within a few positions.
-        return 10 ** (-6 * torch.rand(shape, generator=gen))
-    raise ValueError(kind)
-
-
 RATE_KINDS = ["flat", "linear", "tiles", "jagged", "steep"]
 
 
-def make_step_rate(kind: str, size: int, batch: int, gen: torch.Generator) -> torch.Tensor:
-    """float32 [size] steps/second. ``linear``: a fixed cost plus a per-token cost comparable to
-    the batch's, so some admissions improve Theta and some do not; ``tiles``: flat inside
-    16-token tiles with a cliff at each boundary (tensor-core padding); ``jagged``: linear with
-    ±20 % noise, so later sizes are sometimes faster than earlier ones."""
-    n = torch.arange(size, dtype=torch.float64).clamp_min(1)
-    if kind == "flat":
-        rate = torch.ones(size, dtype=torch.float64)
-    elif kind == "linear":
-        rate = 5000.0 / (batch + n)
-    elif kind == "tiles":
-        rate = 5000.0 / (batch + 16 * torch.ceil(n / 16))
-    elif kind == "jagged":
-        rate = 5000.0 / (batch + n) * (0.8 + 0.4 * torch.rand(size, generator=gen,
-                                                              dtype=torch.float64))
-    elif kind == "steep":
-        rate = 1.0 / n**2
-    else:
-        raise ValueError(kind)
-    return rate.float()
-
-
 M_KINDS = ["full", "tight", "minimal"]
-
-
-def make_capacity(kind: str, batch: int, block: int) -> int:
-    """M = len(step_rate). ``full``: every pair fits; ``tight``: about a third of the pairs fit
-    (the capacity binds); ``minimal``: M = B + 1, no draft can be verified."""
-    if kind == "full":
-        return batch * (block + 1) + 1
-    if kind == "tight":
-        return batch + 1 + (batch * block) // 3
-    if kind == "minimal":
-        return batch + 1
-    raise ValueError(kind)
-
-
-def random_caps(batch: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    caps = torch.randint(0, block + 1, (batch,), generator=gen, dtype=torch.int32)
-    if batch >= 3:  # both ends always present
-        caps[0], caps[1] = 0, block
-    return caps
 
 
 # --------------------------------------------------------------------------------------------
@@ -1091,13 +1031,7 @@ STRUCTURE_ERRORS = [
      r"'num_verify' must have dtype Int, got Long"),
     ("num_verify-shape", PACK, lambda: dict(num_verify=i32(0, 2)), ValueError,
      r"'num_verify' must have shape \[B\] = \[3\], got \[2\]"),
-    ("position-int32", PACK, lambda: dict(position=i32(1, 2, 3)), TypeError,
-     r"'position' must have dtype Long, got Int"),
-    ("position-float", PACK, lambda: dict(position=f32(1, 2, 3)), TypeError,
-     r"'position' must have dtype Long, got Float"),
-    ("position-shape", PACK, lambda: dict(position=torch.tensor([1, 2, 3, 4])), ValueError,
-     r"'position' must have shape \[B\] = \[3\], got \[4\]"),
-]
+] + per_request_errors(PACK, B, names=("position",))
 
 # Value checks: always on CPU; on CUDA only with DSPARK_OPS_DEBUG=1 (they cost a sync).
 VALUE_ERRORS = [
@@ -1146,37 +1080,30 @@ VALUE_ERRORS = [
     ("step_rate-inf-last-strided", WITH_RATE,
      lambda: dict(step_rate=non_contiguous(f32(*[1.0] * 9, INF), fill=1.0)), ValueError,
      r"'step_rate' must be finite and > 0, got inf at index \[9\]"),
-    ("max_verify-last-strided", WITH_CAPS, lambda: dict(max_verify=non_contiguous(i32(0, 2, 5), fill=0)),
+    ("max_verify-last-strided", WITH_CAPS,
+     lambda: dict(max_verify=non_contiguous(i32(0, 2, 5), fill=0)),
      ValueError, r"'max_verify' values must lie in \[0, 4\], got 5 at index \[2\]"),
     ("num_verify-last-strided", PACK, lambda: dict(num_verify=non_contiguous(i32(0, 2, 5), fill=0)),
      ValueError, r"'num_verify' values must lie in \[0, 4\], got 5 at index \[2\]"),
 ]
 
 
-def _expand(cases):
-    return [pytest.param(op, overrides, error, message, id=f"{op}-{name}")
-            for name, ops, overrides, error, message in cases for op in ops]
-
-
 def _with_overrides(device, overrides) -> dict:
-    changed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-               for k, v in overrides().items()}
-    return {**valid_args(device), **changed}
+    return with_overrides(valid_args(device), device, overrides)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op,overrides,error,message", _expand(STRUCTURE_ERRORS))
+@pytest.mark.parametrize("op,overrides,error,message", error_params(STRUCTURE_ERRORS))
 def test_argument_errors(device, op, overrides, error, message):
-    with pytest.raises(error, match=rf"{op}\(\): " + message):
+    with raises(op, error, message):
         call_op(op, _with_overrides(device, overrides))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op,overrides,error,message", _expand(VALUE_ERRORS))
+@pytest.mark.parametrize("op,overrides,error,message", error_params(VALUE_ERRORS))
 def test_value_errors(device, op, overrides, error, message):
-    if device == "cuda" and not DEBUG:
-        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
-    with pytest.raises(error, match=rf"{op}\(\): " + message):
+    skip_value_checks_without_debug(device)
+    with raises(op, error, message):
         call_op(op, _with_overrides(device, overrides))
 
 

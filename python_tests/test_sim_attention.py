@@ -38,7 +38,7 @@ import torch
 
 import emulator
 from dspark_ops import reference
-from test_attention import (
+from cases.attention import (
     BF16,
     F16,
     F32,

@@ -27,6 +27,9 @@ rows at temperatures 0.05 to 20.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
 
@@ -34,27 +37,21 @@ import dspark_ops
 import emulator
 from conftest import full_tests
 from dspark_ops import reference
-from test_draft import (
-    DEBUG,
-    DTYPE_IDS,
-    INF,
-    NAN,
-    DraftCase,
+from cases.common import DEBUG, DTYPE_IDS, INF, NAN, generator, is_greedy, stable_seed
+from cases.draft import (
     assert_sampled_from_stored_logits,
     bf16_representable,
     check_output_contract,
     confidence_logits,
     cuda_tolerance,
     draft_keys,
-    generator,
-    is_greedy,
+    DraftCase,
     make_case,
     make_confidence_case,
     rnn_state_case,
-    stable_seed,
     teacher_forced_logits,
 )
-from test_verify import make_case as verify_case
+from cases.verify import make_case as verify_case
 
 pytestmark = pytest.mark.sim
 
@@ -73,7 +70,7 @@ def run_sim(sim, case: DraftCase) -> dspark_ops.DraftOutput:
 
 
 def sim_tolerance(case: DraftCase, z: torch.Tensor) -> dict:
-    """test_draft.check_against_reference's CUDA tolerance."""
+    """The CUDA tolerance of test_draft.py's check_against_reference (cases/draft.py)."""
     full_f32 = case.w1.dtype == torch.float32 and not bf16_representable(case.w1, case.w2)
     return cuda_tolerance(case, z, 4.0 if full_f32 else 1.0)
 
@@ -166,91 +163,145 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# markov_draft
+# The sweeps of markov_draft and rnn_draft: one case builder for both heads
 # --------------------------------------------------------------------------------------------
 
 F32, BF16, F16, I32, I64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
+LAYOUTS = ("contiguous", "aligned", "offset", "padded")
 
-# (B, G, V, r, weights, base dtype, anchor dtype, temperature, W1/W2 layout)
-MARKOV_CASES = [
+
+@dataclasses.dataclass(frozen=True)
+class SweepCase:
+    """One emulated drafting case: the shape, the head (the RNN head with its hidden width and
+    dtype), the weight kind (cases/draft.py WEIGHTS), the base and anchor dtypes, the
+    temperature kind and the W1/W2 row layout (row_layout)."""
+
+    head: str
+    batch: int
+    block: int
+    vocab: int
+    rank: int
+    weights: str
+    base: torch.dtype
+    ids: torch.dtype
+    layout: str
+    temperature: str = "mixed"
+    hidden_size: int = 16
+    hidden: torch.dtype = F32
+
+    def key(self) -> tuple:
+        # The seed and the test id name the same choices, in the same order, for each head.
+        if self.head == "markov":
+            return ("sim", (self.batch, self.block, self.vocab, self.rank, self.weights,
+                            self.base, self.ids, self.temperature, self.layout))
+        return ("sim-rnn", (self.batch, self.block, self.vocab, self.rank, self.hidden_size,
+                            self.weights, self.base, self.hidden, self.ids, self.layout))
+
+    @property
+    def id(self) -> str:
+        shape = f"B{self.batch}-G{self.block}-V{self.vocab}-r{self.rank}"
+        if self.head == "markov":
+            return (f"{shape}-w{self.weights}-{DTYPE_IDS[self.base]}-{DTYPE_IDS[self.ids]}"
+                    f"-{self.temperature}-{self.layout}")
+        return (f"{shape}-d{self.hidden_size}-w{self.weights}-{DTYPE_IDS[self.base]}"
+                f"-h{DTYPE_IDS[self.hidden]}-{DTYPE_IDS[self.ids]}-{self.layout}")
+
+    def build(self) -> DraftCase:
+        case = make_case(self.batch, self.block, self.vocab, self.rank,
+                         seed=stable_seed(*self.key()), weights=self.weights,
+                         base_dtype=self.base, anchor_dtype=self.ids,
+                         temperature=self.temperature, head=self.head,
+                         hidden_size=self.hidden_size)
+        if case.hidden is not None:
+            case = case.replace(hidden=case.hidden.to(self.hidden))
+        return case.replace(w1=row_layout(case.w1, self.layout),
+                            w2=row_layout(case.w2, self.layout))
+
+
+def markov(batch, block, vocab, rank, weights, base, ids, temperature, layout) -> SweepCase:
+    return SweepCase("markov", batch, block, vocab, rank, weights, base, ids, layout, temperature)
+
+
+def rnn(batch, block, vocab, rank, d, weights, base, hidden, ids, layout) -> SweepCase:
+    return SweepCase("rnn", batch, block, vocab, rank, weights, base, ids, layout,
+                     hidden_size=d, hidden=hidden)
+
+
+def sweep_params(cases) -> list:
+    return [pytest.param(c, id=c.id) for c in cases]
+
+
+def full_sweep(head: str) -> list:
+    """The long sweep of one head (DSPARK_OPS_TEST_FULL=1): every V x G x r x weight kind, the
+    base, hidden and anchor dtypes and the row layouts cycling along."""
+    if not full_tests():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
+    vocabs, ranks, batch, long_batch = {
+        "markov": ((1, 2, 17, 100, 8193), (1, 20, 40, 64), 65, 3),
+        "rnn": ((2, 17, 100, 8193), (1, 20, 64), 9, 2),
+    }[head]
+    floats = (F32, BF16, F16)
+    cases = [SweepCase(head, long_batch if vocab == 8193 else batch, block, vocab, rank, weights,
+                       base=floats[i % 3], ids=(I64, I32)[i % 2], layout=LAYOUTS[i % 4],
+                       hidden=floats[i // 3 % 3])
+             for i, (vocab, block, rank, weights) in enumerate(itertools.product(
+                 vocabs, (1, 7, 32), ranks, ("f32", "bf16", "f16")))]
+    return sweep_params(cases)
+
+
+# --------------------------------------------------------------------------------------------
+# markov_draft
+# --------------------------------------------------------------------------------------------
+
+# markov(B, G, V, r, weights, base dtype, anchor dtype, temperature, W1/W2 layout)
+MARKOV_CASES = sweep_params([
     # V = 1 and 2: one partial warp slice; r = 1.
-    (1, 7, 1, 20, "bf16", F32, I64, "sampled", "contiguous"),
-    (3, 7, 2, 1, "f32", BF16, I32, "mixed", "contiguous"),
-    (2, 2, 2, 1, "f16", F16, I64, "mixed", "padded"),
+    markov(1, 7, 1, 20, "bf16", F32, I64, "sampled", "contiguous"),
+    markov(3, 7, 2, 1, "f32", BF16, I32, "mixed", "contiguous"),
+    markov(2, 2, 2, 1, "f16", F16, I64, "mixed", "padded"),
     # V = 17: warp 0 full, warp 1 one row; odd B.
-    (5, 7, 17, 40, "f16", F16, I64, "mixed", "aligned"),
-    (7, 7, 17, 20, "f32", F32, I32, "greedy", "offset"),
+    markov(5, 7, 17, 40, "f16", F16, I64, "mixed", "aligned"),
+    markov(7, 7, 17, 20, "f32", F32, I32, "greedy", "offset"),
     # G = 32 with one full group of 64 requests.
-    (64, 32, 17, 64, "bf16", F32, I32, "mixed", "contiguous"),
+    markov(64, 32, 17, 64, "bf16", F32, I32, "mixed", "contiguous"),
     # B = 65 / 130: two and three request groups of 64.
-    (65, 2, 100, 20, "f32", BF16, I64, "mixed", "aligned"),
-    (130, 1, 100, 40, "bf16", F16, I32, "sampled", "offset"),
-    (65, 2, 100, 44, "f16", F32, I64, "mixed", "aligned"),  # aligned rows, a scalar k tail
+    markov(65, 2, 100, 20, "f32", BF16, I64, "mixed", "aligned"),
+    markov(130, 1, 100, 40, "bf16", F16, I32, "sampled", "offset"),
+    markov(65, 2, 100, 44, "f16", F32, I64, "mixed", "aligned"),  # aligned rows, a scalar k tail
     # V = 8193: 65 tiles (the last one row) over 65 blocks per group.
-    (7, 2, 8193, 20, "bf16", F32, I64, "mixed", "padded"),
-    (4, 2, 8193, 64, "f32", BF16, I32, "mixed", "contiguous"),
-    (3, 1, 8193, 40, "f16", F16, I64, "sampled", "contiguous"),
-    (1, 2, 8193, 1, "f32", F16, I32, "greedy", "offset"),
+    markov(7, 2, 8193, 20, "bf16", F32, I64, "mixed", "padded"),
+    markov(4, 2, 8193, 64, "f32", BF16, I32, "mixed", "contiguous"),
+    markov(3, 1, 8193, 40, "f16", F16, I64, "sampled", "contiguous"),
+    markov(1, 2, 8193, 1, "f32", F16, I32, "greedy", "offset"),
     # Large ranks: inputs past 48 KB need the shared-memory opt-in (f32 r = 200: 58 KB at 64
     # requests); past the emulated H200's budget (109 KB: f32 r = 448, bf16 r = 864) the group
     # halves to 32.
-    (40, 2, 100, 200, "f32", F32, I64, "mixed", "contiguous"),
-    (33, 1, 300, 400, "bf16", BF16, I32, "mixed", "padded"),
-    (34, 1, 200, 352, "f16", F32, I64, "greedy", "aligned"),
-    (40, 2, 100, 448, "f32", F32, I64, "mixed", "contiguous"),
-    (33, 1, 300, 864, "bf16", BF16, I32, "mixed", "padded"),
+    markov(40, 2, 100, 200, "f32", F32, I64, "mixed", "contiguous"),
+    markov(33, 1, 300, 400, "bf16", BF16, I32, "mixed", "padded"),
+    markov(34, 1, 200, 352, "f16", F32, I64, "greedy", "aligned"),
+    markov(40, 2, 100, 448, "f32", F32, I64, "mixed", "contiguous"),
+    markov(33, 1, 300, 864, "bf16", BF16, I32, "mixed", "padded"),
     # Full-mantissa float32 weights.
-    (9, 3, 500, 20, "f32full", F32, I64, "mixed", "padded"),
-]
+    markov(9, 3, 500, 20, "f32full", F32, I64, "mixed", "padded"),
+])
 
 
-def _markov_id(c) -> str:
-    batch, block, vocab, rank, weights, base, ids, temperature, layout = c
-    return (f"B{batch}-G{block}-V{vocab}-r{rank}-w{weights}-{DTYPE_IDS[base]}-{DTYPE_IDS[ids]}"
-            f"-{temperature}-{layout}")
-
-
-def markov_case(params) -> DraftCase:
-    batch, block, vocab, rank, weights, base, ids, temperature, layout = params
-    case = make_case(batch, block, vocab, rank, seed=stable_seed("sim", params), weights=weights,
-                     base_dtype=base, anchor_dtype=ids, temperature=temperature)
-    return case.replace(w1=row_layout(case.w1, layout), w2=row_layout(case.w2, layout))
-
-
-@pytest.mark.parametrize("params", MARKOV_CASES, ids=[_markov_id(c) for c in MARKOV_CASES])
+@pytest.mark.parametrize("params", MARKOV_CASES)
 def test_markov_draft_matches_cpu_and_reference(sim, params):
     """markov_draft on the emulated H200: the drafts of the CPU kernel and the reference (up to
     float near-ties), draft_logits within the CUDA tolerance, over vocabulary tails, ranks, group
     counts, every weight/base/id dtype and aligned and unaligned W2 rows."""
-    case = markov_case(params)
+    case = params.build()
     out = check_draft(sim, case)
     batch, block, vocab = case.base_logits.shape
     if batch * block >= 60 and vocab > 2 and not is_greedy(case.temperature).all():
         assert (out.tokens != out.draft_logits.argmax(-1)).any()  # really sampled
 
 
-def _markov_full():
-    if not full_tests():
-        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
-    params, i = [], 0
-    for vocab in (1, 2, 17, 100, 8193):
-        for block in (1, 7, 32):
-            for rank in (1, 20, 40, 64):
-                for weights in ("f32", "bf16", "f16"):
-                    base = (F32, BF16, F16)[i % 3]
-                    ids = (I64, I32)[i % 2]
-                    layout = ("contiguous", "aligned", "offset", "padded")[i % 4]
-                    i += 1
-                    batch = 3 if vocab == 8193 else 65
-                    c = (batch, block, vocab, rank, weights, base, ids, "mixed", layout)
-                    params.append(pytest.param(c, id=_markov_id(c)))
-    return params
-
-
-@pytest.mark.parametrize("params", _markov_full())
+@pytest.mark.parametrize("params", full_sweep("markov"))
 def test_markov_draft_full_sweep(sim, params):
     """The long sweep (DSPARK_OPS_TEST_FULL=1): every V x G x r x weight dtype."""
-    check_draft(sim, markov_case(params))
+    check_draft(sim, params.build())
 
 
 def test_unaligned_rows_give_the_same_results(sim):
@@ -477,77 +528,44 @@ def test_out_of_range_ids_embed_as_zero_rows(sim, op):
 # rnn_draft
 # --------------------------------------------------------------------------------------------
 
-# (B, G, V, r, d, weights, base dtype, hidden dtype, anchor dtype, layout)
-RNN_CASES = [
-    (1, 2, 2, 1, 7, "f32", F32, F32, I64, "contiguous"),
-    (8, 7, 100, 20, 16, "f32", F32, BF16, I64, "aligned"),
-    (5, 4, 1000, 40, 24, "bf16", BF16, F16, I32, "offset"),
-    (3, 3, 17, 64, 33, "f16", F16, F32, I64, "padded"),
-    (65, 2, 17, 8, 16, "bf16", F32, F32, I32, "contiguous"),
-    (2, 2, 8193, 20, 16, "f16", BF16, BF16, I64, "contiguous"),
+# rnn(B, G, V, r, d, weights, base dtype, hidden dtype, anchor dtype, layout)
+RNN_CASES = sweep_params([
+    rnn(1, 2, 2, 1, 7, "f32", F32, F32, I64, "contiguous"),
+    rnn(8, 7, 100, 20, 16, "f32", F32, BF16, I64, "aligned"),
+    rnn(5, 4, 1000, 40, 24, "bf16", BF16, F16, I32, "offset"),
+    rnn(3, 3, 17, 64, 33, "f16", F16, F32, I64, "padded"),
+    rnn(65, 2, 17, 8, 16, "bf16", F32, F32, I32, "contiguous"),
+    rnn(2, 2, 8193, 20, 16, "f16", BF16, BF16, I64, "contiguous"),
     # r = 130, 16-bit: two input planes of 64 x 224 x 2 bytes (56 KB, past 48 KB: the opt-in).
-    (33, 2, 100, 130, 16, "bf16", F16, BF16, I64, "aligned"),
-    (33, 1, 50, 130, 8, "f16", BF16, F32, I32, "offset"),
+    rnn(33, 2, 100, 130, 16, "bf16", F16, BF16, I64, "aligned"),
+    rnn(33, 1, 50, 130, 8, "f16", BF16, F32, I32, "offset"),
     # Past the emulated H200's 109 KB budget, so groups of 32: r = 416, 16-bit (two planes of
     # 64 x 480 x 2 bytes); f32 r = 448 (one plane of 64 x 452 x 4 bytes).
-    (33, 1, 50, 416, 8, "bf16", BF16, BF16, I64, "aligned"),
-    (34, 1, 50, 448, 8, "f32", F32, F16, I64, "padded"),
-    (9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
+    rnn(33, 1, 50, 416, 8, "bf16", BF16, BF16, I64, "aligned"),
+    rnn(34, 1, 50, 448, 8, "f32", F32, F16, I64, "padded"),
+    rnn(9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
     # A wide hidden input (d = 2560 as in the released checkpoints): rnn_head_kernel's k loop runs
     # its four-step unrolled body many times, then a partial tail.
-    (4, 2, 100, 40, 2560, "bf16", BF16, BF16, I64, "aligned"),
-]
+    rnn(4, 2, 100, 40, 2560, "bf16", BF16, BF16, I64, "aligned"),
+])
 
 
-def _rnn_id(c) -> str:
-    batch, block, vocab, rank, d, weights, base, hidden, ids, layout = c
-    return (f"B{batch}-G{block}-V{vocab}-r{rank}-d{d}-w{weights}-{DTYPE_IDS[base]}"
-            f"-h{DTYPE_IDS[hidden]}-{DTYPE_IDS[ids]}-{layout}")
-
-
-def rnn_case(params) -> DraftCase:
-    batch, block, vocab, rank, d, weights, base, hidden, ids, layout = params
-    case = make_case(batch, block, vocab, rank, seed=stable_seed("sim-rnn", params),
-                     weights=weights, base_dtype=base, anchor_dtype=ids, head="rnn",
-                     hidden_size=d)
-    return case.replace(hidden=case.hidden.to(hidden), w1=row_layout(case.w1, layout),
-                        w2=row_layout(case.w2, layout))
-
-
-@pytest.mark.parametrize("params", RNN_CASES, ids=[_rnn_id(c) for c in RNN_CASES])
+@pytest.mark.parametrize("params", RNN_CASES)
 def test_rnn_draft_matches_cpu_and_reference(sim, params):
     """rnn_draft (rnn_head_kernel + draft_slot_kernel per slot, the state advanced by the slot
     kernel): the CPU kernel's and the reference's drafts, z within the CUDA tolerance, for float32
     weights and the 16-bit two-pass split activation, across slots, groups and layouts."""
-    check_draft(sim, rnn_case(params))
+    check_draft(sim, params.build())
 
 
-def _rnn_full():
-    if not full_tests():
-        return [pytest.param(None, marks=pytest.mark.skip(reason="set DSPARK_OPS_TEST_FULL=1"))]
-    params, i = [], 0
-    for vocab in (2, 17, 100, 8193):
-        for block in (1, 7, 32):
-            for rank in (1, 20, 64):
-                for weights in ("f32", "bf16", "f16"):
-                    base, hidden = (F32, BF16, F16)[i % 3], (F32, BF16, F16)[i // 3 % 3]
-                    layout = ("contiguous", "aligned", "offset", "padded")[i % 4]
-                    i += 1
-                    batch = 2 if vocab == 8193 else 9
-                    c = (batch, block, vocab, rank, 16, weights, base, hidden, (I64, I32)[i % 2],
-                         layout)
-                    params.append(pytest.param(c, id=_rnn_id(c)))
-    return params
-
-
-@pytest.mark.parametrize("params", _rnn_full())
+@pytest.mark.parametrize("params", full_sweep("rnn"))
 def test_rnn_draft_full_sweep(sim, params):
     """The long sweep (DSPARK_OPS_TEST_FULL=1): every V x G x r x weight dtype of the RNN head."""
-    check_draft(sim, rnn_case(params))
+    check_draft(sim, params.build())
 
 
 def test_rnn_state_update_is_after_the_bias(sim):
-    """o = s_j and constant gate/candidate (test_draft.rnn_state_case): slot j's bias is
+    """o = s_j and constant gate/candidate (cases/draft.py rnn_state_case): slot j's bias is
     W2 . tanh(s_j) from the state before its update (slot 0 unbiased), on the CUDA-core and the
     tensor-core path."""
     gen = generator(208)
@@ -906,18 +924,14 @@ def check_bf16_draft(sim, case: DraftCase, **filters):
     return got
 
 
-@pytest.mark.parametrize("params", [
-    (5, 3, 300, 40, "bf16", BF16, I64, "mixed", "aligned"),
-    (9, 2, 8193, 20, "f32", F32, I32, "sampled", "padded"),
-    (65, 2, 100, 64, "f16", F16, I64, "greedy", "aligned"),
-    (3, 7, 17, 1, "bf16", F32, I64, "mixed", "offset"),
-], ids=[_markov_id(c) for c in [
-    (5, 3, 300, 40, "bf16", BF16, I64, "mixed", "aligned"),
-    (9, 2, 8193, 20, "f32", F32, I32, "sampled", "padded"),
-    (65, 2, 100, 64, "f16", F16, I64, "greedy", "aligned"),
-    (3, 7, 17, 1, "bf16", F32, I64, "mixed", "offset")]])
+@pytest.mark.parametrize("params", sweep_params([
+    markov(5, 3, 300, 40, "bf16", BF16, I64, "mixed", "aligned"),
+    markov(9, 2, 8193, 20, "f32", F32, I32, "sampled", "padded"),
+    markov(65, 2, 100, 64, "f16", F16, I64, "greedy", "aligned"),
+    markov(3, 7, 17, 1, "bf16", F32, I64, "mixed", "offset"),
+]))
 def test_bf16_logits_markov(sim, params):
-    case = markov_case(params)
+    case = params.build()
     got = check_bf16_draft(sim, case)
     # The float32 op draws from the unrounded z: its stored rows round to these (same drafts).
     f32 = run_sim(sim, case)

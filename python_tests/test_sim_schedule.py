@@ -19,7 +19,7 @@ import torch
 import emulator
 from conftest import full_tests, non_contiguous
 from dspark_ops import reference
-from test_schedule import make_capacity, make_confidence, make_step_rate, random_caps
+from cases.schedule import make_capacity, make_confidence, make_step_rate, random_caps
 
 pytestmark = pytest.mark.sim
 

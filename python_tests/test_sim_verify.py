@@ -54,31 +54,37 @@ import pytest
 import torch
 
 import emulator
-from conftest import full_tests, non_contiguous
+from conftest import non_contiguous
 from dspark_ops import reference
-from test_verify import (
-    first_rows,
-    num_draft_zero_case,
-    with_non_finite_logits,
+from cases.common import INF, NAN, generator, is_greedy, stable_seed
+from cases.verify import (
     BAD_ROWS,
-    INF,
-    NAN,
-    Case,
-    _certain_accepts,
     assert_same_outputs,
+    Case,
+    certain_accepts,
     check_output_contract,
     distinct_tokens,
     finite_or_neg_inf,
-    generator,
+    first_rows,
     greedy_expectation,
-    is_greedy,
     make_case,
+    num_draft_zero_case,
     one_hot_logits,
     padded_rows,
     peaky_logits,
     sample_drafts,
-    stable_seed,
     to_ragged,
+    with_non_finite_logits,
+)
+from cases.verify_filters import (
+    check_logprob_contract,
+    Filters,
+    KINDS,
+    LOGPROB_TOLERANCE,
+    NO_FILTERS,
+    pack_mask,
+    random_filters,
+    to_ragged_with_mask,
 )
 
 pytestmark = pytest.mark.sim
@@ -413,7 +419,7 @@ def test_full_accept_and_forced_rejection(sim, draft):
     requests share the call; V = 8193 spreads each row over 9 chunks."""
     batch, block, vocab = 5, 7, 8193
     gen = generator(stable_seed("accept", draft))
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     k = torch.tensor([-1, 0, 3, -1, 6])
     rows = torch.arange(batch)
     for b in (k >= 0).nonzero()[:, 0].tolist():
@@ -511,7 +517,7 @@ def test_target_row_without_finite_logit(sim, bad):
     logit in any of its 5 chunks: the op emits 0 there with valid = False."""
     batch, block, vocab = 5, 6, 4097
     gen = generator(stable_seed("badtarget", bad))
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     k = torch.tensor([0, 6, 3, 2, 5])
     n = torch.tensor([4, 6, 3, 6, 5], dtype=I32)
     target[torch.arange(batch), k] = BAD_ROWS[bad]((batch, vocab))
@@ -528,7 +534,7 @@ def test_draft_row_without_finite_logit(sim):
     and still emits an id in [0, V); greedy requests do not read the draft logits (5 chunks)."""
     batch, block, vocab = 5, 6, 4097
     gen = generator(361)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     k = torch.tensor([1, 0, 5, 2, 3])
     rows = torch.arange(batch)
     target[rows, k] = torch.randn(batch, vocab, generator=gen)
@@ -622,7 +628,7 @@ def test_request_outputs_are_bitwise_batch_invariant(sim, dtype):
 
 def _all_accepted(batch: int, block: int, vocab: int, gen: torch.Generator) -> Case:
     """Every draft accepted (one-hot p = q), then a bonus row drawn from a peaked distribution."""
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     target[:, block] = peaky_logits((batch,), vocab, gen)
     return Case(target, drafts, torch.full((batch,), block, dtype=I32), torch.ones(batch),
                 *randoms(batch, gen), draft_logits=draft_logits)
@@ -688,7 +694,7 @@ def test_unchecked_values(sim, what):
         assert_same_outputs(got, check(sim, clamped), clamped)
     else:
         gen = generator(393)
-        drafts, target, _ = _certain_accepts(batch, block, vocab, gen)
+        drafts, target, _ = certain_accepts(batch, block, vocab, gen)
         flat = target.reshape(-1, vocab)
         rows = flat.shape[0]
         # Request 0 starts at the last two rows (request 4's rows 5 and 6, one-hot on its drafts
@@ -748,20 +754,9 @@ def test_planted_faults_are_caught(sim, fault):
     assert how, f"{plant} was not caught"
 
 
-
 # --------------------------------------------------------------------------------------------
 # Sampling filters and logprobs (kernels/filter.cuh: the decider block's radix descent)
 # --------------------------------------------------------------------------------------------
-
-from test_verify_filters import (  # noqa: E402
-    KINDS,
-    LOGPROB_TOLERANCE,
-    NO_FILTERS,
-    Filters,
-    check_logprob_contract,
-    pack_mask,
-    random_filters,
-)
 
 
 def _filtered(op):
@@ -850,7 +845,7 @@ def test_filters_with_literal_outcomes(sim):
     top_k = 1 (its draft is accepted iff it is the argmax)."""
     batch, block, vocab = 5, 4, 8193
     gen = generator(501)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     allowed = torch.ones(batch, block + 1, vocab, dtype=torch.bool)
     target[0, 2] = peaky_logits((), vocab, gen)
     allowed[0, 2, drafts[0, 2]] = False
@@ -889,8 +884,6 @@ def test_filters_ragged_and_unaligned_masked_rows(sim):
     """A ragged layout (shuffled requests, junk rows with random mask words between them) and
     target rows that start one element past a 16-byte boundary (the scalar loads, and the mask
     words read for elements that are not at the row's start) give the padded results."""
-    from test_verify_filters import to_ragged_with_mask
-
     batch, block, vocab = 5, 4, 1000
     case = make_case(batch, block, vocab, seed=511, temperature="mixed", dtype=BF16)
     filters = random_filters(case, KINDS["all-mask"], generator(512))

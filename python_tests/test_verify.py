@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import zlib
-from typing import Optional
 
 import pytest
 import torch
@@ -17,11 +14,58 @@ import dspark_ops
 from dspark_ops import reference
 from conftest import DEVICES, cuda_only, full_tests, non_contiguous, on_two_streams
 from stats import chi_square, chi_square_passes
-
-FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-INF = float("inf")
-NAN = float("nan")
+from cases.arguments import (
+    error_params,
+    per_request_errors,
+    per_request_value_errors,
+    raises,
+    skip_value_checks_without_debug,
+    vocabulary_errors,
+    with_overrides,
+)
+from cases.common import (
+    DEBUG,
+    DTYPE_IDS,
+    FLOAT_DTYPES,
+    INF,
+    NAN,
+    f32,
+    generator,
+    i32,
+    i64,
+    is_greedy,
+    stable_seed,
+)
+from cases.verify import (
+    B,
+    BAD_ROWS,
+    G,
+    STAT_BLOCK,
+    STAT_VOCAB,
+    V,
+    accepted_length_distribution,
+    assert_same_outputs,
+    Case,
+    certain_accepts,
+    check_output_contract,
+    distinct_tokens,
+    finite_or_neg_inf,
+    first_rows,
+    greedy_expectation,
+    make_case,
+    make_temperature,
+    num_draft_zero_case,
+    one_hot_logits,
+    padded_rows,
+    peaky_logits,
+    positions_distributed_as_target,
+    ragged_args,
+    sample_drafts,
+    stat_rows,
+    to_ragged,
+    valid_args,
+    with_non_finite_logits,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -29,205 +73,9 @@ NAN = float("nan")
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Case:
-    """One call's arguments; ``call`` runs the op or the reference on them."""
-
-    target_logits: torch.Tensor
-    draft_tokens: torch.Tensor
-    num_draft: torch.Tensor
-    temperature: torch.Tensor
-    seed: torch.Tensor
-    position: torch.Tensor
-    draft_logits: Optional[torch.Tensor] = None
-    target_start: Optional[torch.Tensor] = None
-    draft_temperature: Optional[torch.Tensor] = None
-
-    @property
-    def vocab(self) -> int:
-        return self.target_logits.shape[-1]
-
-    def call(self, fn=dspark_ops.verify, **extra):
-        return fn(
-            self.target_logits, self.draft_tokens, self.num_draft, self.temperature, self.seed,
-            self.position, draft_logits=self.draft_logits, target_start=self.target_start,
-            draft_temperature=self.draft_temperature, **extra,
-        )
-
-    def replace(self, **changes) -> "Case":
-        return dataclasses.replace(self, **changes)
-
-    def to(self, device) -> "Case":
-        return Case(**{
-            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-            for f in dataclasses.fields(self)
-        })
-
-    def select(self, index: torch.Tensor) -> "Case":
-        """The requests ``index`` (padded layout only), in that order."""
-        assert self.target_start is None and self.target_logits.dim() == 3
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return Case(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def stable_seed(*key) -> int:
-    """A seed derived from test parameters, the same in every process (unlike hash())."""
-    return zlib.crc32(repr(key).encode())
-
-
-def peaky_logits(shape, vocab: int, gen: torch.Generator, heads: int = 3) -> torch.Tensor:
-    """float32 logits: a dense random tail plus a few boosted tokens per row, as real LM logits
-    have, so that sampled drafts are accepted at realistic rates at any vocabulary size."""
-    logits = torch.randn(*shape, vocab, generator=gen)
-    if vocab > heads:
-        index = torch.rand(*shape, vocab, generator=gen).topk(heads, dim=-1).indices
-        boost = math.log(vocab) + 3 * torch.rand(*shape, heads, generator=gen)
-        logits.scatter_add_(-1, index, boost)
-    return logits
-
-
-def make_temperature(kind, batch: int, gen: torch.Generator) -> torch.Tensor:
-    if isinstance(kind, torch.Tensor):
-        return kind.float()
-    if isinstance(kind, (int, float)):
-        return torch.full((batch,), float(kind))
-    sampled = 0.4 + 1.2 * torch.rand(batch, generator=gen)
-    if kind == "sampled":
-        return sampled
-    if kind == "greedy":
-        return torch.zeros(batch)
-    if kind == "mixed":
-        # Greedy (0, 1e-6, exactly the 1e-5 threshold) and sampled requests in one launch.
-        greedy = torch.tensor([0.0, 1e-6, 1e-5])[torch.randint(0, 3, (batch,), generator=gen)]
-        return torch.where(torch.rand(batch, generator=gen) < 0.4, greedy, sampled)
-    raise ValueError(kind)
-
-
-def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
-    return ~(temperature.float() > reference.GREEDY_TEMPERATURE)
-
-
-def finite_or_neg_inf(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    return torch.where(torch.isfinite(logits), logits, -INF)
-
-
-def sample_drafts(draft_logits: torch.Tensor, draft_temperature: torch.Tensor,
-                  gen: torch.Generator) -> torch.Tensor:
-    """Draft tokens drawn from exactly q = softmax(draft_logits / T_d) (argmax when greedy)."""
-    logits = finite_or_neg_inf(draft_logits.cpu()).double()
-    batch, block, vocab = logits.shape
-    if block == 0:
-        return torch.zeros(batch, 0, dtype=torch.int64)
-    t = draft_temperature.cpu().double().clamp_min(reference.GREEDY_TEMPERATURE)
-    probs = torch.softmax(logits / t[:, None, None], dim=-1)
-    probs = torch.where(probs.isnan(), 1.0, probs)  # rows with no finite logit: any token
-    sampled = torch.multinomial(probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, block)
-    return torch.where(is_greedy(draft_temperature.cpu())[:, None], logits.argmax(-1), sampled)
-
-
-def make_case(batch: int, block: int, vocab: int, *, seed: int, temperature="sampled",
-              draft="logits", dtype=torch.float32, draft_dtype=None, draft_temperature=None,
-              num_draft=None, noise: float = 0.5, token_dtype=torch.int64) -> Case:
-    """A realistic padded-layout case: draft logits are the target's plus noise and the draft
-    tokens are sampled from them, so acceptance, rejection and bonus rows all occur."""
-    gen = generator(seed)
-    target = peaky_logits((batch, block + 1), vocab, gen)
-    draft_logits = target[:, :block] + noise * torch.randn(batch, block, vocab, generator=gen)
-    temperature = make_temperature(temperature, batch, gen)
-    if draft_temperature is not None:
-        draft_temperature = make_temperature(draft_temperature, batch, gen)
-    target = target.to(dtype)
-    draft_logits = draft_logits.to(draft_dtype or dtype)
-    drafts = sample_drafts(
-        draft_logits, temperature if draft_temperature is None else draft_temperature, gen
-    )
-    if num_draft is None:
-        num_draft = torch.randint(0, block + 1, (batch,), generator=gen)
-    elif isinstance(num_draft, int):
-        num_draft = torch.full((batch,), num_draft)
-    return Case(
-        target_logits=target,
-        draft_tokens=drafts.to(token_dtype),
-        num_draft=num_draft.to(torch.int32),
-        temperature=temperature,
-        seed=torch.randint(-(2**62), 2**62, (batch,), generator=gen),
-        # Across the 2^32 boundary of the counter's position words.
-        position=torch.randint(0, 2**33, (batch,), generator=gen),
-        draft_logits=draft_logits if draft == "logits" else None,
-        draft_temperature=draft_temperature,
-    )
-
-
-def one_hot_logits(tokens: torch.Tensor, vocab: int, *, floor=-INF, value=None,
-                   gen=None) -> torch.Tensor:
-    """Logit rows whose only finite entry (or only one that survives exp) is ``tokens``."""
-    rows = torch.full((*tokens.shape, vocab), floor)
-    if gen is not None and floor != -INF:
-        rows += torch.randn(rows.shape, generator=gen)  # finite, but exp() underflows to 0
-    if value is None:
-        top = torch.randn(tokens.shape, generator=gen)
-    else:
-        top = torch.full(tokens.shape, value)
-    rows.scatter_(-1, tokens[..., None], top[..., None])
-    return rows
-
-
-def distinct_tokens(count: int, vocab: int, gen: torch.Generator, rows: int) -> torch.Tensor:
-    """[rows, count] random token ids, distinct within a row."""
-    return torch.rand(rows, vocab, generator=gen).argsort(-1)[:, :count]
-
-
 # --------------------------------------------------------------------------------------------
 # Checking outputs
 # --------------------------------------------------------------------------------------------
-
-
-def check_output_contract(case: Case, out) -> None:
-    """What every output must satisfy whatever the inputs (docs/semantics.md §3.1)."""
-    batch, block = case.draft_tokens.shape
-    tokens, accepted, valid = out[:3]
-    assert tokens.dtype == torch.int64 and tokens.shape == (batch, block + 1)
-    assert accepted.dtype == torch.int32 and accepted.shape == (batch,)
-    assert valid.dtype == torch.bool and valid.shape == (batch,)
-    assert tokens.device == accepted.device == valid.device == case.draft_tokens.device
-    tokens, accepted = tokens.cpu(), accepted.cpu().long()
-    n = case.num_draft.cpu().long()
-    assert ((accepted >= 0) & (accepted <= n)).all()
-    j = torch.arange(block + 1)
-    drafts = torch.cat([case.draft_tokens.cpu().long(), torch.full((batch, 1), -1)], 1)
-    accepted_part = j < accepted[:, None]
-    assert torch.equal(tokens[accepted_part], drafts[accepted_part])
-    emitted = tokens.gather(1, accepted[:, None])[:, 0]
-    assert ((emitted >= 0) & (emitted < case.vocab)).all(), f"ids out of range: {emitted}"
-    assert (tokens[j > accepted[:, None]] == -1).all()
-
-
-def describe_difference(case: Case, got, expected) -> str:
-    bad = (got.tokens != expected.tokens).any(1) | (got.num_accepted != expected.num_accepted)
-    bad |= got.valid != expected.valid
-    b = int(bad.nonzero()[0, 0])
-    return (
-        f"{int(bad.sum())} of {bad.numel()} requests differ; first b={b}: "
-        f"op tokens={got.tokens[b].tolist()} accepted={int(got.num_accepted[b])} "
-        f"valid={bool(got.valid[b])}; reference tokens={expected.tokens[b].tolist()} "
-        f"accepted={int(expected.num_accepted[b])} valid={bool(expected.valid[b])}; "
-        f"num_draft={int(case.num_draft[b])} temperature={float(case.temperature[b])} "
-        f"seed={int(case.seed[b])} position={int(case.position[b])}"
-    )
-
-
-def assert_same_outputs(got, expected, case: Case) -> None:
-    same = (
-        torch.equal(got.tokens, expected.tokens)
-        and torch.equal(got.num_accepted, expected.num_accepted)
-        and torch.equal(got.valid, expected.valid)
-    )
-    assert same, describe_difference(case, got, expected)
 
 
 def check_against_reference(case: Case):
@@ -236,22 +84,6 @@ def check_against_reference(case: Case):
     check_output_contract(case, got)
     assert_same_outputs(got, case.call(reference.verify), case)
     return got
-
-
-def greedy_expectation(target_rows: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor):
-    """Greedy rule spelt out: accept while the draft is the row's first argmax."""
-    argmax = finite_or_neg_inf(target_rows).argmax(-1)  # [B, G+1]; torch.argmax: first max
-    batch = drafts.shape[0]
-    match = torch.cat([drafts.long() == argmax[:, :-1], torch.zeros(batch, 1, dtype=torch.bool)], 1)
-    match &= torch.arange(match.shape[1]) < n[:, None]
-    accepted = match.int().cumprod(1).sum(1)
-    return accepted, argmax.gather(1, accepted[:, None].long())[:, 0]
-
-
-def padded_rows(case: Case) -> torch.Tensor:
-    """[B, G+1, V] view of the target rows of a padded-layout case."""
-    batch, block = case.draft_tokens.shape
-    return case.target_logits.reshape(batch, block + 1, -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,15 +266,6 @@ def test_forced_rejection_disjoint_supports(device, draft, floor):
     assert (out.tokens[:, 1:] == -1).all()
 
 
-def _certain_accepts(batch, block, vocab, gen):
-    """Random drafts with p = q = one-hot on the draft at every row, so every row accepts (the
-    bonus row is one-hot too). Tests overwrite the row where something else should happen."""
-    drafts = torch.randint(0, vocab, (batch, block), generator=gen)
-    target = one_hot_logits(torch.cat([drafts, drafts[:, :1]], 1), vocab, gen=gen)
-    draft_logits = one_hot_logits(drafts, vocab, gen=gen)
-    return drafts, target, draft_logits
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -453,7 +276,7 @@ def test_single_nonzero_residual(device, dtype, temperature):
     batch, block, vocab = 64, 7, 1000
     gen = generator(22)
     k = torch.randint(0, block, (batch,), generator=gen)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     abc = distinct_tokens(3, vocab, gen, batch)
     a, b_tok, c = abc.unbind(1)
     rows = torch.arange(batch)
@@ -483,7 +306,7 @@ def test_single_nonzero_residual_one_hot_drafts(device):
     batch, block, vocab = 64, 5, 777
     gen = generator(23)
     k = torch.randint(0, block, (batch,), generator=gen)
-    drafts, target, _ = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, _ = certain_accepts(batch, block, vocab, gen)
     rows = torch.arange(batch)
     x = drafts[rows, k]
     a = (x + 1 + torch.randint(0, vocab - 1, (batch,), generator=gen)) % vocab
@@ -580,31 +403,6 @@ def test_full_accept_when_draft_equals_target(device, dtype):
     assert (bonus != argmax).any()
 
 
-def num_draft_zero_case(batch: int, block: int, vocab: int, seed: int, layout: str) -> Case:
-    """num_draft = 0 with garbage (also out-of-range) draft ids and NaN in every row but row 0;
-    ``ragged``: each request contributes exactly its row 0, in a shuffled order."""
-    case = make_case(batch, block, vocab, seed=seed, temperature="mixed", num_draft=0)
-    gen = generator(seed + 1)
-    case.draft_tokens = torch.randint(-5, vocab + 5, (batch, block), generator=gen)
-    target = case.target_logits.clone()
-    target[:, 1:] = NAN
-    if layout == "padded":
-        case.target_logits = target
-    else:
-        order = torch.randperm(batch, generator=gen)
-        case.target_logits = torch.cat([target[order, 0], torch.full((3, vocab), NAN)])
-        case.target_start = torch.argsort(order).int()
-    return case
-
-
-def first_rows(case: Case) -> torch.Tensor:
-    """Row 0 of every request's target logits, padded or ragged, on the CPU."""
-    target = case.target_logits.cpu()
-    if case.target_start is None:
-        return target[:, 0]
-    return target[case.target_start.cpu().long()]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["padded", "ragged"])
 def test_num_draft_zero(device, layout):
@@ -672,26 +470,6 @@ def test_greedy_draft_rejects_non_argmax_drafts(device):
 # --------------------------------------------------------------------------------------------
 # Layouts, dtypes, token dtypes, strides
 # --------------------------------------------------------------------------------------------
-
-
-def to_ragged(case: Case, gen: torch.Generator) -> Case:
-    """The padded case packed as a ragged [R, V] buffer: each request's n+1 rows contiguous,
-    requests in a shuffled order, junk rows (NaN or random) between and after them."""
-    batch, block = case.draft_tokens.shape
-    rows = padded_rows(case)
-    vocab = rows.shape[-1]
-    pieces, start, cursor = [], torch.zeros(batch, dtype=torch.int32), 0
-    for b in torch.randperm(batch, generator=gen).tolist():
-        junk = int(torch.randint(0, 3, (), generator=gen))
-        fill = torch.full((junk, vocab), NAN) if b % 2 else torch.randn(junk, vocab, generator=gen)
-        pieces.append(fill.to(rows.dtype))
-        cursor += junk
-        start[b] = cursor
-        n = int(case.num_draft[b])
-        pieces.append(rows[b, : n + 1])
-        cursor += n + 1
-    pieces.append(torch.full((2, vocab), NAN, dtype=rows.dtype))
-    return case.replace(target_logits=torch.cat(pieces), target_start=start)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -789,17 +567,6 @@ def test_non_contiguous_inputs(device, draft, ragged, kind):
 # --------------------------------------------------------------------------------------------
 
 
-def _mixed_non_finite(shape):
-    return torch.tensor([NAN, -INF, INF])[torch.arange(shape[-1]) % 3].expand(shape)
-
-
-BAD_ROWS = {
-    "nan": lambda shape: torch.full(shape, NAN),
-    "neg-inf": lambda shape: torch.full(shape, -INF),
-    "mixed": _mixed_non_finite,
-}
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", ["greedy", "sampled"])
 @pytest.mark.parametrize("draft", ["logits", "onehot"])
@@ -810,7 +577,7 @@ def test_target_row_without_finite_logit(device, temperature, draft, bad):
     batch, block, vocab = 64, 6, 333
     gen = generator(61)
     k = torch.randint(0, block + 1, (batch,), generator=gen)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     rows = torch.arange(batch)
     target[rows, k] = BAD_ROWS[bad]((batch, vocab))
     n = torch.maximum(k, torch.randint(0, block + 1, (batch,), generator=gen))
@@ -849,7 +616,7 @@ def test_draft_row_without_finite_logit(device, bad):
     batch, block, vocab = 64, 6, 333
     gen = generator(63)
     k = torch.randint(0, block, (batch,), generator=gen)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     rows = torch.arange(batch)
     target[rows, k] = torch.randn(batch, vocab, generator=gen)
     draft_logits[rows, k] = BAD_ROWS[bad]((batch, vocab))
@@ -863,27 +630,6 @@ def test_draft_row_without_finite_logit(device, bad):
     assert torch.equal(out.num_accepted.cpu()[sampled].long(), k[sampled])
     assert not out.valid.cpu()[sampled].any()
     assert out.valid.cpu()[~sampled].all()
-
-
-def with_non_finite_logits(case: Case, gen: torch.Generator, draft: str) -> Case:
-    """The case with 30% NaN, 3% +inf and 3% -inf target logits, most of the drafts' own target
-    entries NaN (where the draft logits stay finite), 20% NaN draft logits elsewhere; draft logits
-    dropped for one-hot drafts (``draft != "logits"``)."""
-    batch, block = case.draft_tokens.shape
-    target = case.target_logits.clone()
-    poison = torch.rand(target.shape, generator=gen)
-    target[poison < 0.3] = NAN
-    target[(poison >= 0.3) & (poison < 0.33)] = INF
-    target[(poison >= 0.33) & (poison < 0.36)] = -INF
-    on_draft = torch.rand(case.draft_tokens.shape, generator=gen) < 0.6
-    rows, j = torch.arange(batch)[:, None], torch.arange(block)[None]
-    at_drafts = target[rows, j, case.draft_tokens]
-    target[rows, j, case.draft_tokens] = torch.where(on_draft, NAN, at_drafts)
-    draft_logits = case.draft_logits.clone()
-    draft_logits[torch.rand(draft_logits.shape, generator=gen) < 0.2] = NAN
-    draft_logits[rows, j, case.draft_tokens] = case.draft_logits[rows, j, case.draft_tokens]
-    return case.replace(target_logits=target,
-                        draft_logits=draft_logits if draft == "logits" else None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1076,49 +822,7 @@ def test_seed_none_uses_generator(device):
 # Statistical losslessness (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
 
-STAT_VOCAB = 4096
 STAT_TRIALS = 10 * STAT_VOCAB
-STAT_BLOCK = 4
-MIN_TRIALS_PER_POSITION = 100  # positions reached by fewer trials are not tested
-
-
-def positions_distributed_as_target(tokens, num_accepted, target_probs):
-    """For every output position k, the tokens of the trials that emitted position k must be
-    distributed as p_k. Returns [(k, trials, chi2, df, passed)] for positions with enough trials."""
-    results = []
-    for k in range(target_probs.shape[0]):
-        emitted = num_accepted >= k
-        trials = int(emitted.sum())
-        if trials < MIN_TRIALS_PER_POSITION:
-            continue
-        chi2, df = chi_square(tokens[emitted, k], target_probs[k])
-        results.append((k, trials, chi2, df, df > 0 and chi_square_passes(chi2, df)))
-    return results
-
-
-def accepted_length_distribution(alpha: torch.Tensor) -> torch.Tensor:
-    """P(num_accepted = i), i = 0..n, for per-row acceptance probabilities alpha[0..n-1]:
-    Π_{k<i} α_k (1 - α_i), and Π α for a full accept."""
-    survive = torch.cat([torch.ones(1, dtype=alpha.dtype), alpha.cumprod(0)])
-    return torch.cat([survive[:-1] * (1 - alpha), survive[-1:]])
-
-
-def stat_rows(gen: torch.Generator, temperature: float, vocab: int = STAT_VOCAB):
-    """Per-position target and draft logits (float32) that differ substantially: each has a few
-    heavy tokens (partly shared) over a dense random tail, so the residual max(p - q, 0) is far
-    from p and one-hot drafts are accepted often enough to reach every position."""
-    block = STAT_BLOCK
-    tail_p = torch.softmax(torch.randn(block + 1, vocab, generator=gen, dtype=torch.float64), -1)
-    tail_q = torch.softmax(torch.randn(block, vocab, generator=gen, dtype=torch.float64), -1)
-    heads = distinct_tokens(4, vocab, gen, block + 1)
-    p = 0.3 * tail_p
-    p.scatter_add_(1, heads[:, :3],
-                   torch.tensor([[0.4, 0.2, 0.1]], dtype=torch.float64).expand(block + 1, 3))
-    q = 0.3 * tail_q
-    q.scatter_add_(1, heads[:block][:, [0, 3, 1]],
-                   torch.tensor([[0.45, 0.15, 0.1]], dtype=torch.float64).expand(block, 3))
-    # logits = log(prob) * T so that softmax(logits / T) = prob (up to float32 rounding).
-    return (p.log() * temperature).float(), (q.log() * temperature).float()
 
 
 def probs_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -1248,241 +952,174 @@ def test_op_matches_reference_on_statistical_inputs(device):
 # Argument checks: every check of csrc/args/verify_args.cpp with its message
 # --------------------------------------------------------------------------------------------
 
-B, G, V = 3, 4, 100
-DEBUG = os.environ.get("DSPARK_OPS_DEBUG", "") not in ("", "0")
-
-
-def valid_args(device) -> dict:
-    gen = generator(91)
-    return dict(
-        target_logits=torch.randn(B * (G + 1), V, generator=gen).to(device),
-        draft_tokens=torch.randint(0, V, (B, G), generator=gen).to(device),
-        num_draft=torch.tensor([0, 2, 4], dtype=torch.int32, device=device),
-        temperature=torch.tensor([0.0, 0.8, 1.0], device=device),
-        seed=torch.tensor([1, -2, 3], dtype=torch.int64, device=device),
-        position=torch.tensor([10, 20, 2**33], dtype=torch.int64, device=device),
-        draft_logits=torch.randn(B, G, V, generator=gen).to(device),
-        target_start=None,
-        draft_temperature=torch.tensor([0.5, 0.0, 2.0], device=device),
-    )
-
 
 def call_with(args: dict):
     return Case(**args).call()
 
 
-def _ragged():
-    # A valid ragged layout: 12 rows, requests at 0, 3 and 7 (num_draft 0, 2, 4).
-    return dict(target_logits=torch.randn(12, V), target_start=i32(0, 3, 7))
-
-
-def i32(*values):
-    return torch.tensor(values, dtype=torch.int32)
-
-
-def f32(*values):
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def i64(*values):
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def _huge_vocab(device):
-    # A stride-0 view: a 2^31 - 1 vocabulary without the memory (so built on the device directly).
-    return dict(target_logits=torch.randn(1, 1, device=device).expand(B * (G + 1), 2**31 - 1),
+def _huge_vocab():
+    # A stride-0 view: a 2^31 - 1 vocabulary without the memory (moved to the device as a view).
+    return dict(target_logits=torch.randn(1, 1).expand(B * (G + 1), 2**31 - 1),
                 draft_logits=None)
 
 
-# (id, overrides: device -> {argument: value}, exception, message after "verify(): ").
+VERIFY = ["verify"]
+
+# Rows (id, ops, overrides, exception, message) as cases/arguments.py runs them.
 # Shape and dtype checks run on every device.
-STRUCTURE_ERRORS = [
-    ("draft_tokens-1d", lambda d: dict(draft_tokens=i64(1, 2, 3)), ValueError,
+STRUCTURE_ERRORS = vocabulary_errors(
+    VERIFY, "target_logits", lambda: dict(target_logits=torch.randn(B * (G + 1), 0),
+                                          draft_logits=torch.randn(B, G, 0)), _huge_vocab,
+) + per_request_errors(VERIFY, B) + [
+    ("draft_tokens-1d", VERIFY, lambda: dict(draft_tokens=i64(1, 2, 3)), ValueError,
      r"'draft_tokens' must be 2-D \[B, G\], got a 1-D tensor of shape \[3\]"),
-    ("draft_tokens-3d", lambda d: dict(draft_tokens=torch.zeros(B, G, 1, dtype=torch.int64)),
+    ("draft_tokens-3d", VERIFY, lambda: dict(draft_tokens=torch.zeros(B, G, 1, dtype=torch.int64)),
      ValueError,
      r"'draft_tokens' must be 2-D \[B, G\], got a 3-D tensor of shape \[3, 4, 1\]"),
-    ("draft_tokens-float", lambda d: dict(draft_tokens=torch.zeros(B, G)), TypeError,
+    ("draft_tokens-float", VERIFY, lambda: dict(draft_tokens=torch.zeros(B, G)), TypeError,
      r"'draft_tokens' must have dtype Long or Int, got Float"),
-    ("draft_tokens-int16", lambda d: dict(draft_tokens=torch.zeros(B, G, dtype=torch.int16)),
+    ("draft_tokens-int16", VERIFY, lambda: dict(draft_tokens=torch.zeros(B, G, dtype=torch.int16)),
      TypeError, r"'draft_tokens' must have dtype Long or Int, got Short"),
-    ("target-1d", lambda d: dict(target_logits=torch.randn(V)), ValueError,
+    ("target-1d", VERIFY, lambda: dict(target_logits=torch.randn(V)), ValueError,
      r"'target_logits' must be 2-D \[R, V\] or 3-D \[B, G\+1, V\], "
      r"got a 1-D tensor of shape \[100\]"),
-    ("target-4d", lambda d: dict(target_logits=torch.randn(B, G + 1, 1, V)), ValueError,
+    ("target-4d", VERIFY, lambda: dict(target_logits=torch.randn(B, G + 1, 1, V)), ValueError,
      r"'target_logits' must be 2-D \[R, V\] or 3-D \[B, G\+1, V\], "
      r"got a 4-D tensor of shape \[3, 5, 1, 100\]"),
-    ("target-float64",
-     lambda d: dict(target_logits=torch.randn(B * (G + 1), V, dtype=torch.float64)), TypeError,
+    ("target-float64", VERIFY,
+     lambda: dict(target_logits=torch.randn(B * (G + 1), V, dtype=torch.float64)), TypeError,
      r"'target_logits' must have dtype Float or BFloat16 or Half, got Double"),
-    ("target-int32",
-     lambda d: dict(target_logits=torch.zeros(B * (G + 1), V, dtype=torch.int32)), TypeError,
+    ("target-int32", VERIFY,
+     lambda: dict(target_logits=torch.zeros(B * (G + 1), V, dtype=torch.int32)), TypeError,
      r"'target_logits' must have dtype Float or BFloat16 or Half, got Int"),
-    ("vocab-0",
-     lambda d: dict(target_logits=torch.randn(B * (G + 1), 0), draft_logits=torch.randn(B, G, 0)),
-     ValueError, r"'target_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 0"),
-    # The bound (and its wording) of every op with a vocabulary (test_draft.py: the same).
-    ("vocab-2^31-1", _huge_vocab, ValueError,
-     r"'target_logits' must have a vocabulary size in \[1, 2\^31 - 1\), got 2147483647"),
-    ("target-3d-wrong-G", lambda d: dict(target_logits=torch.randn(B, G, V)), ValueError,
+    ("target-3d-wrong-G", VERIFY, lambda: dict(target_logits=torch.randn(B, G, V)), ValueError,
      r"'target_logits' must have shape \[B, G\+1, V\] = \[3, 5, 100\], got \[3, 4, 100\]"),
     # Drafts narrower or wider than the target's G + 1 rows: the drafts are blamed, unless
     # draft_logits sides with them (then the target is the odd one out, as above).
-    ("draft_tokens-narrow", lambda d: dict(target_logits=torch.randn(B, G + 1, V),
+    ("draft_tokens-narrow", VERIFY, lambda: dict(target_logits=torch.randn(B, G + 1, V),
                                            draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64),
                                            draft_logits=None), ValueError,
      r"'draft_tokens' must have shape \[B, G\] = \[3, 4\] to match 'target_logits' "
      r"\[B, G\+1, V\] = \[3, 5, 100\], got \[3, 3\]"),
-    ("draft_tokens-wide-with-draft_logits",
-     lambda d: dict(target_logits=torch.randn(B, G + 1, V),
+    ("draft_tokens-wide-with-draft_logits", VERIFY,
+     lambda: dict(target_logits=torch.randn(B, G + 1, V),
                     draft_tokens=torch.zeros(B, G + 2, dtype=torch.int64)), ValueError,
      r"'draft_tokens' must have shape \[B, G\] = \[3, 4\] to match 'target_logits' "
      r"\[B, G\+1, V\] = \[3, 5, 100\], got \[3, 6\]"),
-    ("target-3d-wrong-G-draft_logits-agrees",
-     lambda d: dict(target_logits=torch.randn(B, G + 1, V),
+    ("target-3d-wrong-G-draft_logits-agrees", VERIFY,
+     lambda: dict(target_logits=torch.randn(B, G + 1, V),
                     draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64),
                     draft_logits=torch.randn(B, G - 1, V)), ValueError,
      r"'target_logits' must have shape \[B, G\+1, V\] = \[3, 4, 100\], got \[3, 5, 100\]"),
-    ("target-3d-wrong-B", lambda d: dict(target_logits=torch.randn(B + 1, G + 1, V)), ValueError,
+    ("target-3d-wrong-B", VERIFY,
+     lambda: dict(target_logits=torch.randn(B + 1, G + 1, V)), ValueError,
      r"'target_logits' must have shape \[B, G\+1, V\] = \[3, 5, 100\], got \[4, 5, 100\]"),
-    ("num_draft-int64", lambda d: dict(num_draft=i64(0, 2, 4)), TypeError,
+    ("num_draft-int64", VERIFY, lambda: dict(num_draft=i64(0, 2, 4)), TypeError,
      r"'num_draft' must have dtype Int, got Long"),
-    ("num_draft-shape", lambda d: dict(num_draft=i32(0, 2, 4, 1)), ValueError,
+    ("num_draft-shape", VERIFY, lambda: dict(num_draft=i32(0, 2, 4, 1)), ValueError,
      r"'num_draft' must have shape \[B\] = \[3\], got \[4\]"),
-    ("num_draft-2d", lambda d: dict(num_draft=i32(0, 2, 4)[:, None]), ValueError,
+    ("num_draft-2d", VERIFY, lambda: dict(num_draft=i32(0, 2, 4)[:, None]), ValueError,
      r"'num_draft' must have shape \[B\] = \[3\], got \[3, 1\]"),
-    ("temperature-float64", lambda d: dict(temperature=torch.ones(B, dtype=torch.float64)),
-     TypeError, r"'temperature' must have dtype Float, got Double"),
-    ("temperature-bf16", lambda d: dict(temperature=torch.ones(B, dtype=torch.bfloat16)),
-     TypeError, r"'temperature' must have dtype Float, got BFloat16"),
-    ("temperature-shape", lambda d: dict(temperature=torch.ones(B - 1)), ValueError,
-     r"'temperature' must have shape \[B\] = \[3\], got \[2\]"),
-    ("temperature-0d", lambda d: dict(temperature=torch.tensor(1.0)), ValueError,
-     r"'temperature' must have shape \[B\] = \[3\], got \[\]"),
-    ("seed-int32", lambda d: dict(seed=i32(1, 2, 3)), TypeError,
-     r"'seed' must have dtype Long, got Int"),
-    ("seed-shape", lambda d: dict(seed=i64(1, 2, 3)[:, None]), ValueError,
-     r"'seed' must have shape \[B\] = \[3\], got \[3, 1\]"),
-    ("position-int32", lambda d: dict(position=i32(1, 2, 3)), TypeError,
-     r"'position' must have dtype Long, got Int"),
-    ("position-float", lambda d: dict(position=f32(1, 2, 3)), TypeError,
-     r"'position' must have dtype Long, got Float"),
-    ("position-shape", lambda d: dict(position=i64(1, 2, 3, 4, 5)), ValueError,
-     r"'position' must have shape \[B\] = \[3\], got \[5\]"),
-    ("draft_logits-float64", lambda d: dict(draft_logits=torch.randn(B, G, V).double()),
+    ("draft_logits-float64", VERIFY, lambda: dict(draft_logits=torch.randn(B, G, V).double()),
      TypeError, r"'draft_logits' must have dtype Float or BFloat16 or Half, got Double"),
-    ("draft_logits-vocab", lambda d: dict(draft_logits=torch.randn(B, G, V + 1)), ValueError,
+    ("draft_logits-vocab", VERIFY, lambda: dict(draft_logits=torch.randn(B, G, V + 1)), ValueError,
      r"'draft_logits' must have shape \[B, G, V\] = \[3, 4, 100\], got \[3, 4, 101\]"),
-    ("draft_logits-G+1", lambda d: dict(draft_logits=torch.randn(B, G + 1, V)), ValueError,
+    ("draft_logits-G+1", VERIFY, lambda: dict(draft_logits=torch.randn(B, G + 1, V)), ValueError,
      r"'draft_logits' must have shape \[B, G, V\] = \[3, 4, 100\], got \[3, 5, 100\]"),
-    ("draft_logits-2d", lambda d: dict(draft_logits=torch.randn(B * G, V)), ValueError,
+    ("draft_logits-2d", VERIFY, lambda: dict(draft_logits=torch.randn(B * G, V)), ValueError,
      r"'draft_logits' must have shape \[B, G, V\] = \[3, 4, 100\], got \[12, 100\]"),
-    ("draft_temperature-float64", lambda d: dict(draft_temperature=torch.ones(B).double()),
+    ("draft_temperature-float64", VERIFY, lambda: dict(draft_temperature=torch.ones(B).double()),
      TypeError, r"'draft_temperature' must have dtype Float, got Double"),
-    ("draft_temperature-shape", lambda d: dict(draft_temperature=torch.ones(1)), ValueError,
+    ("draft_temperature-shape", VERIFY, lambda: dict(draft_temperature=torch.ones(1)), ValueError,
      r"'draft_temperature' must have shape \[B\] = \[3\], got \[1\]"),
-    ("target_start-int64", lambda d: {**_ragged(), "target_start": i64(0, 3, 7)}, TypeError,
+    ("target_start-int64", VERIFY,
+     lambda: {**ragged_args(), "target_start": i64(0, 3, 7)}, TypeError,
      r"'target_start' must have dtype Int, got Long"),
-    ("target_start-shape", lambda d: {**_ragged(), "target_start": i32(0, 3)}, ValueError,
+    ("target_start-shape", VERIFY, lambda: {**ragged_args(), "target_start": i32(0, 3)}, ValueError,
      r"'target_start' must have shape \[B\] = \[3\], got \[2\]"),
-    ("rows-without-target_start",
-     lambda d: dict(target_logits=torch.randn(B * (G + 1) - 1, V)), ValueError,
+    ("rows-without-target_start", VERIFY,
+     lambda: dict(target_logits=torch.randn(B * (G + 1) - 1, V)), ValueError,
      r"without 'target_start', 'target_logits' must hold B\*\(G\+1\) = 15 rows "
      r"\(the padded layout; B and G from 'draft_tokens' of shape \[3, 4\]\), got 14"),
-    ("ragged-rows-without-target_start", lambda d: {**_ragged(), "target_start": None},
+    ("ragged-rows-without-target_start", VERIFY, lambda: {**ragged_args(), "target_start": None},
      ValueError,
      r"without 'target_start', 'target_logits' must hold B\*\(G\+1\) = 15 rows "
      r"\(the padded layout; B and G from 'draft_tokens' of shape \[3, 4\]\), got 12"),
-    ("rows-without-target_start-narrow-drafts",
-     lambda d: dict(draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64), draft_logits=None),
+    ("rows-without-target_start-narrow-drafts", VERIFY,
+     lambda: dict(draft_tokens=torch.zeros(B, G - 1, dtype=torch.int64), draft_logits=None),
      ValueError,
      r"without 'target_start', 'target_logits' must hold B\*\(G\+1\) = 12 rows "
      r"\(the padded layout; B and G from 'draft_tokens' of shape \[3, 3\]\), got 15"),
 ]
 
 # Value checks: always on CPU; on CUDA only with DSPARK_OPS_DEBUG=1 (they cost a sync).
-VALUE_ERRORS = [
-    ("num_draft-above-G", lambda d: dict(num_draft=i32(0, 5, 4)), ValueError,
+VALUE_ERRORS = per_request_value_errors(VERIFY, B) + [
+    ("num_draft-above-G", VERIFY, lambda: dict(num_draft=i32(0, 5, 4)), ValueError,
      r"'num_draft' values must lie in \[0, 4\], got 5 at index \[1\]"),
-    ("num_draft-negative", lambda d: dict(num_draft=i32(0, 2, -1)), ValueError,
+    ("num_draft-negative", VERIFY, lambda: dict(num_draft=i32(0, 2, -1)), ValueError,
      r"'num_draft' values must lie in \[0, 4\], got -1 at index \[2\]"),
-    ("draft_token-V",
-     lambda d: dict(draft_tokens=i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4])), ValueError,
+    ("draft_token-V", VERIFY,
+     lambda: dict(draft_tokens=i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4])), ValueError,
      r"'draft_tokens' values must lie in \[0, 99\], got 100 at index \[1, 1\]"),
-    ("draft_token-negative-int32",
-     lambda d: dict(draft_tokens=i32([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, -1])), ValueError,
+    ("draft_token-negative-int32", VERIFY,
+     lambda: dict(draft_tokens=i32([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, -1])), ValueError,
      r"'draft_tokens' values must lie in \[0, 99\], got -1 at index \[2, 3\]"),
-    ("position-negative", lambda d: dict(position=i64(5, -1, 9)), ValueError,
-     r"'position' values must lie in \[0, 4611686018427387904\], got -1 at index \[1\]"),
-    ("position-overflows", lambda d: dict(position=i64(2**62 + 1, 0, 9)), ValueError,
-     r"'position' values must lie in \[0, 4611686018427387904\], got 4611686018427387905 "
-     r"at index \[0\]"),
-    ("temperature-negative", lambda d: dict(temperature=f32(0.0, -0.5, 1.0)), ValueError,
-     r"'temperature' must be finite and >= 0, got -0.5 at index \[1\]"),
-    ("temperature-nan", lambda d: dict(temperature=f32(NAN, 1.0, 1.0)), ValueError,
-     r"'temperature' must be finite and >= 0, got nan at index \[0\]"),
-    ("temperature-inf", lambda d: dict(temperature=f32(0.0, 1.0, INF)), ValueError,
-     r"'temperature' must be finite and >= 0, got inf at index \[2\]"),
-    ("draft_temperature-negative", lambda d: dict(draft_temperature=f32(1.0, 1.0, -1e-3)),
+    ("draft_temperature-negative", VERIFY, lambda: dict(draft_temperature=f32(1.0, 1.0, -1e-3)),
      ValueError, r"'draft_temperature' must be finite and >= 0, got -0.001 at index \[2\]"),
-    ("draft_temperature-nan", lambda d: dict(draft_temperature=f32(1.0, NAN, 1.0)), ValueError,
+    ("draft_temperature-nan", VERIFY,
+     lambda: dict(draft_temperature=f32(1.0, NAN, 1.0)), ValueError,
      r"'draft_temperature' must be finite and >= 0, got nan at index \[1\]"),
-    ("draft_temperature-neg-inf", lambda d: dict(draft_temperature=f32(-INF, 1.0, 1.0)),
+    ("draft_temperature-neg-inf", VERIFY, lambda: dict(draft_temperature=f32(-INF, 1.0, 1.0)),
      ValueError, r"'draft_temperature' must be finite and >= 0, got -inf at index \[0\]"),
-    ("target_start-negative", lambda d: {**_ragged(), "target_start": i32(0, -1, 7)},
+    ("target_start-negative", VERIFY, lambda: {**ragged_args(), "target_start": i32(0, -1, 7)},
      ValueError, r"'target_start' values must lie in \[0, 11\], got -1 at index \[1\]"),
-    ("target_start-past-rows", lambda d: {**_ragged(), "target_start": i32(12, 3, 7)},
+    ("target_start-past-rows", VERIFY, lambda: {**ragged_args(), "target_start": i32(12, 3, 7)},
      ValueError, r"'target_start' values must lie in \[0, 11\], got 12 at index \[0\]"),
-    ("target_start+num_draft-past-rows", lambda d: {**_ragged(), "target_start": i32(0, 3, 8)},
+    ("target_start+num_draft-past-rows", VERIFY,
+     lambda: {**ragged_args(), "target_start": i32(0, 3, 8)},
      ValueError,
      r"'target_start \+ num_draft' values must lie in \[0, 11\], got 12 at index \[2\]"),
     # The CPU checks read the data through its strides: offenders at the last element read (of
     # a request's drafts, of the tensor), in non-contiguous layouts, and int64 ids beyond int32.
-    ("draft_token-last-drafted-strided",
-     lambda d: dict(draft_tokens=non_contiguous(i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4]), fill=7)),
+    ("draft_token-last-drafted-strided", VERIFY,
+     lambda: dict(draft_tokens=non_contiguous(i64([7, 7, 7, 7], [1, 100, 7, 7], [1, 2, 3, 4]),
+                                              fill=7)),
      ValueError, r"'draft_tokens' values must lie in \[0, 99\], got 100 at index \[1, 1\]"),
-    ("draft_token-last-transposed-int32",
-     lambda d: dict(draft_tokens=non_contiguous(i32([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 100]),
+    ("draft_token-last-transposed-int32", VERIFY,
+     lambda: dict(draft_tokens=non_contiguous(i32([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 100]),
                                                 "transposed")),
      ValueError, r"'draft_tokens' values must lie in \[0, 99\], got 100 at index \[2, 3\]"),
-    ("draft_token-int64-beyond-int32",
-     lambda d: dict(draft_tokens=i64([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 2**32 + 5])),
+    ("draft_token-int64-beyond-int32", VERIFY,
+     lambda: dict(draft_tokens=i64([7, 7, 7, 7], [1, 2, 7, 7], [1, 2, 3, 2**32 + 5])),
      ValueError,
      r"'draft_tokens' values must lie in \[0, 99\], got 4294967301 at index \[2, 3\]"),
-    ("temperature-nan-last", lambda d: dict(temperature=f32(0.0, 1.0, NAN)), ValueError,
-     r"'temperature' must be finite and >= 0, got nan at index \[2\]"),
-    ("draft_temperature-inf-last", lambda d: dict(draft_temperature=f32(1.0, 1.0, INF)),
+    ("draft_temperature-inf-last", VERIFY, lambda: dict(draft_temperature=f32(1.0, 1.0, INF)),
      ValueError, r"'draft_temperature' must be finite and >= 0, got inf at index \[2\]"),
-    ("position-int64-beyond-int32-last", lambda d: dict(position=i64(5, 9, -(2**32))), ValueError,
+    ("position-int64-beyond-int32-last", VERIFY,
+     lambda: dict(position=i64(5, 9, -(2**32))), ValueError,
      r"'position' values must lie in \[0, 4611686018427387904\], got -4294967296 at index \[2\]"),
 ]
 
 
 def _with_overrides(device, overrides) -> dict:
-    changed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-               for k, v in overrides(device).items()}
-    return {**valid_args(device), **changed}
-
-
-def _ids(cases):
-    return [c[0] for c in cases]
+    return with_overrides(valid_args(device), device, overrides)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", STRUCTURE_ERRORS,
-                         ids=_ids(STRUCTURE_ERRORS))
-def test_argument_errors(device, name, overrides, error, message):
-    with pytest.raises(error, match=r"verify\(\): " + message):
+@pytest.mark.parametrize("op,overrides,error,message",
+                         error_params(STRUCTURE_ERRORS, op_in_id=False))
+def test_argument_errors(device, op, overrides, error, message):
+    with raises(op, error, message):
         call_with(_with_overrides(device, overrides))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", VALUE_ERRORS, ids=_ids(VALUE_ERRORS))
-def test_value_errors(device, name, overrides, error, message):
-    if device == "cuda" and not DEBUG:
-        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
-    with pytest.raises(error, match=r"verify\(\): " + message):
+@pytest.mark.parametrize("op,overrides,error,message", error_params(VALUE_ERRORS, op_in_id=False))
+def test_value_errors(device, op, overrides, error, message):
+    skip_value_checks_without_debug(device)
+    with raises(op, error, message):
         call_with(_with_overrides(device, overrides))
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_valid_arguments_accepted(device):
@@ -1490,10 +1127,10 @@ def test_valid_arguments_accepted(device):
     # to its one change.
     args = valid_args(device)
     check_against_reference(Case(**args))
-    check_against_reference(Case(**_with_overrides(device, lambda d: _ragged())))
+    check_against_reference(Case(**_with_overrides(device, lambda: ragged_args())))
     # Limits: num_draft = 0 and G, target_start + num_draft = R - 1, zero temperatures.
-    edge = _with_overrides(device, lambda d: {
-        **_ragged(), "target_start": i32(11, 0, 7), "num_draft": i32(0, 4, 4),
+    edge = _with_overrides(device, lambda: {
+        **ragged_args(), "target_start": i32(11, 0, 7), "num_draft": i32(0, 4, 4),
         "temperature": f32(0, 0, 0), "draft_temperature": f32(0, 0, 0)})
     check_against_reference(Case(**edge))
 
@@ -1518,7 +1155,7 @@ def test_ids_past_num_draft_are_not_checked(device):
 @pytest.mark.parametrize("name", ["draft_tokens", "num_draft", "temperature", "seed", "position",
                                   "draft_logits", "target_start", "draft_temperature"])
 def test_device_mismatch(name):
-    args = _with_overrides("cuda", lambda d: _ragged())
+    args = _with_overrides("cuda", lambda: ragged_args())
     args[name] = args[name].cpu()
     message = rf"verify\(\): '{name}' must be on cuda:\d+ like 'target_logits', got cpu"
     with pytest.raises(ValueError, match=message):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -19,36 +18,53 @@ import dspark_ops
 from dspark_ops import reference
 from conftest import DEVICES, cuda_only, full_tests
 from stats import chi_square, chi_square_passes
-from test_verify import (
-    B,
+from cases.arguments import (
+    error_params,
+    raises,
+    sampling_filter_errors,
+    sampling_filter_value_errors,
+    skip_value_checks_without_debug,
+    with_overrides,
+)
+from cases.common import (
     DEBUG,
     DTYPE_IDS,
     FLOAT_DTYPES,
-    G,
     INF,
     NAN,
-    STAT_BLOCK,
-    V,
-    Case,
-    _certain_accepts,
-    _ragged,
-    accepted_length_distribution,
-    assert_same_outputs,
-    check_output_contract,
     f32,
     generator,
     i32,
-    i64,
     is_greedy,
+    stable_seed,
+)
+from cases.verify import (
+    B,
+    G,
+    STAT_BLOCK,
+    V,
+    accepted_length_distribution,
+    assert_same_outputs,
+    Case,
+    certain_accepts,
+    check_output_contract,
     make_case,
     one_hot_logits,
     positions_distributed_as_target,
-    stable_seed,
+    ragged_args,
     stat_rows,
     valid_args,
 )
-
-LOGPROB_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+from cases.verify_filters import (
+    KINDS,
+    LOGPROB_TOLERANCE,
+    NO_FILTERS,
+    check_logprob_contract,
+    Filters,
+    pack_mask,
+    random_filters,
+    to_ragged_with_mask,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,96 +72,8 @@ LOGPROB_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Filters:
-    """The new keyword arguments of one verify call (None = not given)."""
-
-    top_k: Optional[torch.Tensor] = None
-    top_p: Optional[torch.Tensor] = None
-    min_p: Optional[torch.Tensor] = None
-    allowed_token_mask: Optional[torch.Tensor] = None
-
-    def kwargs(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def to(self, device) -> "Filters":
-        return Filters(**{k: None if v is None else v.to(device) for k, v in self.kwargs().items()})
-
-    def replace(self, **changes) -> "Filters":
-        return dataclasses.replace(self, **changes)
-
-
-NO_FILTERS = Filters()
-
-
-def pack_mask(allowed: torch.Tensor, gen: Optional[torch.Generator] = None) -> torch.Tensor:
-    """int32 [R, ceil(V/32)] bitmask of bool ``allowed`` [R, V] (bit v % 32 of word v // 32);
-    with ``gen``, the bits past V in the last word are random (they must be ignored)."""
-    rows, vocab = allowed.shape
-    words = -(-vocab // 32)
-    bits = torch.zeros(rows, words * 32, dtype=torch.bool)
-    if gen is not None:
-        bits = torch.rand(rows, words * 32, generator=gen) < 0.5
-    bits[:, :vocab] = allowed
-    packed = (bits.reshape(rows, words, 32).long() << torch.arange(32)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def target_rows(case: Case):
-    """Every request's G+1 target rows as [B, G+1, V] float32 (padded or ragged; rows past the
-    buffer clamped), with the index of each row in target_logits and whether it exists."""
-    batch, block = case.draft_tokens.shape
-    flat = case.target_logits.cpu().reshape(-1, case.vocab)
-    start = (torch.arange(batch) * (block + 1) if case.target_start is None
-             else case.target_start.cpu().long())
-    index = start[:, None] + torch.arange(block + 1)
-    exists = index < flat.shape[0]
-    index = index.clamp_max(flat.shape[0] - 1)
-    return flat[index].float(), index, exists
-
-
-def processed_log_probs(case: Case, filters: Filters) -> torch.Tensor:
-    """float64 [B, G+1, V]: log of the processed distribution of every row, spelt out from the
-    contract: disallowed and non-finite -> -inf, reference.filter_logits, log_softmax(z / T)
-    (T = 1 for greedy rows); NaN rows where no allowed finite logit is left."""
-    batch, block = case.draft_tokens.shape
-    rows, index, _ = target_rows(case)
-    if filters.allowed_token_mask is not None:
-        allowed = reference.allowed_tokens(filters.allowed_token_mask.cpu(), case.vocab)
-        rows = torch.where(allowed[index], rows, -INF)
-    temperature = case.temperature.cpu()
-    def per_row(t):
-        return None if t is None else t.cpu()[:, None].expand(batch, block + 1)
-    z = reference.filter_logits(rows, per_row(temperature), top_k=per_row(filters.top_k),
-                                top_p=per_row(filters.top_p), min_p=per_row(filters.min_p))
-    t = torch.where(is_greedy(temperature), 1.0, temperature.double())
-    return torch.log_softmax(z.double() / t[:, None, None], -1)
-
-
 def run(case: Case, filters: Filters, fn=dspark_ops.verify, logprobs: bool = True):
     return case.call(fn, **filters.kwargs(), return_logprobs=logprobs)
-
-
-def check_logprob_contract(case: Case, filters: Filters, out) -> None:
-    """Every emitted token has positive processed probability and its logprob is the log of it
-    (an independent spelling of the rule, not reference.verify's); -inf past the emitted ones
-    and at a row without an allowed finite logit (token 0)."""
-    batch, block = case.draft_tokens.shape
-    logprobs = out.logprobs.cpu()
-    assert logprobs.dtype == torch.float32 and logprobs.shape == (batch, block + 1)
-    tokens, accepted = out.tokens.cpu(), out.num_accepted.cpu().long()
-    j = torch.arange(block + 1)
-    assert (logprobs[j[None] > accepted[:, None]] == -INF).all()
-    expected = processed_log_probs(case, filters)
-    emitted = j[None] <= accepted[:, None]
-    row_ok = ~expected[..., 0].isnan() & target_rows(case)[2]
-    at_token = expected.gather(-1, tokens.clamp_min(0)[..., None])[..., 0]
-    check = emitted & row_ok
-    assert (at_token[check] > -INF).all(), "a token outside the kept set was emitted"
-    torch.testing.assert_close(logprobs[check], at_token[check].float(), **LOGPROB_TOLERANCE)
-    dead = emitted & ~row_ok  # only the emitting row can lack an allowed finite logit
-    assert (tokens[dead] == 0).all() and (logprobs[dead] == -INF).all()
-    assert not out.valid.cpu()[dead.any(1)].any()
 
 
 def check_filtered(case: Case, filters: Filters):
@@ -164,28 +92,6 @@ def check_filtered(case: Case, filters: Filters):
     return got
 
 
-def random_filters(case: Case, kinds, gen: torch.Generator) -> Filters:
-    """Per-request settings drawn for the ``kinds`` given ("top_k", "top_p", "min_p", "mask"),
-    each request's value off part of the time; the mask has one row per target_logits row, of
-    density 1, 0.9 or 0.6, with random bits past V."""
-    batch, vocab = case.draft_tokens.shape[0], case.vocab
-    pick = lambda values: torch.tensor(values)[  # noqa: E731
-        torch.randint(0, len(values), (batch,), generator=gen)]
-    filters = Filters()
-    if "top_k" in kinds:
-        filters.top_k = pick([0, 1, 2, 5, 20, max(vocab // 3, 1), vocab, vocab + 5]).int()
-    if "top_p" in kinds:
-        filters.top_p = pick([1.0, 0.95, 0.8, 0.5, 0.3, 1e-3]).float()
-    if "min_p" in kinds:
-        filters.min_p = pick([0.0, 0.01, 0.05, 0.2, 1.0]).float()
-    if "mask" in kinds:
-        rows = case.target_logits.reshape(-1, vocab).shape[0]
-        density = torch.tensor([1.0, 0.9, 0.6])[torch.randint(0, 3, (rows, 1), generator=gen)]
-        allowed = torch.rand(rows, vocab, generator=gen) < density
-        filters.allowed_token_mask = pack_mask(allowed, gen)
-    return filters
-
-
 def differs(a, b) -> torch.Tensor:
     """bool [B]: requests whose tokens or num_accepted differ."""
     return (a.tokens != b.tokens).any(1) | (a.num_accepted != b.num_accepted)
@@ -194,15 +100,6 @@ def differs(a, b) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Exact agreement with the reference
 # --------------------------------------------------------------------------------------------
-
-KINDS = {
-    "top_k": ("top_k",),
-    "top_p": ("top_p",),
-    "min_p": ("min_p",),
-    "mask": ("mask",),
-    "all": ("top_k", "top_p", "min_p"),
-    "all-mask": ("top_k", "top_p", "min_p", "mask"),
-}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -255,29 +152,6 @@ def test_matches_reference_full_sweep(device, shape):
                          draft=draft, dtype=dtype)
         filters = random_filters(case, KINDS[kind], generator(stable_seed("full-f", shape, i)))
         check_filtered(case.to(device), filters.to(device))
-
-
-def to_ragged_with_mask(case: Case, mask: torch.Tensor, gen: torch.Generator):
-    """The padded case (and its [B*(G+1), W] mask) packed as a ragged buffer: each request's n+1
-    rows in a shuffled order with junk rows between them (NaN logits, random mask words)."""
-    batch, block = case.draft_tokens.shape
-    rows = case.target_logits.reshape(batch, block + 1, -1)
-    mask = mask.reshape(batch, block + 1, -1)
-    vocab, words = rows.shape[-1], mask.shape[-1]
-    logit_pieces, mask_pieces, cursor = [], [], 0
-    start = torch.zeros(batch, dtype=torch.int32)
-    for b in torch.randperm(batch, generator=gen).tolist():
-        junk = int(torch.randint(0, 3, (), generator=gen))
-        logit_pieces.append(torch.full((junk, vocab), NAN, dtype=rows.dtype))
-        mask_pieces.append(torch.randint(-(2**31), 2**31, (junk, words), generator=gen).int())
-        cursor += junk
-        start[b] = cursor
-        n = int(case.num_draft[b])
-        logit_pieces.append(rows[b, : n + 1])
-        mask_pieces.append(mask[b, : n + 1])
-        cursor += n + 1
-    return (case.replace(target_logits=torch.cat(logit_pieces), target_start=start),
-            torch.cat(mask_pieces))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -514,7 +388,7 @@ def test_mask_allowing_nothing_on_a_needed_row(device, temperature, empty):
     batch, block, vocab = 32, 6, 333
     gen = generator(121)
     k = torch.randint(0, block + 1, (batch,), generator=gen)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     allowed = torch.ones(batch, block + 1, vocab, dtype=torch.bool)
     rows = torch.arange(batch)
     target[rows, k] = torch.randn(batch, vocab, generator=gen)
@@ -553,7 +427,7 @@ def test_excluded_draft_is_always_rejected(device, draft, exclusion):
     batch, block, vocab = 64, 4, 600
     gen = generator(stable_seed("exclude", exclusion, draft))
     k = torch.randint(0, block, (batch,), generator=gen)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     rows = torch.arange(batch)
     top, x = torch.rand(batch, vocab, generator=gen).argsort(-1)[:, :2].unbind(1)
     row = torch.randn(batch, vocab, generator=gen) - 10.0  # a tail of ~0.1% of the mass
@@ -591,7 +465,7 @@ def test_rows_after_the_first_rejection_are_not_needed(device, garbage):
     batch, block, vocab = 32, 5, 257
     gen = generator(stable_seed("unneeded", garbage))
     k = torch.randint(0, block, (batch,), generator=gen)
-    drafts, target, draft_logits = _certain_accepts(batch, block, vocab, gen)
+    drafts, target, draft_logits = certain_accepts(batch, block, vocab, gen)
     rows = torch.arange(batch)
     target[rows, k] = torch.randn(batch, vocab, generator=gen)
     allowed = torch.ones(batch, block + 1, vocab, dtype=torch.bool)
@@ -818,112 +692,57 @@ def call_with_filters(args: dict):
 
 
 def _with(device, overrides) -> dict:
-    changed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-               for k, v in overrides(device).items()}
-    return {**valid_args(device), **changed}
+    return with_overrides(valid_args(device), device, overrides)
 
 
+VERIFY = ["verify"]
 MASK_WORDS = -(-V // 32)  # 4
-FILTER_STRUCTURE_ERRORS = [
-    ("top_k-int64", lambda d: dict(top_k=i64(0, 1, 2)), TypeError,
-     r"'top_k' must have dtype Int, got Long"),
-    ("top_k-float", lambda d: dict(top_k=f32(0, 1, 2)), TypeError,
-     r"'top_k' must have dtype Int, got Float"),
-    ("top_k-shape", lambda d: dict(top_k=i32(0, 1)), ValueError,
-     r"'top_k' must have shape \[B\] = \[3\], got \[2\]"),
-    ("top_k-2d", lambda d: dict(top_k=i32(0, 1, 2)[:, None]), ValueError,
-     r"'top_k' must have shape \[B\] = \[3\], got \[3, 1\]"),
-    ("top_p-float64", lambda d: dict(top_p=f32(1, 1, 1).double()), TypeError,
-     r"'top_p' must have dtype Float, got Double"),
-    ("top_p-bf16", lambda d: dict(top_p=f32(1, 1, 1).bfloat16()), TypeError,
-     r"'top_p' must have dtype Float, got BFloat16"),
-    ("top_p-shape", lambda d: dict(top_p=f32(1, 1, 1, 1)), ValueError,
-     r"'top_p' must have shape \[B\] = \[3\], got \[4\]"),
-    ("top_p-0d", lambda d: dict(top_p=torch.tensor(0.5)), ValueError,
-     r"'top_p' must have shape \[B\] = \[3\], got \[\]"),
-    ("min_p-float64", lambda d: dict(min_p=f32(0, 0, 0).double()), TypeError,
-     r"'min_p' must have dtype Float, got Double"),
-    ("min_p-int32", lambda d: dict(min_p=i32(0, 0, 0)), TypeError,
-     r"'min_p' must have dtype Float, got Int"),
-    ("min_p-shape", lambda d: dict(min_p=f32(0)), ValueError,
-     r"'min_p' must have shape \[B\] = \[3\], got \[1\]"),
-    ("mask-int64", lambda d: dict(allowed_token_mask=torch.zeros(15, MASK_WORDS,
-                                                                 dtype=torch.int64)),
+FILTER_STRUCTURE_ERRORS = sampling_filter_errors(VERIFY) + [
+    ("mask-int64", VERIFY,
+     lambda: dict(allowed_token_mask=torch.zeros(15, MASK_WORDS, dtype=torch.int64)),
      TypeError, r"'allowed_token_mask' must have dtype Int, got Long"),
-    ("mask-bool", lambda d: dict(allowed_token_mask=torch.ones(15, V, dtype=torch.bool)),
+    ("mask-bool", VERIFY, lambda: dict(allowed_token_mask=torch.ones(15, V, dtype=torch.bool)),
      TypeError, r"'allowed_token_mask' must have dtype Int, got Bool"),
-    ("mask-uint8", lambda d: dict(allowed_token_mask=torch.ones(15, 13, dtype=torch.uint8)),
+    ("mask-uint8", VERIFY, lambda: dict(allowed_token_mask=torch.ones(15, 13, dtype=torch.uint8)),
      TypeError, r"'allowed_token_mask' must have dtype Int, got Byte"),
-    ("mask-words", lambda d: dict(allowed_token_mask=torch.zeros(15, 3, dtype=torch.int32)),
+    ("mask-words", VERIFY, lambda: dict(allowed_token_mask=torch.zeros(15, 3, dtype=torch.int32)),
      ValueError, r"'allowed_token_mask' must have shape \[R, ceil\(V/32\)\] \(one row per "
      r"target_logits row\) = \[15, 4\], got \[15, 3\]"),
-    ("mask-one-per-vocab-entry", lambda d: dict(allowed_token_mask=torch.ones(15, V,
-                                                                             dtype=torch.int32)),
+    ("mask-one-per-vocab-entry", VERIFY,
+     lambda: dict(allowed_token_mask=torch.ones(15, V, dtype=torch.int32)),
      ValueError, r"'allowed_token_mask' must have shape .* = \[15, 4\], got \[15, 100\]"),
-    ("mask-per-request", lambda d: dict(allowed_token_mask=torch.zeros(B, MASK_WORDS,
-                                                                       dtype=torch.int32)),
+    ("mask-per-request", VERIFY,
+     lambda: dict(allowed_token_mask=torch.zeros(B, MASK_WORDS, dtype=torch.int32)),
      ValueError, r"'allowed_token_mask' must have shape .* = \[15, 4\], got \[3, 4\]"),
-    ("mask-padded-3d", lambda d: dict(allowed_token_mask=torch.zeros(B, G + 1, MASK_WORDS,
-                                                                     dtype=torch.int32)),
+    ("mask-padded-3d", VERIFY,
+     lambda: dict(allowed_token_mask=torch.zeros(B, G + 1, MASK_WORDS, dtype=torch.int32)),
      ValueError, r"'allowed_token_mask' must have shape .* = \[15, 4\], got \[3, 5, 4\]"),
-    ("mask-ragged-rows", lambda d: {**_ragged(), "allowed_token_mask": torch.zeros(
-        15, MASK_WORDS, dtype=torch.int32)},
+    ("mask-ragged-rows", VERIFY,
+     lambda: {**ragged_args(),
+              "allowed_token_mask": torch.zeros(15, MASK_WORDS, dtype=torch.int32)},
      ValueError, r"'allowed_token_mask' must have shape .* = \[12, 4\], got \[15, 4\]"),
-    ("mask-1d", lambda d: dict(allowed_token_mask=torch.zeros(MASK_WORDS, dtype=torch.int32)),
+    ("mask-1d", VERIFY, lambda: dict(allowed_token_mask=torch.zeros(MASK_WORDS, dtype=torch.int32)),
      ValueError, r"'allowed_token_mask' must have shape .* = \[15, 4\], got \[4\]"),
 ]
 
 # Value checks: always on CPU; on CUDA only with DSPARK_OPS_DEBUG=1.
-FILTER_VALUE_ERRORS = [
-    ("top_k-negative", lambda d: dict(top_k=i32(0, -1, 5)), ValueError,
-     r"'top_k' values must lie in \[0, 2147483647\], got -1 at index \[1\]"),
-    ("top_k-int-min", lambda d: dict(top_k=i32(-(2**31), 0, 5)), ValueError,
-     r"'top_k' values must lie in \[0, 2147483647\], got -2147483648 at index \[0\]"),
-    ("top_p-zero", lambda d: dict(top_p=f32(0.5, 1.0, 0.0)), ValueError,
-     r"'top_p' must be in \(0, 1\], got 0 at index \[2\]"),
-    ("top_p-negative", lambda d: dict(top_p=f32(-0.25, 1.0, 1.0)), ValueError,
-     r"'top_p' must be in \(0, 1\], got -0.25 at index \[0\]"),
-    ("top_p-above-1", lambda d: dict(top_p=f32(0.5, 1.5, 1.0)), ValueError,
-     r"'top_p' must be in \(0, 1\], got 1.5 at index \[1\]"),
-    ("top_p-nan", lambda d: dict(top_p=f32(NAN, 1.0, 1.0)), ValueError,
-     r"'top_p' must be in \(0, 1\], got nan at index \[0\]"),
-    ("min_p-negative", lambda d: dict(min_p=f32(0.0, -0.5, 0.0)), ValueError,
-     r"'min_p' must be probabilities in \[0, 1\], got -0.5 at index \[1\]"),
-    ("min_p-above-1", lambda d: dict(min_p=f32(0.0, 0.0, 1.25)), ValueError,
-     r"'min_p' must be probabilities in \[0, 1\], got 1.25 at index \[2\]"),
-    ("min_p-nan", lambda d: dict(min_p=f32(0.0, NAN, 0.0)), ValueError,
-     r"'min_p' must be probabilities in \[0, 1\], got nan at index \[1\]"),
-    ("min_p-inf", lambda d: dict(min_p=f32(INF, 0.0, 0.0)), ValueError,
-     r"'min_p' must be probabilities in \[0, 1\], got inf at index \[0\]"),
-    # Offenders at the last element (the CPU checks loop over the data).
-    ("top_k-negative-last", lambda d: dict(top_k=i32(0, 5, -1)), ValueError,
-     r"'top_k' values must lie in \[0, 2147483647\], got -1 at index \[2\]"),
-    ("top_p-nan-last", lambda d: dict(top_p=f32(1.0, 0.5, NAN)), ValueError,
-     r"'top_p' must be in \(0, 1\], got nan at index \[2\]"),
-    ("min_p-nan-last", lambda d: dict(min_p=f32(0.0, 0.5, NAN)), ValueError,
-     r"'min_p' must be probabilities in \[0, 1\], got nan at index \[2\]"),
-]
-
-
-def _ids(cases):
-    return [c[0] for c in cases]
+FILTER_VALUE_ERRORS = sampling_filter_value_errors(VERIFY)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", FILTER_STRUCTURE_ERRORS,
-                         ids=_ids(FILTER_STRUCTURE_ERRORS))
-def test_argument_errors(device, name, overrides, error, message):
-    with pytest.raises(error, match=r"verify\(\): " + message):
+@pytest.mark.parametrize("op,overrides,error,message",
+                         error_params(FILTER_STRUCTURE_ERRORS, op_in_id=False))
+def test_argument_errors(device, op, overrides, error, message):
+    with raises(op, error, message):
         call_with_filters(_with(device, overrides))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,overrides,error,message", FILTER_VALUE_ERRORS,
-                         ids=_ids(FILTER_VALUE_ERRORS))
-def test_value_errors(device, name, overrides, error, message):
-    if device == "cuda" and not DEBUG:
-        pytest.skip("value checks run on CUDA only with DSPARK_OPS_DEBUG=1")
-    with pytest.raises(error, match=r"verify\(\): " + message):
+@pytest.mark.parametrize("op,overrides,error,message",
+                         error_params(FILTER_VALUE_ERRORS, op_in_id=False))
+def test_value_errors(device, op, overrides, error, message):
+    skip_value_checks_without_debug(device)
+    with raises(op, error, message):
         call_with_filters(_with(device, overrides))
 
 
@@ -932,9 +751,9 @@ def test_limit_values_accepted(device):
     # The ends of every range pass the checks (so each error above is due to its one value):
     # top_k 0 and INT32_MAX, top_p 1 and the smallest positive float, min_p 0 and 1, a mask
     # with every bit set, in both layouts.
-    for layout in ({}, _ragged()):
+    for layout in ({}, ragged_args()):
         rows = 12 if layout else B * (G + 1)
-        args = _with(device, lambda d: {
+        args = _with(device, lambda: {
             **layout, "top_k": i32(0, 2**31 - 1, 3), "top_p": f32(1.0, 1e-45, 0.5),
             "min_p": f32(0.0, 1.0, 0.5),
             "allowed_token_mask": torch.full((rows, MASK_WORDS), -1, dtype=torch.int32)})
@@ -946,7 +765,7 @@ def test_limit_values_accepted(device):
 @cuda_only
 @pytest.mark.parametrize("name", ["top_k", "top_p", "min_p", "allowed_token_mask"])
 def test_device_mismatch(name):
-    args = _with("cuda", lambda d: {"top_k": i32(0, 1, 2), "top_p": f32(1, 0.5, 0.9),
+    args = _with("cuda", lambda: {"top_k": i32(0, 1, 2), "top_p": f32(1, 0.5, 0.9),
                                     "min_p": f32(0, 0.1, 0), "allowed_token_mask": torch.full(
                                         (B * (G + 1), MASK_WORDS), -1, dtype=torch.int32)})
     args[name] = args[name].cpu()

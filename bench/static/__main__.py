@@ -3,14 +3,12 @@ the compiled sm_90 code, not a measurement). See docs/performance-model.md.
 
 For every kernel at the benchmark/floor shapes of docs/semantics.md §4: registers, spills, shared
 memory, occupancy, SASS instructions per element of the hot loop, bytes moved and in flight, and
-a predicted time max(memory, issue, latency) + overheads next to the floor (bytes / 4.3 TB/s).
+a predicted time max(memory, issue, latency) + overheads next to the floor (bytes over the
+measured copy bandwidth).
 
-Assumptions (all in bench/static/model.py's Hardware and docs/performance-model.md): H200 with
-132 SMs, 64K registers and 228 KB shared memory per SM, 64 warps and 32 blocks per SM, registers
-in 256-register units over four partitions; 4 warp-instructions per SM per clock at 1.98 GHz;
-4.3 TB/s HBM, 700 ns HBM and 150 ns L2 latency (Little's law over the bytes in flight read from
-the hot loop's SASS path); 2 us per launch, 0.5 us per fence + atomic a block waits on, 50 ns
-per barrier stage of the scheduling sort. Per-iteration instructions are counted along the
+The assumed H200 (SMs, registers, shared memory, clock, HBM bandwidth and latencies, launch and
+barrier overheads) is bench/static/model.py's Hardware; docs/performance-model.md gives its
+numbers and how each term is computed. Per-iteration instructions are counted along the
 cheapest path through the loop body that still has the expected work; caches, dependency stalls,
 bank conflicts, tensor-core throughput and host-side dispatch are not modelled.
 """

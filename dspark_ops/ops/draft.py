@@ -53,11 +53,11 @@ _SHARED_SAMPLING = """
 _SHARED_DTYPE = """
     draft_logits_dtype : torch.dtype, optional
         ``torch.float32`` (default) or ``torch.bfloat16``. With bfloat16 each ``z_j`` is rounded
-        to bfloat16 (round to nearest even) as soon as it is computed, and everything after it
-        (the filters, the Gumbel-max keys, the greedy argmax) uses the rounded value, which is
-        what ``draft_logits`` stores: :func:`verify` still sees exactly the proposal. It halves
-        the largest traffic of a step (the ``[B, G, V]`` write here and its read in
-        :func:`verify`: 311 MB of float32 at B = 64, G = 8, V = 151936, 156 MB in bfloat16)."""
+        to bfloat16 as soon as it is computed, and everything after it (the filters, the
+        Gumbel-max keys, the greedy argmax) uses the rounded value, which is what
+        ``draft_logits`` stores: :func:`verify` still sees exactly the proposal, and the largest
+        traffic of a step (the ``[B, G, V]`` write here, its read in :func:`verify`) halves
+        (docs/semantics.md §3.2, §4)."""
 
 _SHARED_RETURNS = """
     Returns
@@ -72,22 +72,13 @@ _SHARED_RETURNS = """
 
     Notes
     -----
-    Sampling is the Gumbel-max rule ``argmax_v z_j(v) / T - log(E_v)``, ``E_v = -log1p(-u_v)``,
-    with Philox uniforms ``u`` that depend only on ``(seed, p0 + 1 + j, v)``, so a request's
-    drafts do not depend on its batch neighbours. Precision (docs/semantics.md §3.2): the
-    reference's head is float64 (``z`` rounded once to float32). On CPU the tokens are the
-    reference's bit for bit: ``z`` comes from float32 dot products, and a row whose winner (or
-    filter decision) is within their error bound is recomputed in float64; ``draft_logits`` are
-    within ``gamma(n + 1) * ||x|| * max_v ||W2[v]|| * (1 + 2**-12) + 2**-22 * |z|`` of the
-    reference (``gamma(n) = n 2**-24 / (1 - n 2**-24)``, ``n = ceil(r / 8) + 8``, ``x`` the bias
-    input), bit-exact on recomputed rows. With bfloat16 ``draft_logits`` both the CPU tokens
-    and the stored values are the reference's bit for bit: the few elements whose float32 ``z``
-    lies within that bound of a bfloat16 rounding midpoint (so might round either way) are
-    recomputed in float64. On CUDA the dot products are float32 (tensor cores for
-    16-bit weights) and tokens equal the reference's except at float-rounding near-ties. No host
-    synchronisation on CUDA; value checks (ids, positions, temperatures) always run on CPU and on
-    CUDA with ``DSPARK_OPS_DEBUG=1``. Without them an out-of-range id embeds as
-    a zero row instead of being read out of bounds."""
+    Sampling is Gumbel-max on Philox uniforms that depend only on ``(seed, p0 + 1 + j, v)``, so
+    a request's drafts do not depend on its batch neighbours. The precision (docs/semantics.md
+    §3.2): on CPU the tokens, and with bfloat16 ``draft_logits`` the stored values too, are the
+    float64 reference's bit for bit; on CUDA tokens equal the reference's except at
+    float-rounding near-ties. No host synchronisation on CUDA; value checks (ids, positions,
+    temperatures) always run on CPU and on CUDA with ``DSPARK_OPS_DEBUG=1``. Without them an
+    out-of-range id embeds as a zero row instead of being read out of bounds."""
 
 
 def _logits_dtype(op, dtype):

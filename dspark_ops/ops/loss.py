@@ -1,4 +1,5 @@
-"""``dspark_loss``: DSpark's three-term training loss, fused from the hidden states."""
+"""``dspark_loss``: DSpark's three-term training loss, fused from the hidden states
+(docs/semantics.md §3.7)."""
 
 from __future__ import annotations
 
@@ -53,19 +54,17 @@ def dspark_loss(
 ) -> LossOutput:
     """DSpark's training loss, without ever holding the ``[N, V]`` logits in float32.
 
-    Per position ``i``: draft logits ``z = W h + W2 u`` (no ``W2`` term without
-    ``markov_latent``), target logits ``t = W g``, ``p = softmax(z)``, ``q = softmax(t)``,
-    ``ce = logsumexp(z) - z[y]``, ``l1 = sum |p - q|``, ``c* = clamp(1 - l1 / 2, 0, 1)``
-    (detached) and ``bce = BCE_with_logits(c, c*)``. The loss is
-    ``ce_weight * sum(w ce) / S + l1_weight * sum(w l1) / S + confidence_weight * sum(w bce) / S``
-    with ``S = sum(w) + 1e-6`` (DeepSpec's ``compute_dspark_loss`` at world size 1).
+    The weighted sum of the draft's cross-entropy, the L1 distance between the draft and target
+    distributions and the confidence head's BCE against the expected acceptance
+    ``c* = clamp(1 - l1 / 2, 0, 1)``, each over ``sum(w) + 1e-6``, as DeepSpec's
+    ``compute_dspark_loss``; the formula and its gradients: docs/semantics.md §3.7.
 
-    The logits are made a chunk of rows at a time (one product for ``z``, one for ``t``) and a
-    fused vocabulary pass computes both log-sum-exps, ``ce``, ``l1`` and, when anything requires
-    grad, the gradients with respect to the logits, which the chunk's products turn into the
-    inputs' gradients right away: the backward only scales them. Extra memory: one chunk of
-    ``[rows, V]`` draft and target logits in the inputs' dtype (by default 256 MiB on CUDA,
-    128 MiB on CPU), plus the gradients.
+    The logits are made a chunk of rows at a time (one product for the draft's, one for the
+    target's) and a fused vocabulary pass computes both log-sum-exps, ``ce``, ``l1`` and, when
+    anything requires grad, the gradients with respect to the logits, which the chunk's products
+    turn into the inputs' gradients right away: the backward only scales them. Extra memory: one
+    chunk of ``[rows, V]`` draft and target logits in the inputs' dtype (by default 256 MiB on
+    CUDA, 128 MiB on CPU), plus the gradients.
 
     Parameters
     ----------
@@ -74,7 +73,7 @@ def dspark_loss(
         (float64 on CPU).
     lm_head_weight : torch.Tensor
         ``[V, d]`` LM head shared by draft and target logits, ``hidden``'s dtype. Gets a gradient
-        (through ``z`` and ``t``, as autograd of the formula) when it requires grad.
+        (through the draft and target logits, as autograd of the formula) when it requires grad.
     labels : torch.Tensor
         ``[N]`` int64 (or int32) next tokens in ``[0, V)``.
     weights : torch.Tensor

@@ -1,13 +1,8 @@
-"""Confidence-scheduled, load-aware verification (docs/semantics.md §3.4).
+"""Confidence-scheduled, load-aware verification: which draft tokens are worth a target forward.
 
-Which draft tokens are worth a target forward? Each op ranks all (request, position) pairs by
-survival ``a[r, j] = c[r, 0] * ... * c[r, j]`` (descending; ties to the smaller position, then the
-smaller request) and admits a prefix of that ranking, which sets ``num_verify[r]`` to one more
-than the largest admitted position of request ``r``. A batch of ``N`` verify tokens runs at
-``step_rate[N]`` target steps per second, and ``B + sum of admitted survivals`` tokens are expected
-to be emitted, so the objective is ``Theta = tau * step_rate[N]``. ``tau`` is summed exactly in
-fixed point (survivals rounded to multiples of 2^-32), so every backend makes the same decisions;
-a survival below 2^-33 therefore adds nothing to ``tau``.
+Each op ranks the (request, position) pairs by survival ``a[r, j] = c[r, 0] * ... * c[r, j]``
+and admits a prefix of that ranking; the ranking, the objective ``Theta = tau * step_rate[N]``
+and its fixed-point sum are docs/semantics.md §3.4, the losslessness condition §5.2.
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ def schedule_verify(
     """Per-request verify lengths by Algorithm 1 of the DSpark paper, lossless.
 
     Admits pairs in survival order while ``Theta`` strictly improves and stops at the first
-    admission that does not improve it (or that would need ``M`` tokens). The stop is what keeps
-    speculative sampling exact: when pair ``(r, k)`` is decided only survivals at least as large
-    have been looked at, and none of them depends on draft ``x_{r,k}`` itself. A search that looks
-    further ahead biases the output distribution.
+    admission that does not (or that would need ``M`` tokens): the stop is what keeps sampling
+    exact (docs/semantics.md §3.4, §5.2).
 
     Parameters
     ----------

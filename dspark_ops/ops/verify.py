@@ -32,19 +32,11 @@ def verify(
 ) -> VerifyOutput:
     """Accepts the longest valid prefix of each request's drafts and emits one more token.
 
-    Rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft ``x`` at row ``j`` is
-    accepted iff ``q_j(x) > 0`` and ``u_j * q_j(x) < p_j(x)``; at the first rejection a token is
-    drawn from ``max(p_j - q_j, 0)`` (from ``p_j`` if that has no mass), and after a full accept a
-    bonus token is drawn from ``p_n``. The emitted tokens are distributed exactly as sampling the
-    target alone. Greedy requests (``temperature <= 1e-5``) accept iff the draft equals the target
-    argmax (ties to the lowest id) and emit that argmax.
-
-    The target distribution ``p_j`` is the processed one, in this order: disallowed tokens
-    (``allowed_token_mask``) and non-finite logits dropped, ``softmax(logits / T)``, then top-k,
-    top-p and min-p, each renormalising (transformers' order; vLLM applies min-p before top-k and
-    top-p, which keeps other tokens). A draft outside the kept set has ``p = 0`` and is rejected;
-    the filters cannot change a greedy request's argmax. The filters are computed inside the
-    fused pass, only for the rows the decision needs.
+    Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) against the processed target
+    distribution (``allowed_token_mask``, temperature, then top-k, top-p and min-p): the
+    emitted tokens are distributed exactly as sampling that distribution alone. Greedy requests
+    (``temperature <= 1e-5``) accept iff the draft is the target argmax. The rule:
+    docs/semantics.md §3.1; the filters and their order: §3.1b; why it is lossless: §5.1.
 
     Parameters
     ----------
