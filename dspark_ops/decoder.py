@@ -4,9 +4,9 @@ One round of :meth:`SpeculativeDecoder.generate`, batched over requests of diffe
 lengths, with no host synchronisation until the loop has to decide whether to stop:
 
 1. draft: the block ``[x0, MASK, ...]`` through the draft backbone (``block_draft_attention``
-   over each layer's context cache), ``lm_head`` -> base logits, ``markov_draft`` (or
-   ``rnn_draft``; for a DFlash draft the base logits themselves) -> drafts and the logits they
-   were sampled from, ``draft_confidence``;
+   over each layer's context cache), ``lm_head`` (soft-capped for a Gemma4 draft) -> base
+   logits, ``markov_draft`` (or ``rnn_draft``; for a DFlash draft the base logits themselves)
+   -> drafts and the logits they were sampled from, ``draft_confidence``;
 2. schedule: ``schedule_verify`` (Algorithm 1), or ``plan_verify_budget`` on the confidences of
    two rounds before + ``allocate_verify`` on fresh ones, or every draft;
 3. verify: ``pack_verify_inputs`` -> one target forward over the ragged batch -> ``verify``;
@@ -311,7 +311,7 @@ class SpeculativeDecoder:
                 hidden = draft(draft.block_hidden(anchor, block), block_positions=None,
                                k_caches=d_k, v_caches=d_v, cache_seqlens=draft_len)
             with _part("draft_lm_head"):
-                base_logits = draft.lm_head(hidden)
+                base_logits = draft.base_logits(hidden)
             with _part("markov_drafting"):
                 drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature,
                                                      seed, position, **filters)
