@@ -450,3 +450,147 @@ def test_sampled_decoding_runs():
     target, draft = _decoding_pair("markov")
     out = SpeculativeDecoder(target, draft).generate(PROMPTS, 12, 1.0, torch.arange(4))
     assert all(len(t) == 12 for t in out.tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Gemma targets through HFTarget: sliding-window layers, each with its own mask
+
+
+HF_FEATURES = (-1, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def tiny_gemma(transformers, kind: str, window: int, seed: int = 0):
+    """A random float64 Gemma4 (or Gemma3) text causal LM, four layers, sliding layers 0 and 2
+    with a ``window``-token window; norms and Gemma4's layer scalars spread around 1."""
+    common = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  sliding_window=window, max_position_embeddings=256,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                               "full_attention"], final_logit_softcapping=30.0,
+                  pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                  tie_word_embeddings=False)
+    if kind == "gemma4":
+        config = transformers.Gemma4TextConfig(
+            global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, **common)
+        model = transformers.Gemma4ForCausalLM
+    else:
+        config = transformers.Gemma3TextConfig(query_pre_attn_scalar=16, **common)
+        model = transformers.Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    model = model(config)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name or "layer_scalar" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("weight"):
+                p.normal_(0, 0.3)
+    model = model.to(torch.float64).eval()
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_generate(model, prompts, steps):
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=steps, min_new_tokens=steps)
+        rows.append(out[0, len(prompt):].tolist())
+    return rows
+
+
+@torch.no_grad()
+def table_draft_for(sequences, head: str = "markov") -> Gemma4DSparkDraft:
+    """A Gemma4 draft on HF_FEATURES whose Markov head is a bigram table of ``sequences``."""
+    dflash = head == "dflash"
+    config = DSparkConfig.from_dict(deepspec_config(
+        target_layer_ids=list(HF_FEATURES), markov_rank=0 if dflash else 96,
+        enable_confidence_head=not dflash))
+    draft = Gemma4DSparkDraft(config)
+    draft.load_state_dict(random_state(config))
+    if not dflash:
+        counts = torch.zeros(96, 96)
+        for seq in sequences:
+            for a, b in zip(seq, seq[1:]):
+                counts[a, b] += 1
+        share = counts / counts.sum(-1, keepdim=True).clamp_min(1)
+        draft.norm.weight.zero_()
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(96))
+        draft.markov_head.markov_w2.weight.copy_((8.0 * share).T)
+    return draft
+
+
+@pytest.mark.parametrize("kind, window", [("gemma4", 3), ("gemma4", 1000), ("gemma3", 3)])
+def test_plain_decoding_through_hftarget_equals_generate(transformers, kind, window):
+    from dspark_ops.hf import HFTarget
+
+    model = tiny_gemma(transformers, kind, window)
+    expected = hf_generate(model, PROMPTS, 12)
+    assert generate_target_only(HFTarget(model, HF_FEATURES), PROMPTS, 12) == expected
+    if window == 3:  # the window changes the model's output, so the masks above are tested
+        assert hf_generate(tiny_gemma(transformers, kind, 1000), PROMPTS, 12) != expected
+
+
+@pytest.mark.parametrize("head, scheduler", [("markov", "fixed"), ("markov", "confidence"),
+                                             ("dflash", "fixed")])
+@pytest.mark.parametrize("block", [1, 5])
+@pytest.mark.parametrize("kind", ["gemma4", "gemma3"])
+def test_speculative_greedy_equals_generate(transformers, kind, head, scheduler, block):
+    from dspark_ops.hf import HFTarget
+
+    model = tiny_gemma(transformers, kind, 3)
+    expected = hf_generate(model, PROMPTS, 16)
+    draft = table_draft_for([p + e for p, e in zip(PROMPTS, expected)], head)
+    out = SpeculativeDecoder(HFTarget(model, HF_FEATURES), draft, block_size=block,
+                             scheduler=scheduler).generate(PROMPTS, 16)
+    assert out.tokens == expected
+    if head == "markov" and scheduler == "fixed" and block > 1:
+        assert out.mean_accepted_length > 1.5  # accepted and rejected rows both happen
+
+
+def test_gemma4_features_follow_deepspec(transformers):
+    """-1 is the scaled embedding, l the decoder layer's output after its layer_scalar: the
+    model's own hidden_states[0] and hidden_states[l + 1]."""
+    from dspark_ops.hf import HFTarget
+
+    model = tiny_gemma(transformers, "gemma4", 3)
+    assert not all(float(layer.layer_scalar) == 1.0 for layer in model.model.layers)
+    target = HFTarget(model, HF_FEATURES)
+    ids = torch.tensor([PROMPTS[1]])
+    cache = target.new_cache(1, 32)
+    _, features = target(ids, torch.tensor([ids.shape[1]], dtype=torch.int32), cache,
+                         torch.zeros(1, dtype=torch.int32))
+    states = model(ids, output_hidden_states=True).hidden_states
+    want = torch.cat([states[i + 1] for i in HF_FEATURES], -1)
+    torch.testing.assert_close(features, want, atol=1e-10, rtol=1e-10)
+    scale = torch.tensor(HIDDEN**0.5, dtype=torch.float64)
+    torch.testing.assert_close(features[..., :HIDDEN],
+                               model.model.embed_tokens.weight[ids] * scale)
+
+
+def test_hftarget_refuses_windows_it_cannot_place(transformers):
+    from dspark_ops.hf import _sliding_window
+
+    class Config:
+        pass
+
+    config = Config()
+    config.sliding_window, config.layer_types = 8, None
+    with pytest.raises(ValueError, match="without 'layer_types'"):
+        _sliding_window(config)
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        _sliding_window(config)
+    config.layer_types = ["sliding_attention", "full_attention"]
+    assert _sliding_window(config) == 8
+    config.use_sliding_window = False  # Qwen-style switch: the window is off
+    config.layer_types = ["full_attention"] * 2
+    assert _sliding_window(config) is None
