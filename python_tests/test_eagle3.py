@@ -336,6 +336,16 @@ def test_default_block_is_ttt_length_and_a_scheduler_needs_a_confidence_head():
         SpeculativeDecoder(target, draft)
 
 
+def _chi_square_of_chain(target, draft, prompt, trials, temperature):
+    joint = _exact_joint(target, prompt, 2, temperature)
+    decoder = SpeculativeDecoder(target, draft, block_size=3, scheduler="fixed")
+    out = decoder.generate([prompt] * trials, 2, temperature, torch.arange(trials))
+    index = {seq: i for i, seq in enumerate(joint)}
+    samples = torch.tensor([index[tuple(t[:2])] for t in out.tokens])
+    probs = torch.tensor(list(joint.values()))
+    return chi_square(samples, probs / probs.sum()), out
+
+
 @torch.no_grad()
 def _exact_joint(target, prompt, steps, temperature):
     """P(first ``steps`` tokens) of plain sampling at ``temperature``, by enumeration."""
@@ -361,15 +371,29 @@ def test_sampled_tokens_follow_the_target():
     target, draft = _pair("qwen3", favour_zero=False)
     with torch.no_grad():  # a sharper target, so that a few hundred runs resolve it
         target.lm_head.weight.mul_(3.0)
-    prompt, trials, temperature = [5, 17, 9], 2000, 1.0
-    joint = _exact_joint(target, prompt, 2, temperature)
-    decoder = SpeculativeDecoder(target, draft, block_size=3, scheduler="fixed")
-    out = decoder.generate([prompt] * trials, 2, temperature, torch.arange(trials))
-    index = {seq: i for i, seq in enumerate(joint)}
-    samples = torch.tensor([index[tuple(t[:2])] for t in out.tokens])
-    probs = torch.tensor(list(joint.values()))
-    assert chi_square_passes(*chi_square(samples, probs / probs.sum()))
+    stat, out = _chi_square_of_chain(target, draft, [5, 17, 9], 2000, 1.0)
+    assert chi_square_passes(*stat)
     assert sum(a for r in out.rounds for a in r.accepted) > 0  # drafts were accepted too
+
+
+
+def test_chi_square_rejects_chain_drafts_verified_with_the_wrong_logits(monkeypatch):
+    """The same test fails when verify is told the drafts came from softmax(logits / T) at a
+    temperature other than the one they were sampled at."""
+    from dspark_ops import decoder as decoder_module
+
+    target, draft = _pair("qwen3", favour_zero=False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    real = decoder_module.sample_base_logits
+
+    def sharper(logits, temperature, seed, position, **filters):
+        out = real(logits, temperature, seed, position, **filters)
+        return type(out)(out.tokens, out.draft_logits * 3.0)
+
+    monkeypatch.setattr(decoder_module, "sample_base_logits", sharper)
+    stat, _ = _chi_square_of_chain(target, draft, [5, 17, 9], 2000, 1.0)
+    assert not chi_square_passes(*stat)
 
 
 @pytest.mark.parametrize("kind", ["gemma4", "qwen3"])
@@ -399,3 +423,32 @@ def test_greedy_through_hftarget_equals_generate(kind):
     out = SpeculativeDecoder(HFTarget(model, layers), draft, scheduler="fixed").generate(
         PROMPTS, 12)
     assert out.tokens == expected
+
+
+def test_eval_command_runs_an_eagle3_draft(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from cases.hf import char_tokenizer
+    from dspark_ops.eval import main
+    from test_hf import tiny_model
+
+    model = tiny_model("qwen3", vocab=96)
+    target_dir, draft_dir = str(tmp_path / "target"), str(tmp_path / "draft")
+    model.save_pretrained(target_dir)
+    char_tokenizer(96).save_pretrained(target_dir)
+    config = Eagle3Config.from_dict(deepspec_config(
+        hidden_size=64, target_layer_ids=[0, 1, 2], num_target_layers=4))
+    draft = Eagle3Draft(config)
+    draft.load_state_dict(random_state(config))
+    draft.save_pretrained(draft_dir)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"turns": ["hello there"]}) + "\n"
+                    + json.dumps({"turns": ["what is two plus two?"]}) + "\n")
+    output = tmp_path / "results.json"
+    main(["--target", target_dir, "--draft", draft_dir, "--data", str(data),
+          "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float64", "--batch-size",
+          "2", "--output", str(output), "--no-progress"])
+    result = json.loads(output.read_text())
+    row = result["results"][0]
+    assert result["settings"]["draft_kind"] == "eagle3"
+    assert result["settings"]["block_size"] == 5  # ttt_length
+    assert row["greedy_identical_to_plain"] is True and row["mean_verified_drafts"] == 5.0
