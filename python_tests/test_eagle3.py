@@ -452,3 +452,41 @@ def test_eval_command_runs_an_eagle3_draft(tmp_path, capsys):
     assert result["settings"]["draft_kind"] == "eagle3"
     assert result["settings"]["block_size"] == 5  # ttt_length
     assert row["greedy_identical_to_plain"] is True and row["mean_verified_drafts"] == 5.0
+
+
+# --------------------------------------------------------------------------------------------
+# Training: python -m dspark_ops.train --arch eagle3
+
+
+def test_eagle3_training_learns_and_its_checkpoint_decodes(tmp_path):
+    pytest.importorskip("transformers")
+    from cases.training import read_metrics, save_target, train_args, write_greedy_data
+    from dspark_ops.hf import HFTarget
+    from dspark_ops.train.trainer import main
+    from transformers import AutoModelForCausalLM
+
+    target = save_target(str(tmp_path / "target"))
+    data = write_greedy_data(target, str(tmp_path / "data.jsonl"), count=20, new_tokens=32)
+    out = str(tmp_path / "eagle3")
+    main(train_args(target, data, out, "--arch", "eagle3", "--max-steps", "20", "--lr",
+                    "3e-3"))
+    rows = read_metrics(out)
+    first, last = rows[:4], rows[-4:]
+    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "loss") < mean(first, "loss"), [r["loss"] for r in rows]
+    assert mean(last, "tau_probabilistic") > mean(first, "tau_probabilistic")
+    assert all(r["loss"] == pytest.approx(r["ce"]) and r["l1"] == 0 for r in rows)
+    assert rows[-1]["accept_rate@3"] is not None  # one rate per TTT step (--block-size 4)
+    step = os.path.join(out, "step_latest")
+    config = json.load(open(os.path.join(step, "config.json")))
+    assert config["architectures"] == ["Qwen3Eagle3Model"] and config["ttt_length"] == 4
+    assert config["target_layer_ids"] == [0, 2] and config["step_loss_decay"] == 0.8
+    draft = load_draft(step)
+    assert isinstance(draft, Eagle3Draft)
+    model = AutoModelForCausalLM.from_pretrained(target, attn_implementation="sdpa").eval()
+    assert torch.equal(draft.lm_head.weight, model.get_output_embeddings().weight)
+    model.generation_config.eos_token_id = None
+    hf = HFTarget(model, draft.config.target_layer_ids)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    out_tokens = SpeculativeDecoder(hf, draft, scheduler="fixed").generate(prompts, 12)
+    assert out_tokens.tokens == generate_target_only(hf, prompts, 12)

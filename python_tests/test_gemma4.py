@@ -594,3 +594,108 @@ def test_hftarget_refuses_windows_it_cannot_place(transformers):
     config.use_sliding_window = False  # Qwen-style switch: the window is off
     config.layer_types = ["full_attention"] * 2
     assert _sliding_window(config) is None
+
+
+# --------------------------------------------------------------------------------------------
+# The training forward takes a Gemma4 draft (its layers through after_attention)
+
+
+@pytest.mark.parametrize("head_dim", [64, 512])
+def test_training_forward_matches_the_inference_path(head_dim):
+    from dspark_ops.train import training_forward
+
+    config, state, draft = _loaded(deepspec_config(global_head_dim=head_dim))
+    gen = torch.Generator().manual_seed(6)
+    length = 24
+    input_ids = torch.randint(5, 96, (1, length), generator=gen)
+    features = torch.randn(1, length, len(TARGET_LAYERS) * HIDDEN, generator=gen)
+    anchors = torch.tensor([[0, 4, 11, 18]])
+    with torch.no_grad():
+        out = training_forward(draft, input_ids, features, torch.ones(1, length),
+                               anchor_positions=anchors)
+        p0 = anchors[0]
+        k, v = draft.new_caches(4, length + 8)
+        seqlens = torch.zeros(4, dtype=torch.int32)
+        draft.append_context(features.expand(4, -1, -1), None, p0.int(), k, v, seqlens)
+        hidden = draft(draft.block_hidden(input_ids[0, p0], config.block_size), None, k, v,
+                       seqlens)
+    torch.testing.assert_close(out.hidden[0], hidden, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Training a Gemma4 draft: the loss with the cap, and the trainer on a Gemma4 target
+
+
+def test_softcapped_loss_caps_before_the_markov_bias():
+    from dspark_ops import reference
+    from dspark_ops.train.loss import softcapped_dspark_loss
+
+    gen = torch.Generator().manual_seed(7)
+    n, d, v, r = 12, 16, 40, 4
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(v, d, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    weights = torch.rand(n, generator=gen, dtype=torch.float64)
+    latent = torch.randn(n, r, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(v, r, generator=gen, dtype=torch.float64)
+    target = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    conf = torch.randn(n, generator=gen, dtype=torch.float64)
+    kw = dict(target_hidden=target, markov_latent=latent, markov_w2=w2, confidence_logits=conf)
+    # A cap far above the logits is no cap: the eager formula of record.
+    loose = softcapped_dspark_loss(hidden, head, labels, weights, cap=1e6, **kw)
+    plain = reference.dspark_loss(hidden, head, labels, weights, **kw)
+    torch.testing.assert_close(loose.loss, plain.loss, rtol=1e-9, atol=1e-9)
+    # A tight one: z = cap * tanh(W h / cap) + W2 u, t capped alike, gradients through tanh.
+    out = softcapped_dspark_loss(hidden, head, labels, weights, cap=2.0, **kw)
+    z = 2.0 * torch.tanh(hidden @ head.T / 2.0) + latent @ w2.T
+    t = 2.0 * torch.tanh(target @ head.T / 2.0)
+    s = weights.sum() + 1e-6
+    ce = torch.logsumexp(z, -1) - z.gather(-1, labels[:, None])[:, 0]
+    l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(
+        conf, (1 - 0.5 * l1).clamp(0, 1).detach(), reduction="none")
+    want = (0.1 * (weights * ce).sum() + 0.9 * (weights * l1).sum() + (weights * bce).sum()) / s
+    torch.testing.assert_close(out.loss, want)
+    grad, = torch.autograd.grad(out.loss, hidden)
+    want_grad, = torch.autograd.grad(want, hidden)
+    torch.testing.assert_close(grad, want_grad)
+    assert abs(float((out.loss - plain.loss).detach())) > 1e-2  # the cap changes the loss
+    wrong = 2.0 * torch.tanh((hidden @ head.T + latent @ w2.T) / 2.0)  # bias before the cap
+    assert (wrong - z).abs().max() > 0.1
+
+
+def test_trainer_trains_a_gemma4_draft_for_a_gemma4_target(transformers, tmp_path):
+    from cases.hf import char_tokenizer
+    from dspark_ops.train.trainer import main
+
+    model = tiny_gemma(transformers, "gemma4", 3).float()
+    model.generation_config.eos_token_id = 3
+    target = str(tmp_path / "target")
+    model.save_pretrained(target)
+    char_tokenizer(96).save_pretrained(target)
+    rows = []
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for i in range(16):
+            ids = torch.randint(5, 96, (1, 4), generator=gen)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=28, min_new_tokens=28)[0].tolist()
+            rows.append({"input_ids": out, "loss_mask": [0] * 4 + [1] * 28})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "run")
+    main(["--target", target, "--data", str(data), "--out", out, "--num-layers", "1",
+          "--block-size", "4", "--anchors", "8", "--target-layers", "0", "1", "2",
+          "--markov-rank", "16", "--batch-tokens", "256", "--device", "cpu", "--dtype",
+          "float32", "--no-progress", "--min-loss-tokens", "4", "--max-steps", "16", "--lr",
+          "3e-3", "--calibration-samples", "0", "--mask-token-id", "4"])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    first = sum(r["loss"] for r in metrics[:4]) / 4
+    last = sum(r["loss"] for r in metrics[-4:]) / 4
+    assert last < first, [r["loss"] for r in metrics]
+    draft = DSparkDraft.from_pretrained(os.path.join(out, "step_latest"))
+    assert isinstance(draft, Gemma4DSparkDraft)
+    assert draft.config.head_dim == 32 and draft.config.final_logit_softcapping == 30.0
+    assert draft.config.partial_rotary_factor == 0.25 and draft.config.attention_k_eq_v
+    assert draft.config.mask_token_id == 4 and draft.config.target_layer_ids == (0, 1, 2)

@@ -119,6 +119,11 @@ class Eagle3Config:
         """Drafts per round by default: ``ttt_length``."""
         return self.ttt_length
 
+    # What an Eagle3 draft does not have, under the names DSpark configs use for them.
+    num_hidden_layers = 1
+    enable_confidence_head = False
+    target_hidden_size = None
+
     @classmethod
     def from_dict(cls, values: dict) -> "Eagle3Config":
         """Reads DeepSpec's Eagle3 draft ``config.json`` (a copy of the target's config plus
@@ -279,9 +284,9 @@ class Eagle3Attention(nn.Module):
             return gemma4_rope(x, positions, c.rope_theta, c.partial_rotary_factor)
         return apply_rope(x, positions, c.rope_theta)
 
-    def forward(self, x, positions, num_new, k_cache, v_cache, cache_len, cache_slot=None):
-        """Rows ``x [B, T, 2 * hidden]`` at ``positions [B, T]``: writes their K/V at
-        ``cache_len[b] + t`` (the first ``num_new[b]``) and attends causally to the cache."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """``q [B, T, Hq, D]``, ``k``, ``v [B, T, Hkv, D]`` of rows ``x [B, T, 2 * hidden]`` at
+        ``positions [B, T]`` (norms and RoPE applied)."""
         batch, length = x.shape[:2]
         q = self._rope(self.q_norm(self.q_proj(x).view(batch, length, -1, self.head_dim)),
                        positions)
@@ -289,7 +294,13 @@ class Eagle3Attention(nn.Module):
         v = raw if self.v_proj is None else self.v_proj(x).view(batch, length, -1, self.head_dim)
         if self.v_norm is not None:
             v = self.v_norm(v)
-        k = self._rope(self.k_norm(raw), positions)
+        return q, self._rope(self.k_norm(raw), positions), v
+
+    def forward(self, x, positions, num_new, k_cache, v_cache, cache_len, cache_slot=None):
+        """Rows ``x [B, T, 2 * hidden]`` at ``positions [B, T]``: writes their K/V at
+        ``cache_len[b] + t`` (the first ``num_new[b]``) and attends causally to the cache."""
+        batch, length = x.shape[:2]
+        q, k, v = self.project(x, positions)
         append_context_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), num_new,
                           cache_len.clone(), cache_slot=cache_slot)
         slots = (cache_slot.long() if cache_slot is not None
@@ -318,11 +329,19 @@ class Eagle3Layer(nn.Module):
             self.post_feedforward_layernorm = norm(hidden, eps)
             self.register_buffer("layer_scalar", torch.ones(1))
 
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[input_layernorm(embeds) ; hidden_norm(hidden)]``, ``[B, T, 2 * hidden]``."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+
     def forward(self, embeds, hidden, positions, num_new, k_cache, v_cache, cache_len,
                 cache_slot=None):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
-        attended = self.self_attn(x, positions, num_new, k_cache, v_cache, cache_len,
-                                  cache_slot)
+        attended = self.self_attn(self.attention_input(embeds, hidden), positions, num_new,
+                                  k_cache, v_cache, cache_len, cache_slot)
+        return self.after_attention(hidden, attended)
+
+    def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual (the un-normed ``hidden``) and the MLP, once the attention output
+        (after ``o_proj``) is known; the training forward calls it with its own attention."""
         if not self.gemma:
             h = hidden + attended
             return h + self.mlp(self.post_attention_layernorm(h))
