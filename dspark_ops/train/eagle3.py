@@ -12,7 +12,8 @@ batch of right-padded sequences ``[B, L]``, in plain PyTorch (SDPA with a dense 
    (its own chain so far), as at inference, where a chain step sees the committed rows and its
    own earlier steps.
 3. **Loss.** Step ``k`` of row ``i`` predicts the target's next-token distribution at
-   ``i + k + 1`` (``softmax(lm_head(target_last_hidden))``, the draft's frozen LM head);
+   ``i + k + 1`` (``softmax(lm_head(target_last_hidden))``, the draft's frozen LM head, soft-capped
+   for a Gemma4 draft);
    the soft cross-entropy ``-sum p log q`` is masked by the loss mask shifted by ``k`` (the last
    valid token has no target) and divided by ``B * L`` (DeepSpec's per-step local mean), then
    weighted by ``step_loss_decay ** k`` and summed over the ``ttt_length`` steps.
@@ -30,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from ..models.gemma4 import soft_cap
 
 __all__ = ["Eagle3Batch", "eagle3_ttt_loss"]
 
@@ -96,7 +99,9 @@ def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tenso
     lengths = valid.long().sum(-1)
     rows = torch.arange(length, device=device)
     with torch.no_grad():
-        target_probs = torch.softmax(draft.lm_head(target_last_hidden).float(), -1)
+        target_logits = soft_cap(draft.lm_head(target_last_hidden.to(draft.lm_head.weight.dtype)),
+                                 config.final_logit_softcapping)
+        target_probs = torch.softmax(target_logits.float(), -1)
         # Row i of step k learns the target's distribution at i + k + 1.
         mask0 = loss_mask.float() * valid.float()
         mask0[torch.arange(batch, device=device), (lengths - 1).clamp_min(0)] = 0.0

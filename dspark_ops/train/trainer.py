@@ -316,12 +316,10 @@ def build_draft_config(target_config, args: argparse.Namespace, tokenizer=None) 
     )
 
 
-def _gemma4_config(text, args, layers, mask, rank, confidence, depth) -> DSparkConfig:
-    """A Gemma4 DSpark/DFlash draft's config, as DeepSpec's Gemma4 ``build_draft_config``: a copy
-    of the target's text config (with ``global_head_dim`` and ``num_global_key_value_heads``
-    read back from the full-attention layers' view where transformers moved them) and the
-    draft's fields, read by :meth:`Gemma4DSparkConfig.from_dict` (which refuses what it does not
-    implement)."""
+def _gemma4_text_values(text) -> dict:
+    """A Gemma4 text config as a dict with ``global_head_dim`` and ``num_global_key_value_heads``
+    at the top level, where DeepSpec's draft configs keep them (transformers 5.17 and later move
+    them into the full-attention layers' ``per_layer_config`` view)."""
     values = text.to_dict()
     if values.get("global_head_dim") is None:
         full = [i for i, t in enumerate(text.layer_types) if t == "full_attention"]
@@ -329,6 +327,17 @@ def _gemma4_config(text, args, layers, mask, rank, confidence, depth) -> DSparkC
         values["global_head_dim"] = int(view.head_dim)
         values["num_global_key_value_heads"] = int(view.num_key_value_heads)
     values.pop("per_layer_config", None)
+    values["num_target_layers"] = int(text.num_hidden_layers)
+    return values
+
+
+def _gemma4_config(text, args, layers, mask, rank, confidence, depth) -> DSparkConfig:
+    """A Gemma4 DSpark/DFlash draft's config, as DeepSpec's Gemma4 ``build_draft_config``: a copy
+    of the target's text config (with ``global_head_dim`` and ``num_global_key_value_heads``
+    read back from the full-attention layers' view where transformers moved them) and the
+    draft's fields, read by :meth:`Gemma4DSparkConfig.from_dict` (which refuses what it does not
+    implement)."""
+    values = _gemma4_text_values(text)
     values.update(architectures=["Gemma4DSparkModel"], num_hidden_layers=int(args.num_layers),
                   layer_types=["full_attention"] * int(args.num_layers),
                   tie_word_embeddings=False, target_layer_ids=list(layers),
@@ -359,6 +368,21 @@ def _eagle3_config(text, args: argparse.Namespace) -> Eagle3Config:
             raise SystemExit(f"--config {args.config}: hidden size / vocabulary "
                              f"{config.hidden_size} / {config.vocab_size} differ from the "
                              f"target's {text.hidden_size} / {text.vocab_size}")
+    elif getattr(text, "model_type", None) in GEMMA4_MODEL_TYPES:
+        layers = _check_target_layers(args.target_layers if args.target_layers is not None
+                                      else default_target_layers(depth), depth)
+        values = _gemma4_text_values(text)
+        values.update(architectures=["Gemma4Eagle3Model"], num_hidden_layers=1,
+                      draft_num_hidden_layers=1, layer_types=["full_attention"],
+                      tie_word_embeddings=False, target_layer_ids=list(layers),
+                      ttt_length=int(args.block_size),
+                      step_loss_decay=float(args.step_loss_decay))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the fields of the copied transformers config
+                config = Eagle3Config.from_dict(values)
+        except ValueError as error:
+            raise SystemExit(f"--arch eagle3: {error}") from None
     else:
         layers = _check_target_layers(args.target_layers if args.target_layers is not None
                                       else default_target_layers(depth), depth)
