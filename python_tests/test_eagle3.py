@@ -377,6 +377,29 @@ def test_sampled_tokens_follow_the_target():
 
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chain_drafts_follow_the_drafts_own_softmax(temperature):
+    """A chain step's draft, as the decoder samples it (on the draft stream of its position),
+    is distributed as softmax(compute_logits(h) / T) of the draft itself."""
+    from dspark_ops.models import sample_base_logits
+
+    config = Eagle3Config.from_dict(deepspec_config("gemma4"))
+    draft = Eagle3Draft(config)
+    draft.load_state_dict(random_state(config))
+    trials = 4000
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        logits = draft.compute_logits(torch.randn(1, HIDDEN, generator=gen) * 3)
+    out = sample_base_logits(logits.expand(trials, -1)[:, None],
+                             torch.full((trials,), temperature), torch.arange(trials),
+                             torch.full((trials,), 17))
+    probs = torch.softmax(logits[0].double() / temperature, -1)
+    assert chi_square_passes(*chi_square(out.tokens[:, 0], probs))
+    torch.testing.assert_close(out.draft_logits[:, 0], logits.expand(trials, -1))
+    wrong = torch.softmax(logits[0].double() / (2 * temperature), -1)
+    assert not chi_square_passes(*chi_square(out.tokens[:, 0], wrong))
+
+
 def test_chi_square_rejects_chain_drafts_verified_with_the_wrong_logits(monkeypatch):
     """The same test fails when verify is told the drafts came from softmax(logits / T) at a
     temperature other than the one they were sampled at."""
