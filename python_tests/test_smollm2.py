@@ -185,3 +185,44 @@ def test_hf_target_greedy_equals_generate(model_and_tokenizer):
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
         assert tokens == reference[0, len(prompt):].tolist()
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+@needs_gguf
+@torch.no_grad()
+def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer, hf_dir):
+    """DSpark (fixed and confidence scheduling) and DFlash drafts built for SmolLM2 as the
+    trainer builds them, untrained: with the real target, greedy speculative decoding emits the
+    tokens of plain decoding (rejections, the ragged verify batch, cache holes and commits all
+    run on the real model; trained drafts are checked the same way by ``bench.e2e``)."""
+    from dspark_ops._cli import chat_prompt, stop_token_ids
+    from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
+    from dspark_ops.hf import HFTarget
+    from dspark_ops.train.trainer import build_draft_config, init_draft, parse_args
+
+    model, tokenizer = model_and_tokenizer
+    prompts = [chat_prompt(tokenizer, "Write a Python function that adds two numbers."),
+               chat_prompt(tokenizer, "What is 12 times 7?")]
+    stop = stop_token_ids(model, tokenizer)
+    drafts = {}
+    for arch in ("dspark", "dflash"):
+        args = parse_args(["--target", hf_dir, "--data", "-", "--out", "-", "--arch", arch,
+                           "--num-layers", "1", "--markov-rank", "16" if arch == "dspark"
+                           else "0"])
+        torch.manual_seed(0)
+        drafts[arch] = init_draft(build_draft_config(model.config, args, tokenizer),
+                                  model).eval()
+    assert drafts["dspark"].config.mask_token_id == 16  # <empty_output>: no spare row
+    target = HFTarget(model, drafts["dspark"].config.target_layer_ids)
+    try:
+        plain = generate_target_only(target, prompts, 12, eos_token_id=stop)
+        runs = {"dspark": SpeculativeDecoder(target, drafts["dspark"], scheduler="fixed",
+                                             eos_token_id=stop),
+                "dspark + confidence": SpeculativeDecoder(target, drafts["dspark"],
+                                                          scheduler="confidence",
+                                                          eos_token_id=stop),
+                "dflash": SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
+                                             eos_token_id=stop)}
+        for name, decoder in runs.items():
+            assert decoder.generate(prompts, 12).tokens == plain, name
+    finally:
+        target.close()

