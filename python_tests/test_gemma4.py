@@ -699,3 +699,36 @@ def test_trainer_trains_a_gemma4_draft_for_a_gemma4_target(transformers, tmp_pat
     assert draft.config.head_dim == 32 and draft.config.final_logit_softcapping == 30.0
     assert draft.config.partial_rotary_factor == 0.25 and draft.config.attention_k_eq_v
     assert draft.config.mask_token_id == 4 and draft.config.target_layer_ids == (0, 1, 2)
+
+
+def test_gemma4_target_with_kv_shared_layers_and_per_layer_inputs(transformers):
+    """The Gemma4 layout of the small models: the last layers reuse earlier layers' K/V
+    (num_kv_shared_layers) and every layer takes a per-layer input. Plain and speculative greedy
+    decoding through HFTarget give the model's own generate output."""
+    from dspark_ops.hf import HFTarget
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=96, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"] * 3, final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name or "layer_scalar" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("weight"):
+                p.normal_(0, 0.3)
+    model = model.double().eval()
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    expected = hf_generate(model, PROMPTS, 10)
+    target = HFTarget(model, HF_FEATURES)
+    assert generate_target_only(target, PROMPTS, 10) == expected
+    draft = table_draft_for([p + e for p, e in zip(PROMPTS, expected)])
+    out = SpeculativeDecoder(target, draft, block_size=4, scheduler="fixed").generate(PROMPTS, 10)
+    assert out.tokens == expected
