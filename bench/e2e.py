@@ -11,7 +11,8 @@ one request at a time, every method on the same prompts:
 - ``prompt lookup``: ``model.generate(prompt_lookup_num_tokens=...)``, n-gram drafting from the
   prompt (transformers' assisted decoding);
 - ``plain``: this library's plain decoding (``generate_target_only`` through ``HFTarget``);
-- ``dflash``, ``dspark``: speculative decoding with the trained drafts, every draft verified;
+- ``dflash``, ``eagle3``, ``dspark``: speculative decoding with the trained drafts, every draft
+  verified (Eagle3: chain drafting of ``G`` tokens a round);
 - ``dspark + confidence``: the DSpark draft with ``scheduler="confidence"`` and the temperatures
   fitted at the end of training (``calibration.json``).
 
@@ -35,7 +36,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 CATEGORIES = ("math", "code", "chat")
-METHODS = ("generate", "prompt lookup", "plain", "dflash", "dspark", "dspark + confidence")
+METHODS = ("generate", "prompt lookup", "plain", "dflash", "eagle3", "dspark",
+           "dspark + confidence")
+DRAFTS = ("dspark", "dflash", "eagle3")
 
 
 class _ForwardCounter:
@@ -61,12 +64,12 @@ def _acceptance(rounds, block: int) -> List[int]:
 
 
 def _load_draft(path: str, arch: str):
-    from dspark_ops.models import DSparkDraft
+    from dspark_ops import load_draft
 
     if not os.path.isdir(path):
         raise SystemExit(f"no trained {arch} draft at {path}: run python -m bench.smollm2_train "
                          "first")
-    return DSparkDraft.from_pretrained(path, dtype=torch.float32).eval()
+    return load_draft(path, dtype=torch.float32).eval()
 
 
 def _calibration(path: str) -> Optional[torch.Tensor]:
@@ -101,6 +104,8 @@ def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new
 
     decoders = {
         "dflash": SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
+                                     eos_token_id=stop),
+        "eagle3": SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
                                      eos_token_id=stop),
         "dspark": SpeculativeDecoder(target, drafts["dspark"], scheduler="fixed",
                                      eos_token_id=stop),
@@ -191,7 +196,7 @@ def chart(results: dict, path: str) -> None:
     fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.6),
                                       gridspec_kw={"width_ratios": [1.6, 1]})
     width = 0.8 / len(METHODS)
-    colours = ["#9e9e9e", "#bdbdbd", "#607d8b", "#64b5f6", "#ef6c00", "#c62828"]
+    colours = ["#9e9e9e", "#bdbdbd", "#607d8b", "#64b5f6", "#8e24aa", "#ef6c00", "#c62828"]
     for m, (name, colour) in enumerate(zip(METHODS, colours)):
         values = [greedy[c][name]["tokens_per_s"] for c in CATEGORIES]
         xs = [c + (m - (len(METHODS) - 1) / 2) * width for c in range(len(CATEGORIES))]
@@ -200,7 +205,7 @@ def chart(results: dict, path: str) -> None:
     bars.set_ylabel("tokens / s (greedy, one request)")
     bars.set_title("Decoding speed, SmolLM2-135M-Instruct on 2 CPU threads")
     bars.legend(fontsize=8, ncol=2)
-    for name, style in (("dspark", "-"), ("dflash", "--")):
+    for name, style in (("dspark", "-"), ("dflash", "--"), ("eagle3", ":")):
         for c, colour in zip(CATEGORIES, ("#1b5e20", "#0d47a1", "#b71c1c")):
             rates = greedy[c][name]["acceptance_at_least"]
             lines.plot(range(1, len(rates) + 1), rates, style, color=colour,
@@ -263,13 +268,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     stop = stop_token_ids(model, tokenizer)
     drafts = {arch: _load_draft(os.path.join(args.runs, arch, "step_latest"), arch)
-              for arch in ("dspark", "dflash")}
+              for arch in DRAFTS}
     drafts["calibration"] = _calibration(os.path.join(args.runs, "dspark", "step_latest"))
     if drafts["calibration"] is None:
         raise SystemExit("the DSpark draft has no calibration.json")
     layers = drafts["dspark"].config.target_layer_ids
-    if drafts["dflash"].config.target_layer_ids != layers:
-        raise SystemExit("the two drafts read different target layers")
+    if any(drafts[a].config.target_layer_ids != layers for a in DRAFTS):
+        raise SystemExit("the drafts read different target layers")
     block = drafts["dspark"].config.block_size
     target = HFTarget(model, layers)
     counter = _ForwardCounter(model)
@@ -291,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                "command": "python -m bench.e2e " + " ".join(argv or []),
                "max_new_tokens": args.max_new_tokens, "block_size": block,
                "lookup_tokens": args.lookup_tokens, "settings": {}}
-    for name in ("dspark", "dflash"):
+    for name in DRAFTS:
         budget = os.path.join(args.runs, name, "budget.json")
         if os.path.isfile(budget):
             with open(budget) as f:

@@ -1,5 +1,5 @@
-"""Trains a DSpark draft and a DFlash draft for SmolLM2-135M-Instruct on the CPU, from nothing:
-prompts, the target's own answers, then both drafts with the same data and the same budget.
+"""Trains a DSpark, a DFlash and an Eagle3 draft for SmolLM2-135M-Instruct on the CPU, from
+nothing: prompts, the target's own answers, then the drafts with the same data and budget.
 
     python -m bench.smollm2_train [--out runs/smollm2] [--threads 2]
 
@@ -13,10 +13,11 @@ stopped; the answers file and the checkpoints are resumable):
 3. answers: ``python -m dspark_ops.prepare_data`` (the target's own answers, DeepSpec's sampling:
    T 0.7, top-p 0.8, top-k 20, at most ``--max-new-tokens`` tokens);
 4. the target's features of every sample, once, into DeepSpec's offline cache (``OUT/cache``);
-5. the drafts: ``python -m dspark_ops.train --arch dspark`` and ``--arch dflash`` with the same
-   flags (data, epochs, batch, anchors, learning rate, seed, draft depth; the DSpark draft adds
-   its Markov rank), both reading the cache, side by side, one
-   thread each when ``--threads`` is 2 or more; each writes ``OUT/<arch>/budget.json``
+5. the drafts: ``python -m dspark_ops.train --arch dspark``, ``--arch dflash`` and ``--arch
+   eagle3`` with the same flags (data, epochs, batch, anchors, learning rate, seed, draft depth;
+   the DSpark draft adds its Markov rank; the Eagle3 draft has one layer and no anchors, and its
+   training-time test runs over the block size), all reading the cache, side by side, one
+   thread each when ``--threads`` is at least their number; each writes ``OUT/<arch>/budget.json``
    (steps, tokens, minutes) when it finishes.
 
 The trained weights stay out of git: this command makes them again, bit for bit on the same
@@ -33,7 +34,7 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-ARCHS = ("dspark", "dflash")
+ARCHS = ("dspark", "dflash", "eagle3")
 
 
 def _run(command: List[str], log: Optional[str] = None, threads: int = 1,
@@ -54,7 +55,7 @@ def _run(command: List[str], log: Optional[str] = None, threads: int = 1,
 
 
 def train_args(args: argparse.Namespace, arch: str, data: str, target: str) -> List[str]:
-    """The trainer's command line for one architecture; both share every flag but ``--arch``."""
+    """The trainer's command line for one architecture; all share every flag but ``--arch``."""
     out = os.path.join(args.out, arch)
     command = [sys.executable, "-m", "dspark_ops.train", "--target", target, "--data", data,
                "--out", out, "--arch", arch, "--num-layers", str(args.num_layers),
@@ -72,7 +73,7 @@ def train_args(args: argparse.Namespace, arch: str, data: str, target: str) -> L
 
 def write_features(args: argparse.Namespace, target: str, data: str, cache: str) -> None:
     """The target's features of every training sample, once, into DeepSpec's offline cache:
-    both drafts then read them (``--cache``) instead of running the target every epoch."""
+    every draft then reads them (``--cache``) instead of running the target every epoch."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -124,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/smollm2")
     parser.add_argument("--threads", type=int, default=2,
-                        help="CPU threads in all; 2 or more trains both drafts side by side")
+                        help="CPU threads in all; at least one per draft trains them side by side")
     parser.add_argument("--train-per-category", type=int, default=128)
     parser.add_argument("--eval-per-category", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=160, help="per training answer")

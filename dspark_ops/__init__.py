@@ -33,7 +33,7 @@ from .ops.verify import VerifyOutput, verify  # noqa: E402
 from .calibration import expected_calibration_error, fit_sequential_temperatures  # noqa: E402
 from .profiling import profile_step_rate  # noqa: E402
 from . import sampling  # noqa: E402
-from .models import DSparkConfig, DSparkDraft  # noqa: E402,I001
+from .models import DSparkConfig, DSparkDraft, Eagle3Draft, load_draft  # noqa: E402,I001
 from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder, generate_target_only  # noqa: E402,I001
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "DSparkConfig",
     "DSparkDraft",
     "DraftOutput",
+    "Eagle3Draft",
     "GenerateOutput",
     "LossOutput",
     "RoundStats",
@@ -55,6 +56,7 @@ __all__ = [
     "expected_calibration_error",
     "fit_sequential_temperatures",
     "generate_target_only",
+    "load_draft",
     "markov_draft",
     "pack_verify_inputs",
     "philox_uniform",

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .decoder import SCHEDULERS, SpeculativeDecoder, generate_target_only
-from .models import DSparkDraft
+from .models import DSparkDraft, load_draft
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -74,7 +74,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 class Models:
     tokenizer: object
     target: object  # HFTarget
-    draft: DSparkDraft
+    draft: object  # DSparkDraft or Eagle3Draft
     decoder: SpeculativeDecoder
     stop_token_ids: List[int]
 
@@ -91,8 +91,8 @@ def stop_token_ids(model, tokenizer) -> List[int]:
 
 
 def load_models(args: argparse.Namespace) -> Models:
-    """The target (:class:`dspark_ops.hf.HFTarget`), its tokenizer and the draft, checked
-    against each other."""
+    """The target (:class:`dspark_ops.hf.HFTarget`), its tokenizer and the draft (any family:
+    :func:`dspark_ops.load_draft`), checked against each other."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as error:
@@ -105,7 +105,7 @@ def load_models(args: argparse.Namespace) -> Models:
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     # The drafting ops take 16/32-bit floats: a float64 target gets a float32 draft.
     draft_dtype = torch.float32 if dtype == torch.float64 else dtype
-    draft = DSparkDraft.from_pretrained(args.draft, dtype=draft_dtype, device=device).eval()
+    draft = load_draft(args.draft, dtype=draft_dtype, device=device).eval()
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype,
                                                  attn_implementation="sdpa").to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -118,7 +118,7 @@ def load_models(args: argparse.Namespace) -> Models:
     if target_config.vocab_size != config.vocab_size:
         raise SystemExit(f"vocab sizes differ: target {target_config.vocab_size}, draft "
                          f"{config.vocab_size}")
-    features = (config.target_hidden_size or config.hidden_size)
+    features = getattr(config, "target_hidden_size", None) or config.hidden_size
     if target_config.hidden_size != features:
         raise SystemExit(f"the draft reads {features}-wide target features; the target's hidden "
                          f"size is {target_config.hidden_size}")
@@ -133,6 +133,15 @@ def load_models(args: argparse.Namespace) -> Models:
     except ValueError as error:  # e.g. a DFlash draft (no confidence head) with --scheduler
         raise SystemExit(f"--scheduler {scheduler}: {error}") from error
     return Models(tokenizer, target, draft, decoder, stop)
+
+
+def draft_kind(draft) -> str:
+    """``"eagle3"``, ``"dflash"`` (no sequential head) or ``"dspark"``."""
+    from .models import Eagle3Draft
+
+    if isinstance(draft, Eagle3Draft):
+        return "eagle3"
+    return "dflash" if draft.config.is_dflash else "dspark"
 
 
 def load_calibration(args: argparse.Namespace, draft: DSparkDraft) -> Optional[torch.Tensor]:

@@ -4,9 +4,9 @@ One round of :meth:`SpeculativeDecoder.generate`, batched over requests of diffe
 lengths, with no host synchronisation until the loop has to decide whether to stop:
 
 1. draft: the block ``[x0, MASK, ...]`` through the draft backbone (``block_draft_attention``
-   over each layer's context cache), ``lm_head`` -> base logits, ``markov_draft`` (or
-   ``rnn_draft``; for a DFlash draft the base logits themselves) -> drafts and the logits they
-   were sampled from, ``draft_confidence``;
+   over each layer's context cache), ``lm_head`` (soft-capped for a Gemma4 draft) -> base
+   logits, ``markov_draft`` (or ``rnn_draft``; for a DFlash draft the base logits themselves)
+   -> drafts and the logits they were sampled from, ``draft_confidence``;
 2. schedule: ``schedule_verify`` (Algorithm 1), or ``plan_verify_budget`` on the confidences of
    two rounds before + ``allocate_verify`` on fresh ones, or every draft;
 3. verify: ``pack_verify_inputs`` -> one target forward over the ragged batch -> ``verify``;
@@ -39,7 +39,8 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ._per_request import as_per_request, draw_seeds
-from .models import DSparkDraft, TinyTarget
+from .models import DSparkDraft, TinyTarget, sample_base_logits
+from .models.eagle3 import Eagle3Draft
 from .ops.schedule import allocate_verify, pack_verify_inputs, plan_verify_budget, schedule_verify
 from .ops.verify import verify
 
@@ -190,11 +191,14 @@ class SpeculativeDecoder:
     ----------
     target : TinyTarget or dspark_ops.hf.HFTarget
         Anything with the interface of the module doc.
-    draft : DSparkDraft
+    draft : DSparkDraft or Eagle3Draft
         Its context features must be the target's ``feature_layers``. A DFlash draft
-        (``markov_rank = 0``, no confidence head) runs with ``scheduler="fixed"``.
+        (``markov_rank = 0``, no confidence head) runs with ``scheduler="fixed"``, and so does
+        an Eagle3 draft (:class:`dspark_ops.models.eagle3.Eagle3Draft`: chain drafting, see
+        :meth:`_generate_chain`).
     block_size : int, optional
-        ``G``, drafts per round; default ``draft.config.block_size``.
+        ``G``, drafts per round; default ``draft.config.block_size`` (an Eagle3 draft's
+        ``ttt_length``).
     scheduler : str
         ``"confidence"``: :func:`schedule_verify` (Algorithm 1) on fresh confidences;
         ``"budget"``: :func:`plan_verify_budget` on the confidences of two rounds before, then
@@ -278,6 +282,9 @@ class SpeculativeDecoder:
         temperature = as_per_request(temperature, batch, torch.float32, device)
         seed = _seeds(seed, batch, device, generator)
         filters = _filters(top_k, top_p, min_p, batch, device)
+        if isinstance(draft, Eagle3Draft):
+            return self._generate_chain(prompts, max_new_tokens, length, temperature, seed,
+                                        filters)
         step_rate = self.step_rate
         if step_rate is None:
             step_rate = default_step_rate(batch * (block + 1) + 1, batch)
@@ -311,7 +318,7 @@ class SpeculativeDecoder:
                 hidden = draft(draft.block_hidden(anchor, block), block_positions=None,
                                k_caches=d_k, v_caches=d_v, cache_seqlens=draft_len)
             with _part("draft_lm_head"):
-                base_logits = draft.lm_head(hidden)
+                base_logits = draft.base_logits(hidden)
             with _part("markov_drafting"):
                 drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature,
                                                      seed, position, **filters)
@@ -366,6 +373,103 @@ class SpeculativeDecoder:
                 stats.verify_tokens += 1 + verified[b]
                 stats.confidence.append(confidences[b])
                 done[b] = _finish(generated[b], tokens[b][: accepted[b] + 1], self._stop,
+                                  max_new_tokens)
+            rounds.append(stats)
+        return GenerateOutput(generated, rounds)
+
+    def _generate_chain(self, prompts, max_new_tokens: int, length: int, temperature, seed,
+                        filters: dict) -> GenerateOutput:
+        """:meth:`generate` with an Eagle3 draft: chain drafting as DeepSpec's Eagle3 evaluator
+        does, batched. The draft's own K/V cache covers the whole sequence (row ``i``: the
+        target features of token ``i`` paired with token ``i + 1``); a round samples ``G``
+        drafts, each from ``softmax(logits / T)`` of the previous step's output (one
+        single-token draft step between two drafts, ``G - 1`` per round), verifies them all with
+        ``verify`` (their logits and temperature handed over), then drops the speculative draft
+        rows (the committed length does not move past them) and appends the target features of
+        the anchor and the accepted drafts, paired with the committed tokens."""
+        target, draft, block = self.target, self.draft, self.block_size
+        device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+        batch = len(prompts)
+        every = torch.arange(batch, device=device)
+        last, features, t_cache, target_len = _prefill(target, prompts, length, device)
+        position = target_len.long()
+        anchor = _sample_from_target(last, temperature, seed, position - 1, filters)
+        # Prefill of the draft: the prompt's features with the prompt shifted left by one and
+        # the first token at the end, RoPE position i for row i.
+        width = features.shape[1]
+        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p) - 1] = torch.as_tensor(p[1:], dtype=torch.long)
+        ids[every, position - 1] = anchor
+        cache = draft.new_cache(batch, length)
+        draft_len = torch.zeros(batch, dtype=torch.int32, device=device)
+        rows = draft.extend(features.to(dtype), ids,
+                            torch.arange(width, device=device).expand(batch, -1), target_len,
+                            cache, draft_len, project=True)
+        hidden = rows[every, position - 1]  # [B, hidden]: the output at the last prompt row
+        draft_len = target_len.clone()
+
+        generated: List[List[int]] = [[] for _ in range(batch)]
+        done = [max_new_tokens <= 0] * batch
+        for b, t in enumerate(anchor.tolist()):
+            if not done[b]:
+                done[b] = _finish(generated[b], [t], self._stop, max_new_tokens)
+        rounds: List[RoundStats] = []
+        offsets = torch.arange(block + 1, device=device)
+        one = torch.ones(batch, dtype=torch.int32, device=device)
+        while not all(done):
+            active = torch.tensor([not d for d in done], device=device)
+            started = time.perf_counter()
+            with _part("draft_chain"):
+                tokens, logits, h = [], [], hidden
+                for j in range(block):
+                    step = sample_base_logits(draft.compute_logits(h)[:, None], temperature,
+                                              seed, position + j, **filters)
+                    tokens.append(step.tokens[:, 0])
+                    logits.append(step.draft_logits[:, 0])
+                    if j + 1 < block:  # the last draft needs no step of its own
+                        h = draft.extend(h[:, None], step.tokens, (position + j)[:, None], one,
+                                         cache, draft_len + j, project=False)[:, 0]
+                drafts, draft_logits = torch.stack(tokens, 1), torch.stack(logits, 1)
+            num_verify = torch.where(active, block, 0).int()
+            drafted = time.perf_counter()
+
+            with _part("pack_verify_inputs"):
+                packed = pack_verify_inputs(anchor, drafts, num_verify, position)
+            with _part("target_forward"):
+                logits_t, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens,
+                                                           t_cache, target_len)
+            starts = packed.cu_seqlens[:-1]
+            with _part("verify"):
+                out = verify(logits_t.float(), drafts, num_verify, temperature, seed, position,
+                             draft_logits=draft_logits, target_start=starts,
+                             draft_temperature=temperature, **filters)
+            with _part("commit"):
+                kept = torch.where(active, out.num_accepted + 1, 0).int()
+                new_rows = (starts.long()[:, None] + offsets).clamp_max(features.shape[0] - 1)
+                committed = out.tokens.clamp_min(0)  # rows past the emitted one: unused
+                outputs = draft.extend(features[new_rows].to(dtype), committed,
+                                       position[:, None] + offsets, kept, cache, draft_len,
+                                       project=True)
+                last_kept = outputs[every, (kept.long() - 1).clamp_min(0)]
+                hidden = torch.where(active[:, None], last_kept, hidden)
+                draft_len = draft_len + kept
+                target_len = target_len + kept
+                position = position + kept
+                emitted = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
+                anchor = torch.where(active, emitted, anchor)
+            with _part("host_sync"):
+                tokens_l, accepted = out.tokens.tolist(), out.num_accepted.tolist()
+            finished = time.perf_counter()
+            stats = RoundStats([], [], 0, drafted - started, finished - drafted, [])
+            for b in range(batch):
+                if done[b]:
+                    continue
+                stats.accepted.append(accepted[b])
+                stats.num_verify.append(block)
+                stats.verify_tokens += 1 + block
+                stats.confidence.append([1.0] * block)
+                done[b] = _finish(generated[b], tokens_l[b][: accepted[b] + 1], self._stop,
                                   max_new_tokens)
             rounds.append(stats)
         return GenerateOutput(generated, rounds)

@@ -1,5 +1,6 @@
 """``python -m dspark_ops.eval``: DeepSpec's offline evaluation on a transformers target with a
-DSpark (or DFlash) draft, against plain target decoding on the same prompts and seeds.
+DSpark, DFlash or Eagle3 draft (:func:`dspark_ops.load_draft`; Eagle3 and DFlash drafts run
+with ``--scheduler fixed``), against plain target decoding on the same prompts and seeds.
 
 Each data file is DeepSpec's format, one ``{"turns": [...]}`` object per line; the first turn
 is the prompt, as the user's turn through the target tokenizer's chat template (assistant turn
@@ -126,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _cli.warm_up(models, args)
     settings = {k: v for k, v in vars(args).items() if k not in ("data", "output", "no_progress")}
     settings.update(block_size=models.decoder.block_size, scheduler=models.decoder.scheduler,
-                    draft_kind="dflash" if models.draft.config.is_dflash else "dspark")
+                    draft_kind=_cli.draft_kind(models.draft))
     print(f"{'file':<24} {'samples':>7} {'tau':>6} {'verified/round':>14} {'speed-up':>8} "
           f"{'tok/s spec':>10} {'tok/s plain':>11}")
     results = []

@@ -1,5 +1,6 @@
-"""``python -m dspark_ops.generate``: one prompt through a transformers target with a DSpark (or
-DFlash) draft, against plain target decoding on the same seed.
+"""``python -m dspark_ops.generate``: one prompt through a transformers target with a DSpark,
+DFlash or Eagle3 draft (:func:`dspark_ops.load_draft`), against plain target decoding on the same
+seed.
 
 Prints the generated text, then the mean accepted length (tokens per round: accepted drafts + 1,
 the paper's tau), the drafts verified per round, the target forwards of both decoders and their

@@ -1,15 +1,17 @@
 """A Hugging Face transformers causal LM as the target of :class:`dspark_ops.SpeculativeDecoder`.
 
 :class:`HFTarget` wraps any ``AutoModelForCausalLM`` whose decoder layers sit in
-``model.get_decoder().layers`` (Qwen3, Llama, Qwen2, Mistral without sliding window, ...) behind
+``model.get_decoder().layers`` (Qwen3, Llama, Qwen2, Gemma3, Gemma4, ...) behind
 the target interface the decoder uses (see :mod:`dspark_ops.decoder`): a batched prefill of
 prompts of different lengths, the ragged verify forward, the commit of each request's accepted
 rows, and the draft's context features, exactly as DeepSpec's training cache defines them:
 
-- id ``-1`` is the embedding output, i.e. the input of decoder layer 0 (``hidden_states[0]``);
-- id ``l >= 0`` is the raw output of decoder layer ``l`` (``hidden_states[l + 1]``), including
-  the last layer, whose raw output transformers does *not* return (its ``hidden_states[-1]`` is
-  the final-normed state); forward hooks on the layers read them directly.
+- id ``-1`` is the embedding output, i.e. the input of decoder layer 0 (``hidden_states[0]``;
+  for Gemma models the *scaled* embedding);
+- id ``l >= 0`` is the raw output of decoder layer ``l`` (``hidden_states[l + 1]``; for Gemma4
+  after its ``layer_scalar``), including the last layer, whose raw output transformers does
+  *not* return (its ``hidden_states[-1]`` is the final-normed state); forward hooks on the
+  layers read them directly.
 
 ``transformers`` is an optional dependency (``pip install --no-build-isolation ".[hf]"``); only
 this module imports it.
@@ -42,6 +44,34 @@ def _decoder_layers(model):
     return layers
 
 
+def _sliding_window(config):
+    """The window of the model's sliding-window layers, or None when every layer is full
+    attention. Layers are told apart by ``config.layer_types`` (``"full_attention"`` or
+    ``"sliding_attention"``, as Gemma3/Gemma4 and recent Qwen/Mistral configs list them); a
+    window without per-layer types (every layer sliding, applied by the model itself) and other
+    layer types (chunked, linear, ...) are refused."""
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"target layer_types {other} are not supported (only 'full_attention' "
+                         "and 'sliding_attention')")
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        raise ValueError("target config 'use_bidirectional_attention' is 'all': a causal LM is "
+                         "needed")
+    if "sliding_attention" in layer_types:
+        if window is None:
+            raise ValueError("target config lists 'sliding_attention' layers but no "
+                             "'sliding_window'")
+        return int(window)
+    if window is not None and not layer_types:
+        raise ValueError(f"target config 'sliding_window' is {window} without 'layer_types': "
+                         "which layers slide is not known")
+    return None
+
+
 class _Cache:
     """The HF key/value cache of a batch plus which of its slots each request may attend to.
 
@@ -53,6 +83,8 @@ class _Cache:
     def __init__(self, hf_cache, batch: int, device):
         self.hf_cache = hf_cache
         self.visible = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        # The sequence position of every slot (for sliding windows; holes keep theirs, unused).
+        self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self._pending = None  # (first slot, rows, committed lengths before the forward)
 
     def commit(self, cache_len: torch.Tensor) -> None:
@@ -67,6 +99,8 @@ class _Cache:
         start = self.visible.shape[1]
         self.visible = torch.cat([self.visible, self.visible.new_zeros(self.visible.shape[0], rows)],
                                  1)
+        new = cache_len.long()[:, None] + torch.arange(rows, device=cache_len.device)
+        self.positions = torch.cat([self.positions, new], 1)
         self._pending = (start, rows, cache_len.long().clone())
 
 
@@ -77,8 +111,11 @@ class HFTarget:
     ----------
     model : transformers.PreTrainedModel
         A causal LM (``AutoModelForCausalLM``) loaded with ``attn_implementation="sdpa"`` or
-        ``"eager"`` (the adapter passes explicit 4-D attention masks). Its layers must all be
-        full attention (no sliding window). It is put in eval mode.
+        ``"eager"`` (the adapter passes explicit 4-D attention masks). Sliding-window layers
+        are told apart by ``config.layer_types``; each kind of layer gets its own mask over the
+        cache (a mapping ``{"full_attention": ..., "sliding_attention": ...}``, which
+        transformers' Gemma3/Gemma4 and Qwen models take), the sliding one limited to the
+        keys of the last ``sliding_window`` positions. It is put in eval mode.
     feature_layers : sequence of int
         The draft's ``target_layer_ids``: ``-1`` the embedding output, ``l`` the raw output of
         decoder layer ``l`` (the last layer allowed), concatenated in this order.
@@ -90,8 +127,9 @@ class HFTarget:
     width to every request (a verify round appends ``max_b(1 + num_verify[b])`` slots, a
     prefill the longest prompt), and the rows a request does not keep (padding, rejected
     drafts) stay in memory as holes hidden by a dense ``[B, 1, T, S]`` additive attention mask
-    rebuilt every forward; nothing is compacted, so the cache grows by the verify width per
-    round rather than by the accepted length, and attention reads the holes too. The ragged
+    (one per kind of layer) rebuilt every forward; nothing is compacted, so the cache grows by
+    the verify width per round rather than by the accepted length, and attention reads the
+    holes too (sliding layers included: their window is a mask, not an eviction). The ragged
     verify batch is run padded, one model forward per round for the whole batch, through
     transformers' eager/SDPA attention (no FlashAttention varlen kernel, no CUDA graphs).
     Correct, batched and simple; for speed-ups that carry over to production, wire the ops into
@@ -104,13 +142,7 @@ class HFTarget:
         if attention not in _SUPPORTED_ATTENTION:
             raise ValueError(f"attn_implementation {attention!r} is not supported: load the model "
                              f"with attn_implementation in {_SUPPORTED_ATTENTION}")
-        layer_types = getattr(config, "layer_types", None) or []
-        sliding = getattr(config, "sliding_window", None) is not None and getattr(
-            config, "use_sliding_window", True)
-        if sliding or any(t != "full_attention" for t in layer_types):
-            raise ValueError("target models with sliding-window (or other non-full) attention "
-                             f"layers are not supported (layer_types={layer_types}, "
-                             f"sliding_window={getattr(config, 'sliding_window', None)})")
+        self.sliding_window = _sliding_window(config)
         self.model = model.eval()
         self.config = config
         self.layers = _decoder_layers(model)
@@ -190,9 +222,15 @@ class HFTarget:
             causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
             visible = torch.cat([cache.visible[:, None, :].expand(batch, width, -1),
                                  causal.expand(batch, width, width)], -1)
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
-            mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
             positions = cache_len.long()[:, None] + torch.arange(width, device=device)
+            mask = self._additive(visible)
+            if self.sliding_window is not None:
+                # Sliding layers see the keys of the last `window` positions (query included),
+                # transformers' sliding overlay: key position > query position - window.
+                keys = torch.cat([cache.positions, positions], 1)  # [B, S + T]
+                near = keys[:, None, :] > positions[:, :, None] - self.sliding_window
+                mask = {"full_attention": mask,
+                        "sliding_attention": self._additive(visible & near)}
         extra = {}
         if logits_at is not None and self._logits_to_keep:
             keep = sorted(set(int(i) for i in logits_at))
@@ -210,6 +248,11 @@ class HFTarget:
             logits = logits[torch.arange(batch, device=device),
                             torch.tensor(columns, device=device)][:, None]
         return logits, features
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean ``[B, T, S]`` visibility as the additive ``[B, 1, T, S]`` mask."""
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+        return mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
 
     def capture_features(self, run: Callable[[], Any]) -> Tuple[Any, torch.Tensor]:
         """Calls ``run()`` (a forward of this model or its backbone) with the feature hooks on.

@@ -204,12 +204,16 @@ class ContextProjection(nn.Module):
     are the raw outputs of the target layers ``target_layer_ids``, concatenated in that order.
     """
 
+    #: The norm class of ``hidden_norm`` (and of :class:`DraftBackbone`'s final ``norm``); a
+    #: draft family with other norm arithmetic sets its own.
+    norm_class = RMSNorm
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         target_hidden = config.target_hidden_size or config.hidden_size
         self.fc = nn.Linear(config.num_target_layers * target_hidden, config.hidden_size,
                             bias=False)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
         """``[..., n_target_layers * target_hidden]`` -> ``[..., hidden]``."""
@@ -315,7 +319,7 @@ class DraftLayer(nn.Module):
     config : DraftConfig
     """
 
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: DraftConfig, layer_index: int = 0):
         super().__init__()
         self.self_attn = DraftAttention(config)
         self.mlp = DraftMLP(config)
@@ -381,8 +385,15 @@ class DraftLayer(nn.Module):
         """
         if block_positions is None:
             block_positions = _default_positions(cache_seqlens, block_hidden.shape[1])
-        h = block_hidden + self.self_attn(self.input_layernorm(block_hidden), block_positions,
-                                          k_cache, v_cache, cache_seqlens, cache_slot)
+        attended = self.self_attn(self.input_layernorm(block_hidden), block_positions, k_cache,
+                                  v_cache, cache_seqlens, cache_slot)
+        return self.after_attention(block_hidden, attended)
+
+    def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer once the attention output (after ``o_proj``) is known:
+        ``h = hidden + attended``, then ``h + mlp(post_attention_layernorm(h))``. The training
+        forward calls it too, with its own masked attention."""
+        h = hidden + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -403,11 +414,16 @@ class DraftBackbone(ContextProjection):
     config : DraftConfig
     """
 
+    #: The decoder-layer class, built as ``layer_class(config, layer_index)``; a draft family
+    #: with another layer sets its own.
+    layer_class = DraftLayer
+
     def __init__(self, config: DraftConfig):
         super().__init__(config)
         self.config = config
-        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def new_caches(self, num_rows: int, length: int, *, dtype: Optional[torch.dtype] = None,
                    device=None) -> Tuple[list, list]:
@@ -463,3 +479,4 @@ class DraftBackbone(ContextProjection):
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             h = layer(h, block_positions, k_cache, v_cache, cache_seqlens, cache_slot)
         return self.norm(h)
+

@@ -420,7 +420,7 @@ def test_config_reads_the_rope_base_of_both_layouts():
     (dict(tie_word_embeddings=True), "tie_word_embeddings"),
     (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(use_sliding_window=True), "use_sliding_window"),
-    (dict(model_type="gemma4"), "model_type"),
+    (dict(model_type="llama"), "model_type"),
     (dict(architectures=["Qwen3Eagle3Model"]), "architectures"),
     (dict(target_layer_ids=[3, 1]), "target_layer_ids"),
     (dict(target_layer_ids=[1, 3, 6], num_target_layers=6), "target_layer_ids"),

@@ -190,8 +190,8 @@ def test_hf_target_greedy_equals_generate(model_and_tokenizer):
 @needs_gguf
 @torch.no_grad()
 def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer, hf_dir):
-    """DSpark (fixed and confidence scheduling) and DFlash drafts built for SmolLM2 as the
-    trainer builds them, untrained: with the real target, greedy speculative decoding emits the
+    """DSpark (fixed and confidence scheduling), DFlash and Eagle3 drafts built for SmolLM2 as
+    the trainer builds them, untrained: with the real target, greedy speculative decoding emits the
     tokens of plain decoding (rejections, the ragged verify batch, cache holes and commits all
     run on the real model; trained drafts are checked the same way by ``bench.e2e``)."""
     from dspark_ops._cli import chat_prompt, stop_token_ids
@@ -204,7 +204,7 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
                chat_prompt(tokenizer, "What is 12 times 7?")]
     stop = stop_token_ids(model, tokenizer)
     drafts = {}
-    for arch in ("dspark", "dflash"):
+    for arch in ("dspark", "dflash", "eagle3"):
         args = parse_args(["--target", hf_dir, "--data", "-", "--out", "-", "--arch", arch,
                            "--num-layers", "1", "--markov-rank", "16" if arch == "dspark"
                            else "0"])
@@ -212,6 +212,7 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
         drafts[arch] = init_draft(build_draft_config(model.config, args, tokenizer),
                                   model).eval()
     assert drafts["dspark"].config.mask_token_id == 16  # <empty_output>: no spare row
+    assert drafts["eagle3"].config.target_layer_ids == drafts["dspark"].config.target_layer_ids
     target = HFTarget(model, drafts["dspark"].config.target_layer_ids)
     try:
         plain = generate_target_only(target, prompts, 12, eos_token_id=stop)
@@ -221,6 +222,8 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
                                                           scheduler="confidence",
                                                           eos_token_id=stop),
                 "dflash": SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
+                                             eos_token_id=stop),
+                "eagle3": SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
                                              eos_token_id=stop)}
         for name, decoder in runs.items():
             assert decoder.generate(prompts, 12).tokens == plain, name

@@ -14,6 +14,9 @@ __all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES"]
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
+# model_type values of Gemma4 drafts: DeepSpec copies the target's text config, whose type is
+# one of these (Gemma4 or its unified variant, top-level or text).
+GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 
 # Fields of DeepSpec's draft configs (a copy of the target's transformers config plus its own)
 # that do not change what the draft computes at inference: read and dropped.
@@ -121,6 +124,12 @@ class DSparkConfig(DraftConfig):
             raise ValueError("config field 'confidence_head_with_markov' needs a Markov head "
                              "(markov_rank > 0)")
 
+    def draft_class(self):
+        """The draft model class of this config's family (:class:`DSparkDraft` for Qwen3)."""
+        from .draft import DSparkDraft
+
+        return DSparkDraft
+
     @property
     def is_dflash(self) -> bool:
         """No sequential head: the block's base logits are the proposal."""
@@ -132,17 +141,24 @@ class DSparkConfig(DraftConfig):
 
         Raises ``ValueError`` naming the field for anything not implemented here (RoPE scaling,
         sliding-window layers, tied embeddings, an activation other than SiLU, a Markov head
-        other than vanilla/rnn, a model other than Qwen3's) and for missing required fields;
+        other than vanilla/rnn, a model other than Qwen3's or Gemma4's) and for missing required
+        fields; a Gemma4 config (``model_type`` in ``GEMMA4_MODEL_TYPES``) is read by
+        :meth:`dspark_ops.models.gemma4.Gemma4DSparkConfig.from_dict`;
         fields that do not affect inference (token ids, dtype, training-only settings) are
         dropped, and unknown fields are dropped with a warning.
         """
         values = dict(values)
+        if cls is DSparkConfig and values.get("model_type") in GEMMA4_MODEL_TYPES:
+            from .gemma4 import Gemma4DSparkConfig
+
+            return Gemma4DSparkConfig.from_dict(values)
         missing = [name for name in _REQUIRED_FIELDS if name not in values]
         if missing:
             raise ValueError(f"config is missing the field(s) {missing}")
         if values.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"config field 'model_type' is {values['model_type']!r}: only Qwen3 "
-                             "drafts ('qwen3') are implemented")
+                             f"('qwen3') and Gemma4 {GEMMA4_MODEL_TYPES} drafts are "
+                             "implemented")
         architectures = values.get("architectures") or ["Qwen3DSparkModel"]
         if list(architectures) != ["Qwen3DSparkModel"]:
             raise ValueError(f"config field 'architectures' is {architectures}: only "

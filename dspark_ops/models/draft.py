@@ -104,9 +104,12 @@ class DSparkDraft(DraftBackbone):
     in with :meth:`share_target_embeddings` or load them from the checkpoint.
     """
 
+    #: The token-embedding class, built as ``embedding_class(vocab_size, hidden_size)``.
+    embedding_class = nn.Embedding
+
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
         self.confidence_head = None
@@ -123,11 +126,15 @@ class DSparkDraft(DraftBackbone):
 
         The weights are ``model.safetensors``, a sharded ``model.safetensors.index.json``,
         ``pytorch_model.bin`` or ``model.pt`` in ``path``. The config is read by
-        :meth:`DSparkConfig.from_dict`, which refuses what this library does not implement.
+        :meth:`DSparkConfig.from_dict`, which refuses what this library does not implement;
+        called on :class:`DSparkDraft` it returns the config's family (a
+        :class:`~dspark_ops.models.gemma4.Gemma4DSparkDraft` for a Gemma4 config).
         ``dtype`` defaults to float32 parameters (DeepSpec's drafts are stored in bfloat16).
         """
         with open(os.path.join(path, "config.json")) as f:
             config = DSparkConfig.from_dict(json.load(f))
+        if cls is DSparkDraft:  # the family's class: a Gemma4 config builds a Gemma4 draft
+            cls = config.draft_class()
         names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "model.pt")
         for name in names:
@@ -159,6 +166,12 @@ class DSparkDraft(DraftBackbone):
             self.lm_head.weight.copy_(target.lm_head.weight)
         self.embed_tokens.requires_grad_(False)
         self.lm_head.requires_grad_(False)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The block's base logits from its final-normed hidden states: ``lm_head(hidden)``
+        (a family may transform them, e.g. Gemma4's soft cap; the sequential head's bias is
+        added to this result)."""
+        return self.lm_head(hidden)
 
     def block_hidden(self, anchor: torch.Tensor, block_size: int) -> torch.Tensor:
         """Embeddings of the block ``[x0, MASK, ..., MASK]``, ``[B, G, hidden]``."""

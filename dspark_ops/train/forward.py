@@ -380,8 +380,8 @@ def _layer_forward(layer: nn.Module, hidden: torch.Tensor, context: torch.Tensor
     k = torch.cat([k_ctx, k_blk], 1).transpose(1, 2).to(q.dtype)
     v = torch.cat([v_ctx, v_blk], 1).transpose(1, 2).to(q.dtype)
     out = attend(q.transpose(1, 2), k, v, attn.scaling)
-    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, rows, -1).to(hidden.dtype))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    attended = attn.o_proj(out.transpose(1, 2).reshape(batch, rows, -1).to(hidden.dtype))
+    return layer.after_attention(hidden, attended)
 
 
 # ------------------------------------------------------------------------------------------------

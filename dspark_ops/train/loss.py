@@ -4,7 +4,9 @@ training metrics.
 :func:`draft_loss` weights every block slot with DeepSpec's ``eval_mask * exp(-k / gamma)``,
 flattens the batch and calls the fused :func:`dspark_ops.dspark_loss` with the draft's own LM head
 and Markov ``W2``: DSpark's ``0.1 CE + 0.9 L1 + 1.0 BCE`` by default, DFlash's CE alone for a draft
-without a Markov head. :func:`block_metrics` turns the per-slot expected acceptance ``c*`` into
+without a Markov head. A draft with soft-capped logits (Gemma4) trains with
+:func:`softcapped_dspark_loss`, the eager formula with the cap, since the fused op has none.
+:func:`block_metrics` turns the per-slot expected acceptance ``c*`` into
 DeepSpec's ``accept_rate@k`` and ``tau_probabilistic`` (as sums, so that data-parallel ranks can
 add them up before dividing).
 
@@ -29,6 +31,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -38,7 +41,8 @@ from ..ops.loss import Denominators, dspark_loss
 from ..outputs import LossOutput
 from .forward import TrainingBatch, position_weights
 
-__all__ = ["block_metrics", "draft_loss", "flatten_batch", "loss_coefficients", "loss_weights"]
+__all__ = ["block_metrics", "draft_loss", "flatten_batch", "loss_coefficients", "loss_weights",
+           "softcapped_dspark_loss"]
 
 
 def loss_coefficients(draft: nn.Module, ce_weight: Optional[float] = None,
@@ -152,10 +156,57 @@ def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: floa
         raise ValueError("draft_loss(): the batch has no target_hidden (pass target_last_hidden "
                          "to training_forward); the L1 and confidence terms need it")
     fn = dspark_loss if loss_fn is None else loss_fn
+    cap = getattr(draft.config, "final_logit_softcapping", None)
+    if cap is not None:
+        from .. import reference
+
+        if loss_fn not in (None, reference.dspark_loss):
+            raise ValueError("draft_loss(): a soft-capped (Gemma4) draft trains with "
+                             "softcapped_dspark_loss; loss_fn cannot replace it")
+        fn = functools.partial(softcapped_dspark_loss, cap=float(cap))
     hidden, head, labels, weights = (inputs.pop(k) for k in ("hidden", "lm_head_weight",
                                                              "labels", "weights"))
     return fn(hidden, head, labels, weights, **inputs, ce_weight=alpha, l1_weight=beta,
               confidence_weight=gamma, denominators=denominators)
+
+
+def softcapped_dspark_loss(hidden, lm_head_weight, labels, weights, *, cap: float,
+                           target_hidden=None, markov_latent=None, markov_w2=None,
+                           confidence_logits=None, ce_weight=0.1, l1_weight=0.9,
+                           confidence_weight=1.0, denominators=None) -> LossOutput:
+    """DeepSpec's loss for a draft with soft-capped logits (Gemma4), eagerly: the formula of
+    :func:`dspark_ops.reference.dspark_loss` with the base logits ``cap * tanh(W h / cap)`` and
+    the Markov bias added after the cap, ``z = cap * tanh(W h / cap) + W2 u``; the target's
+    logits are capped the same way, ``t = cap * tanh(W h_t / cap)`` (DeepSpec's Gemma4 trainer
+    feeds the target's last hidden state through the draft's LM head and cap). Gradients flow
+    through the cap (``1 - tanh^2``). It holds several ``[N, V]`` tensors at once:
+    :func:`dspark_ops.dspark_loss` has no cap argument, so a Gemma4 draft trains on this path."""
+    from ..ops.loss import loss_denominators
+
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    weight = lm_head_weight.to(dtype)
+    z = cap * torch.tanh((hidden.to(dtype) @ weight.T) / cap)
+    if markov_latent is not None:
+        z = z + markov_latent.to(dtype) @ markov_w2.to(dtype).T
+    w = weights.to(dtype)
+    s_ce, s_l1, s_conf = (s.to(dtype) for s in loss_denominators(weights, denominators))
+    ce = torch.logsumexp(z, dim=-1) - z.gather(-1, labels.long()[:, None]).squeeze(-1)
+    loss = ce_weight * (w * ce).sum() / s_ce
+    zero = loss.new_zeros(())
+    l1_mean, confidence, accept_rate = zero, zero, None
+    if target_hidden is not None:
+        t = cap * torch.tanh((target_hidden.detach().to(dtype) @ weight.T) / cap)
+        l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
+        l1_mean = (w * l1).sum() / s_l1
+        loss = loss + l1_weight * l1_mean
+        accept_rate = (1 - 0.5 * l1).clamp(0, 1).detach()
+        if confidence_logits is not None:
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(
+                confidence_logits.to(dtype), accept_rate, reduction="none")
+            confidence = (w * bce).sum() / s_conf
+            loss = loss + confidence_weight * confidence
+    return LossOutput(loss, ((w * ce).sum() / s_ce).detach(), l1_mean.detach(),
+                      confidence.detach(), accept_rate)
 
 
 @torch.no_grad()

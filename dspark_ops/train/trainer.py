@@ -7,7 +7,10 @@ The recipe (DeepSpec's defaults, every one a flag):
   embeddings, the target layer ids and the mask token), as DeepSpec's ``build_draft_config``;
   the embedding and LM head are copied from the target and frozen;
 - per sequence, 512 anchors, blocks of 7, Markov rank 256 (vanilla head), a confidence head on
-  ``[h; W1[x]]``; DFlash (``--arch dflash``): no Markov or confidence head;
+  ``[h; W1[x]]``; DFlash (``--arch dflash``): no Markov or confidence head; Eagle3 (``--arch
+  eagle3``): DeepSpec's one-layer Eagle3 draft, trained with its training-time test over
+  ``--block-size`` steps, each step's soft cross-entropy against the target's next-token
+  distribution weighted by ``--step-loss-decay ** k`` (:mod:`.eagle3`; ``ce`` in the metrics);
 - the loss is :func:`dspark_ops.train.draft_loss` (fused): ``0.1 CE + 0.9 L1 + 1.0 BCE`` over
   the slots' weights ``exp(-k/4)``, CE alone for DFlash; the three denominators are summed over
   ranks and the loss multiplied by the world size, then divided by the gradient accumulation
@@ -50,12 +53,16 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..models import DSparkConfig, DSparkDraft
+from ..models import (DSparkConfig, DSparkDraft, Eagle3Config, Eagle3Draft, Gemma4DSparkConfig,
+                      load_draft)
+from ..models.config import GEMMA4_MODEL_TYPES
+from .eagle3 import eagle3_ttt_loss
 from .data import Schedule, collate, read_training_data
 from .forward import build_eval_mask, position_weights, sample_anchor_positions, training_forward
 from .loss import block_metrics, draft_loss, loss_coefficients
@@ -96,7 +103,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     io.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     model = parser.add_argument_group("draft")
-    model.add_argument("--arch", choices=("dspark", "dflash"), default="dspark")
+    model.add_argument("--arch", choices=("dspark", "dflash", "eagle3"), default="dspark",
+                       help="eagle3: DeepSpec's Eagle3 draft (one layer), trained with its "
+                            "training-time test over --block-size steps (its ttt_length)")
     model.add_argument("--config", default=None,
                        help="a draft config.json (DeepSpec's fields) instead of the flags below")
     model.add_argument("--num-layers", type=int, default=5)
@@ -112,6 +121,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="default: the tokenizer's mask token, else the first id past the "
                             "tokenizer (Qwen3: 151669)")
     model.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
+    model.add_argument("--step-loss-decay", type=float, default=0.8,
+                       help="eagle3: weight decay**k of the k-th training-time-test step")
 
     loss = parser.add_argument_group("loss")
     loss.add_argument("--loss-decay-gamma", type=float, default=4.0)
@@ -254,6 +265,8 @@ def build_draft_config(target_config, args: argparse.Namespace, tokenizer=None) 
     """
     text = _text_config(target_config)
     depth = int(text.num_hidden_layers)
+    if getattr(args, "arch", "dspark") == "eagle3":
+        return _eagle3_config(text, args)
     if args.config:
         try:
             with open(args.config) as f:
@@ -288,6 +301,8 @@ def build_draft_config(target_config, args: argparse.Namespace, tokenizer=None) 
     if not 0 <= mask < text.vocab_size:
         raise SystemExit(f"--mask-token-id {mask} is outside the vocabulary [0, "
                          f"{text.vocab_size})")
+    if getattr(text, "model_type", None) in GEMMA4_MODEL_TYPES:
+        return _gemma4_config(text, args, layers, mask, rank, confidence, depth)
     heads = int(text.num_attention_heads)
     return DSparkConfig(
         vocab_size=int(text.vocab_size),
@@ -313,12 +328,103 @@ def build_draft_config(target_config, args: argparse.Namespace, tokenizer=None) 
     )
 
 
-def init_draft(config: DSparkConfig, target_model, initializer_range: float = 0.02
-               ) -> DSparkDraft:
-    """A new draft: linear and embedding weights ``N(0, initializer_range)``, biases 0, norms 1
-    (transformers' initialisation, which DeepSpec's drafts get), then the target's embedding and
-    LM head copied in and frozen."""
-    draft = DSparkDraft(config)
+def _gemma4_text_values(text) -> dict:
+    """A Gemma4 text config as a dict with ``global_head_dim`` and ``num_global_key_value_heads``
+    at the top level, where DeepSpec's draft configs keep them (transformers 5.17 and later move
+    them into the full-attention layers' ``per_layer_config`` view)."""
+    values = text.to_dict()
+    if values.get("global_head_dim") is None:
+        full = [i for i, t in enumerate(text.layer_types) if t == "full_attention"]
+        view = text.per_layer_config[full[0]] if hasattr(text, "per_layer_config") else text
+        values["global_head_dim"] = int(view.head_dim)
+        values["num_global_key_value_heads"] = int(view.num_key_value_heads)
+    values.pop("per_layer_config", None)
+    values["num_target_layers"] = int(text.num_hidden_layers)
+    return values
+
+
+def _gemma4_config(text, args, layers, mask, rank, confidence, depth) -> DSparkConfig:
+    """A Gemma4 DSpark/DFlash draft's config, as DeepSpec's Gemma4 ``build_draft_config``: a copy
+    of the target's text config (with ``global_head_dim`` and ``num_global_key_value_heads``
+    read back from the full-attention layers' view where transformers moved them) and the
+    draft's fields, read by :meth:`Gemma4DSparkConfig.from_dict` (which refuses what it does not
+    implement)."""
+    values = _gemma4_text_values(text)
+    values.update(architectures=["Gemma4DSparkModel"], num_hidden_layers=int(args.num_layers),
+                  layer_types=["full_attention"] * int(args.num_layers),
+                  tie_word_embeddings=False, target_layer_ids=list(layers),
+                  block_size=int(args.block_size), mask_token_id=int(mask),
+                  markov_rank=int(rank), markov_head_type=args.markov_head,
+                  enable_confidence_head=confidence, confidence_head_with_markov=confidence,
+                  num_anchors=int(args.anchors), num_target_layers=depth)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fields of the copied transformers config
+            return Gemma4DSparkConfig.from_dict(values)
+    except ValueError as error:
+        raise SystemExit(f"--target: {error}") from None
+
+
+def _eagle3_config(text, args: argparse.Namespace) -> Eagle3Config:
+    """An Eagle3 draft's config from the target's (DeepSpec's Eagle3 ``build_draft_config``):
+    its sizes with one draft layer, the target layers (no ``-1``), ``ttt_length`` = the block
+    size; or ``--config`` (an Eagle3 ``config.json``) checked against the target."""
+    depth = int(text.num_hidden_layers)
+    if args.config:
+        try:
+            with open(args.config) as f:
+                config = Eagle3Config.from_dict(json.load(f))
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--config {args.config}: {error}") from None
+        if (config.hidden_size, config.vocab_size) != (text.hidden_size, text.vocab_size):
+            raise SystemExit(f"--config {args.config}: hidden size / vocabulary "
+                             f"{config.hidden_size} / {config.vocab_size} differ from the "
+                             f"target's {text.hidden_size} / {text.vocab_size}")
+    elif getattr(text, "model_type", None) in GEMMA4_MODEL_TYPES:
+        layers = _check_target_layers(args.target_layers if args.target_layers is not None
+                                      else default_target_layers(depth), depth)
+        values = _gemma4_text_values(text)
+        values.update(architectures=["Gemma4Eagle3Model"], num_hidden_layers=1,
+                      draft_num_hidden_layers=1, layer_types=["full_attention"],
+                      tie_word_embeddings=False, target_layer_ids=list(layers),
+                      ttt_length=int(args.block_size),
+                      step_loss_decay=float(args.step_loss_decay))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the fields of the copied transformers config
+                config = Eagle3Config.from_dict(values)
+        except ValueError as error:
+            raise SystemExit(f"--arch eagle3: {error}") from None
+    else:
+        layers = _check_target_layers(args.target_layers if args.target_layers is not None
+                                      else default_target_layers(depth), depth)
+        heads = int(text.num_attention_heads)
+        try:
+            config = Eagle3Config(
+                family="qwen3", vocab_size=int(text.vocab_size),
+                hidden_size=int(text.hidden_size), num_attention_heads=heads,
+                num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                intermediate_size=int(text.intermediate_size),
+                rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(text),
+                attention_bias=bool(getattr(text, "attention_bias", False)),
+                max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
+                target_layer_ids=tuple(layers), ttt_length=int(args.block_size),
+                step_loss_decay=float(args.step_loss_decay))
+        except ValueError as error:
+            raise SystemExit(f"--arch eagle3: {error}") from None
+    _check_target_layers(config.target_layer_ids, depth)
+    config.target_num_hidden_layers = depth
+    return config
+
+
+def init_draft(config, target_model, initializer_range: float = 0.02):
+    """A new draft (:class:`DSparkDraft`, or :class:`Eagle3Draft` for an Eagle3 config): linear
+    and embedding weights ``N(0, initializer_range)``, biases 0, norms 1 (transformers'
+    initialisation, which DeepSpec's drafts get), then the target's embedding and LM head copied
+    in and frozen."""
+    draft = (Eagle3Draft if isinstance(config, Eagle3Config) else config.draft_class())(config)
     with torch.no_grad():
         for module in draft.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -398,7 +504,11 @@ class _DraftStep(nn.Module):
         self.draft = draft
         self.loss_kwargs = loss_kwargs
 
-    def forward(self, input_ids, features, loss_mask, last_hidden, anchors, keep, denominators):
+    def forward(self, input_ids, features, loss_mask, last_hidden, anchors, keep, denominators,
+                valid=None):
+        if isinstance(self.draft, Eagle3Draft):
+            return eagle3_ttt_loss(self.draft, input_ids, features, loss_mask, last_hidden,
+                                   valid)
         batch = training_forward(self.draft, input_ids, features, loss_mask, last_hidden,
                                  anchor_positions=anchors, block_keep_mask=keep)
         out = draft_loss(self.draft, batch, denominators=denominators, **self.loss_kwargs)
@@ -466,7 +576,7 @@ def load_checkpoint(path: str) -> dict:
         raise SystemExit(f"--resume: corrupt checkpoint {path}: {STATE_FILE} lacks "
                          f"{sorted(keys - set(state) if isinstance(state, dict) else keys)}")
     try:
-        state["draft"] = DSparkDraft.from_pretrained(path)
+        state["draft"] = load_draft(path)
     except Exception as error:
         raise SystemExit(f"--resume: corrupt checkpoint {path}: the draft does not load "
                          f"({type(error).__name__}: {error})") from None
@@ -637,8 +747,15 @@ class Trainer:
             self.target = None
         del model
         self.draft = draft.to(device=self.device, dtype=torch.float32)
-        self.coefficients = loss_coefficients(self.draft, args.ce_weight, args.l1_weight,
-                                              args.confidence_weight)
+        self.eagle3 = isinstance(self.draft, Eagle3Draft)
+        if self.eagle3:  # the TTT loss is a soft cross-entropy alone
+            if args.loss_impl != "fused" or args.l1_weight or args.confidence_weight:
+                raise SystemExit("--arch eagle3 trains with its own loss: no --loss-impl, "
+                                 "--l1-weight or --confidence-weight")
+            self.coefficients = (1.0, 0.0, 0.0)
+        else:
+            self.coefficients = loss_coefficients(self.draft, args.ce_weight, args.l1_weight,
+                                                  args.confidence_weight)
         loss_kwargs = {"loss_decay_gamma": args.loss_decay_gamma,
                        "ce_weight": self.coefficients[0], "l1_weight": self.coefficients[1],
                        "confidence_weight": self.coefficients[2]}
@@ -703,9 +820,11 @@ class Trainer:
     def _micro_step(self, step: int, micro: int, sums: torch.Tensor) -> None:
         args, dist = self.args, self.dist
         epoch, samples = self.schedule.micro_batch(step, micro, dist.rank)
-        data = collate(samples, epoch, args.seed, self.config.num_anchors, self.device,
-                       sample_anchor_positions)
+        data = collate(samples, epoch, args.seed, getattr(self.config, "num_anchors", 1),
+                       self.device, sample_anchor_positions)
         features, last_hidden = self._features(samples, data)
+        if self.eagle3:
+            return self._eagle3_micro_step(data, features, last_hidden, micro, sums)
         # DeepSpec's denominators: sum(w) of this micro-step over all ranks (the weights are
         # known before the forward: the eval mask follows from the anchors and the loss mask).
         weights = position_weights(build_eval_mask(data["loss_mask"], data["anchor_positions"],
@@ -733,6 +852,27 @@ class Trainer:
                            metrics["accept_sum"].cpu(), metrics["accept_count"].cpu(),
                            metrics["tau_sum"].reshape(1).cpu(),
                            metrics["block_count"].reshape(1).cpu()]).to(sums)
+
+    def _eagle3_micro_step(self, data, features, last_hidden, micro: int,
+                           sums: torch.Tensor) -> None:
+        """One micro-step of an Eagle3 draft: the TTT loss (:func:`.eagle3.eagle3_ttt_loss`),
+        its metrics in the slots of the DSpark ones (``ce`` is the soft cross-entropy,
+        ``accept_rate@k`` the TTT step's)."""
+        args, dist = self.args, self.dist
+        last = micro == args.grad_accum - 1
+        sync = self.model.no_sync() if dist.enabled and not last else contextlib.nullcontext()
+        autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.autocast
+                    else contextlib.nullcontext())
+        with sync:
+            with autocast:
+                out = self.model(data["input_ids"], features, data["loss_mask"], last_hidden,
+                                 None, None, None, data["valid"])
+            (out.loss * dist.world_size / args.grad_accum).backward()
+        loss = out.loss.detach().double() / args.grad_accum
+        zero = loss.new_zeros(())
+        sums += torch.cat([torch.stack([loss, loss, zero, zero]).cpu(), out.accept_sum.cpu(),
+                           out.accept_count.cpu(), out.tau_sum.reshape(1).cpu(),
+                           out.row_count.reshape(1).cpu()]).to(sums)
 
     def _step(self, step: int) -> dict:
         block = self.config.block_size
@@ -893,17 +1033,23 @@ class Trainer:
 
     def _print_header(self) -> None:
         c, a = self.config, self.args
-        kind = "dflash" if c.markov_rank == 0 else f"dspark ({c.markov_head_type} head)"
         trainable = sum(p.numel() for p in self.params)
-        print(f"draft: {kind}, {c.num_hidden_layers} layers, block {c.block_size}, markov rank "
-              f"{c.markov_rank}, target layers {list(c.target_layer_ids)}, mask token "
-              f"{c.mask_token_id}, {trainable:,} trainable parameters", flush=True)
+        if self.eagle3:
+            print(f"draft: eagle3, 1 layer, ttt_length {c.ttt_length}, step loss decay "
+                  f"{c.step_loss_decay:g}, target layers {list(c.target_layer_ids)}, "
+                  f"{trainable:,} trainable parameters", flush=True)
+        else:
+            kind = "dflash" if c.markov_rank == 0 else f"dspark ({c.markov_head_type} head)"
+            print(f"draft: {kind}, {c.num_hidden_layers} layers, block {c.block_size}, markov "
+                  f"rank {c.markov_rank}, target layers {list(c.target_layer_ids)}, mask token "
+                  f"{c.mask_token_id}, {trainable:,} trainable parameters", flush=True)
+        loss = ("the training-time test's soft cross-entropy" if self.eagle3 else
+                f"{self.coefficients[0]:g} ce + {self.coefficients[1]:g} l1 + "
+                f"{self.coefficients[2]:g} confidence ({a.loss_impl})")
         print(f"data: {len(self.train_samples)} training samples ({self.dropped} dropped), "
               f"{len(self.calibration_samples)} held out; {self.total_steps} steps of "
-              f"{a.grad_accum} micro-step(s) x {self.dist.world_size} rank(s); loss "
-              f"{self.coefficients[0]:g} ce + {self.coefficients[1]:g} l1 + "
-              f"{self.coefficients[2]:g} confidence ({a.loss_impl}); device {self.device}",
-              flush=True)
+              f"{a.grad_accum} micro-step(s) x {self.dist.world_size} rank(s); loss {loss}; "
+              f"device {self.device}", flush=True)
         if self.next_step:
             print(f"resumed from {self.resume_path} at step {self.next_step}", flush=True)
 

@@ -1,0 +1,150 @@
+"""The training forward and loss of an Eagle3 draft: DeepSpec's training-time test (TTT).
+
+One call of :func:`eagle3_ttt_loss` does what DeepSpec's ``compute_eagle3_loss`` does for a
+batch of right-padded sequences ``[B, L]``, in plain PyTorch (SDPA with a dense boolean mask):
+
+1. **Step 0.** Row ``i`` pairs ``fc`` of the target features at ``i`` with the token
+   ``i + 1`` (the ids shifted left by one, zero past the end), RoPE at ``i``; attention causal
+   over the valid rows.
+2. **Step k > 0.** The hidden input of row ``i`` is the draft's own step ``k - 1`` output at
+   row ``i``, its token is ``i + k + 1`` (shifted once more), RoPE at ``i + k``. Its query
+   sees the step-0 keys at rows ``<= i`` and the keys of steps ``1 .. k`` at row ``i`` itself
+   (its own chain so far), as at inference, where a chain step sees the committed rows and its
+   own earlier steps.
+3. **Loss.** Step ``k`` of row ``i`` predicts the target's next-token distribution at
+   ``i + k + 1`` (``softmax(lm_head(target_last_hidden))``, the draft's frozen LM head, soft-capped
+   for a Gemma4 draft);
+   the soft cross-entropy ``-sum p log q`` is masked by the loss mask shifted by ``k`` (the last
+   valid token has no target) and divided by ``B * L`` (DeepSpec's per-step local mean), then
+   weighted by ``step_loss_decay ** k`` and summed over the ``ttt_length`` steps.
+
+Metrics (DeepSpec's): per step, ``accept_rate@k`` = the mean of ``1 - TV(q, p)`` over the
+step's masked rows, and ``tau_probabilistic`` = ``1 +`` the sum over steps of the running
+product of those acceptances, over the rows valid at step 0.
+
+Every step keeps its ``[B, L, V]`` logits for the backward, as DeepSpec's eager path would (its
+fused Triton loss keeps two scalars per row instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..models.gemma4 import soft_cap
+
+__all__ = ["Eagle3Batch", "eagle3_ttt_loss"]
+
+
+@dataclasses.dataclass
+class Eagle3Batch:
+    """What :func:`eagle3_ttt_loss` returns.
+
+    Attributes
+    ----------
+    loss : torch.Tensor
+        Scalar: ``sum_k decay**k * loss_k``.
+    step_losses : torch.Tensor
+        float32 ``[K]``, the unweighted ``loss_k``.
+    accept_sum, accept_count : torch.Tensor
+        float64 ``[K]``: sums of ``1 - TV`` over the masked rows of each step, and their count.
+    tau_sum : torch.Tensor
+        float64 scalar: the sum over step-0 rows of ``1 + sum_k prod_{j<=k} (1 - TV_j)``.
+    row_count : torch.Tensor
+        float64 scalar: those rows.
+    """
+
+    loss: torch.Tensor
+    step_losses: torch.Tensor
+    accept_sum: torch.Tensor
+    accept_count: torch.Tensor
+    tau_sum: torch.Tensor
+    row_count: torch.Tensor
+
+
+def _shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
+    """``x[:, by:]`` padded with zeros at the end to the same length."""
+    return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], 1)
+
+
+def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tensor,
+                    loss_mask: torch.Tensor, target_last_hidden: torch.Tensor,
+                    valid: torch.Tensor, *, ttt_length=None, step_loss_decay=None
+                    ) -> Eagle3Batch:
+    """The TTT loss of ``draft`` (:class:`dspark_ops.models.Eagle3Draft`) on one batch.
+
+    Parameters
+    ----------
+    input_ids : torch.Tensor
+        int64 ``[B, L]``, right-padded.
+    target_features : torch.Tensor
+        ``[B, L, n * H]``: the target layers' outputs (``target_layer_ids``).
+    loss_mask : torch.Tensor
+        ``[B, L]``: 1 where a token is trained.
+    target_last_hidden : torch.Tensor
+        ``[B, L, H]``: the target's final-normed hidden states.
+    valid : torch.Tensor
+        bool ``[B, L]``: the real tokens (a prefix of each row).
+    ttt_length, step_loss_decay : optional
+        Default the draft config's (7 and 0.8 in DeepSpec).
+    """
+    config = draft.config
+    steps = int(ttt_length or config.ttt_length)
+    decay = float(step_loss_decay if step_loss_decay is not None else config.step_loss_decay)
+    layer = draft.layers[0]
+    attn = layer.self_attn
+    batch, length = input_ids.shape
+    device = input_ids.device
+    lengths = valid.long().sum(-1)
+    rows = torch.arange(length, device=device)
+    with torch.no_grad():
+        target_logits = soft_cap(draft.lm_head(target_last_hidden.to(draft.lm_head.weight.dtype)),
+                                 config.final_logit_softcapping)
+        target_probs = torch.softmax(target_logits.float(), -1)
+        # Row i of step k learns the target's distribution at i + k + 1.
+        mask0 = loss_mask.float() * valid.float()
+        mask0[torch.arange(batch, device=device), (lengths - 1).clamp_min(0)] = 0.0
+        row_ok = rows[None, :] < lengths[:, None]  # [B, L]
+        causal = (rows[None, :] <= rows[:, None])[None] & row_ok[:, None, :]  # [B, L, L]
+        same = torch.eye(length, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
+    hidden = draft.fc(target_features.to(draft.fc.weight.dtype))
+    ids = _shift_left(input_ids)
+    keys, values, masks = [], [], []
+    total = hidden.new_zeros((), dtype=torch.float32)
+    step_losses, accept_sum, accept_count, accept_rows = [], [], [], []
+    for k in range(steps):
+        x = layer.attention_input(draft.embed_tokens(ids), hidden)
+        q, key, value = attn.project(x, (rows + k)[None].expand(batch, -1))
+        keys.append(key)
+        values.append(value)
+        masks.append(causal if k == 0 else same)
+        key_all = torch.cat(keys, 1).transpose(1, 2)  # [B, Hkv, (k + 1) L, D]
+        value_all = torch.cat(values, 1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), key_all.to(q.dtype), value_all.to(q.dtype),
+            attn_mask=torch.cat(masks, -1)[:, None], scale=attn.scaling,
+            enable_gqa=attn.num_heads != attn.num_kv_heads)
+        attended = attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1).to(hidden.dtype))
+        hidden = layer.after_attention(hidden, attended)
+        logits = draft.compute_logits(hidden).float()
+        with torch.no_grad():
+            probs_k = _shift_left(target_probs, k + 1)
+            probs_k[:, length - k - 1:] = 1.0 / probs_k.shape[-1]  # DeepSpec's uniform tail
+            mask_k = _shift_left(mask0, k)
+        soft_ce = -(probs_k * torch.log_softmax(logits, -1)).sum(-1)
+        step_loss = (soft_ce * mask_k).sum() / (batch * length)
+        total = total + step_loss * decay**k
+        step_losses.append(step_loss.detach())
+        with torch.no_grad():
+            accept = (1 - 0.5 * (torch.softmax(logits, -1) - probs_k).abs().sum(-1)).clamp(0, 1)
+            accept_sum.append((accept * mask_k).sum().double())
+            accept_count.append(mask_k.sum().double())
+            accept_rows.append(accept * (mask_k > 0))
+        ids = _shift_left(ids)
+    with torch.no_grad():
+        start = mask0 > 0
+        expected = torch.stack(accept_rows).cumprod(0).sum(0)  # [B, L]
+        tau_sum = ((expected + 1) * start).sum().double()
+    return Eagle3Batch(total, torch.stack(step_losses), torch.stack(accept_sum),
+                       torch.stack(accept_count), tau_sum, start.sum().double())
