@@ -23,8 +23,15 @@ inline std::string dtype_list(std::initializer_list<at::ScalarType> dtypes) {
 }
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
+// A required tensor passed as None reaches the entry points undefined; every check below calls
+// this first, so the message names the argument rather than the undefined tensor's accessor.
+inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.defined(), op, "(): '", name, "' must be a tensor, got None");
+}
+
                         std::initializer_list<at::ScalarType> dtypes) {
   bool ok = false;
+  check_defined(op, name, t);
   for (auto dtype : dtypes) ok = ok || t.scalar_type() == dtype;
   TORCH_CHECK_TYPE(ok, op, "(): '", name, "' must have dtype ", dtype_list(dtypes), ", got ",
                    t.scalar_type());
@@ -34,12 +41,14 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
 inline void check_shape(const char* op, const char* name, const at::Tensor& t,
                         at::IntArrayRef shape, const char* expected) {
   TORCH_CHECK_VALUE(t.sizes() == shape, op, "(): '", name, "' must have shape ", expected, " = ",
+  check_defined(op, name, t);
                     shape, ", got ", t.sizes());
 }
 
 inline void check_dim(const char* op, const char* name, const at::Tensor& t,
                       std::initializer_list<int64_t> dims, const char* expected) {
   bool ok = false;
+  check_defined(op, name, t);
   for (auto dim : dims) ok = ok || t.dim() == dim;
   TORCH_CHECK_VALUE(ok, op, "(): '", name, "' must be ", expected, ", got a ", t.dim(),
                     "-D tensor of shape ", t.sizes());
@@ -48,6 +57,8 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t,
 inline void check_device(const char* op, const char* name, const at::Tensor& t,
                          const at::Tensor& reference, const char* reference_name) {
   TORCH_CHECK_VALUE(t.device() == reference.device(), op, "(): '", name, "' must be on ",
+  check_defined(op, reference_name, reference);
+  check_defined(op, name, t);
                     reference.device(), " like '", reference_name, "', got ", t.device());
 }
 

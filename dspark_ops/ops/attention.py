@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+from .._fake_checks import checked_fake
 
 __all__ = ["block_draft_attention", "append_context_kv"]
 
@@ -103,6 +104,7 @@ def append_context_kv(
 
 @torch.library.register_fake("dspark_ops::block_draft_attention")
 def _block_draft_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
+@checked_fake("block_draft_attention")
                                 cache_slot=None, softmax_scale=None, window=None,
                                 return_lse=False):
     lse_shape = q.shape[:3] if return_lse else (0,)
@@ -111,5 +113,6 @@ def _block_draft_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_seq
 
 @torch.library.register_fake("dspark_ops::append_context_kv")
 def _append_context_kv_fake(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
+@checked_fake("append_context_kv")
                             cache_slot=None):
     return None
