@@ -970,3 +970,19 @@ def test_bf16_logits_verify_accepts_every_draft(sim):
     out = sim.verify(target, draft.tokens, n, case.temperature, case.seed, case.position,
                      draft_logits=draft.draft_logits, draft_temperature=case.temperature)
     assert torch.equal(out[0], expected.tokens) and torch.equal(out[1], expected.num_accepted)
+
+
+@pytest.mark.parametrize("head", ["markov_draft", "rnn_draft"])
+def test_extreme_position_without_value_checks(sim, head):
+    """position = 2^63 - 1 is refused on CPU; on CUDA without DSPARK_OPS_DEBUG=1 slot j draws
+    from p0 + 1 + j modulo 2^64 (no signed overflow: the asan flavour's UBSan checks it), as the
+    reference does."""
+    from fuzz.ops import BY_NAME
+
+    spec = BY_NAME[head]
+    for seed in (0, 1):  # plain, and sampling filters
+        args = spec.build(seed)
+        args["position"][1] = 2**63 - 1
+        args["position"][2] = 2**63 - 2
+        got = getattr(sim, head)(*args.values())
+        assert torch.equal(got[0], spec.reference(args)[0])

@@ -957,3 +957,18 @@ def test_planted_filter_fault_is_caught(sim):
         with emulator.planted("drop_barrier:" + site):
             caught.append(emulator.caught(lambda: check_filtered(sim, case, filters, cpu=False)))
     assert any(caught), f"drop_barrier:{site} was not caught"
+
+
+def test_extreme_position_without_value_checks(sim):
+    """position = 2^63 - 1 is refused on CPU; on CUDA without DSPARK_OPS_DEBUG=1 the rows draw
+    from p0 + 1 + j modulo 2^64 (no signed overflow: the asan flavour's UBSan checks it), the
+    streams the reference's int64 arithmetic gives."""
+    from fuzz.ops import BY_NAME
+
+    spec = BY_NAME["verify"]
+    for seed in (0, 3):  # one-hot and distribution proposals
+        args = spec.build(seed)
+        args["position"][1] = 2**63 - 1
+        args["position"][2] = 2**63 - 3
+        got = sim.verify(*args.values())
+        assert spec.compare(args, got, spec.reference(args)) is None

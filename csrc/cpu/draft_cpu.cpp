@@ -850,7 +850,7 @@ SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
     s.greedy.push_back(is_greedy(t));
     s.inv_temperature.push_back(is_greedy(t) ? 1.f : 1.f / t);
     s.seed.push_back(a.seed.const_data_ptr<int64_t>()[b]);
-    s.position.push_back(a.position.const_data_ptr<int64_t>()[b] + 1 + j);
+    s.position.push_back(offset_position(a.position.const_data_ptr<int64_t>()[b], 1 + j));
     const auto& f = a.filters;
     s.filter.push_back(
         make_filter_spec(f.top_k_data(), f.top_p_data(), f.min_p_data(), b, a.vocab));

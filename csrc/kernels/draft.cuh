@@ -353,7 +353,7 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
     s.greedy[i] = is_greedy(temperature);
     s.inv_t[i] = s.greedy[i] ? 1.f : 1.f / temperature;
     s.seed[i] = i < members ? p.seed[b] : 0;
-    s.position[i] = i < members ? p.position[b] + 1 + p.slot : 0;
+    s.position[i] = i < members ? offset_position(p.position[b], 1 + p.slot) : 0;
     s.seen[i] = 0;
     s.base_row[i] = i < members ? static_cast<const Base*>(p.base) + int64_t{b} * p.base_stride_b +
                                       int64_t{p.slot} * p.base_stride_j
@@ -713,7 +713,7 @@ __global__ void __launch_bounds__(kFilterThreads) draft_filter_kernel(const Draf
   if (m == -INFINITY) return;  // no finite logit: the slot kernel's token 0 stands
   const FilterResult f = block_filter_row(load8, p.vocab, m, inv_t, spec, sh, blockDim.x);
 
-  const int64_t position = p.position[b] + 1 + p.slot;
+  const int64_t position = offset_position(p.position[b], 1 + p.slot);
   unsigned long long best = 0;
   for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < p.vocab;
        x += int64_t{blockDim.x} * kFilterValues) {

@@ -116,7 +116,7 @@ def pack_verify_inputs(
     num_verify : torch.Tensor
         int32 ``[B]``: drafts to verify per request, each in ``[0, G]``.
     position : torch.Tensor
-        int64 ``[B]``: absolute position ``p0`` of each anchor.
+        int64 ``[B]``: absolute position ``p0`` (in ``[0, 2**62]``) of each anchor.
 
     Returns
     -------
