@@ -634,6 +634,43 @@ def test_append_into_strided_caches(device, dtype, cache_layout):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_HALF)
+@pytest.mark.parametrize("overlap", ["expanded-requests", "expanded-rows", "k-is-v",
+                                     "seqlens-is-num-new", "new-rows-in-cache"])
+def test_append_refuses_overlapping_outputs(device, dtype, overlap):
+    # k_cache, v_cache and cache_seqlens are written in place: an output whose elements share
+    # memory (a cache expanded along the request dimension would have every request write the
+    # same rows, the last one winning) or that shares memory with another argument is refused,
+    # and nothing is written.
+    gen = generator(64)
+    batch, rows, kv_heads, dim, length = 3, 2, 2, 64, 6
+    state = {**make_caches(gen, batch, length, kv_heads, dim, dtype, device),
+             "cache_seqlens": i32(0, 1, 2, device=device)}
+    k_new = randn(gen, batch, rows, kv_heads, dim, dtype=dtype, device=device)
+    v_new = randn(gen, batch, rows, kv_heads, dim, dtype=dtype, device=device)
+    num_new = i32(2, 1, 2, device=device)
+    if overlap == "expanded-requests":
+        state["k_cache"] = state["k_cache"][:1].expand(batch, length, kv_heads, dim)
+        name, message = "k_cache", "its elements must not share memory"
+    elif overlap == "expanded-rows":
+        state["v_cache"] = state["v_cache"][:, :1].expand(batch, length, kv_heads, dim)
+        name, message = "v_cache", "its elements must not share memory"
+    elif overlap == "k-is-v":
+        state["v_cache"] = state["k_cache"]
+        name, message = "k_cache", "must not share memory with 'v_cache'"
+    elif overlap == "seqlens-is-num-new":
+        num_new = state["cache_seqlens"]
+        name, message = "cache_seqlens", "must not share memory with 'num_new'"
+    else:
+        k_new = state["k_cache"][:, :rows]
+        name, message = "k_cache", "must not share memory with 'k_new'"
+    before = cpu_clone({**state, "num_new": num_new})
+    with pytest.raises(ValueError, match=rf"append_context_kv\(\): '{name}' is written in "
+                                         rf"place.*{message}"):
+        append(state, k_new, v_new, num_new)
+    assert_state_equal({**state, "num_new": num_new}, before)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_HALF)
 def test_append_non_contiguous_new_rows(device, dtype):
     gen = generator(63)
     batch, rows, kv_heads, dim, length = 3, 4, 2, 128, 9

@@ -166,6 +166,23 @@ at::Tensor check_append_args(const at::Tensor& k_cache, const at::Tensor& v_cach
   check_seqlens(op, cache_seqlens, k_cache, batch, length);
   TORCH_CHECK_VALUE(cache_seqlens.is_contiguous(), op,
                     "(): 'cache_seqlens' must be contiguous (it is updated in place)");
+  // The three in-place outputs: each element its own memory, no memory shared with another
+  // argument (a request's rows would overwrite another's, or be read while written).
+  const std::pair<const char*, const at::Tensor*> args[] = {
+      {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_seqlens", &cache_seqlens},
+      {"k_new", &k_new},     {"v_new", &v_new},     {"num_new", &num_new}};
+  for (int out = 0; out < 3; ++out) {
+    check_no_internal_overlap(op, args[out].first, *args[out].second);
+    for (int other = out + 1; other < 6; ++other) {
+      check_no_overlap(op, args[out].first, *args[out].second, args[other].first,
+                       *args[other].second);
+    }
+  }
+  if (cache_slot.has_value()) {
+    for (int out = 0; out < 3; ++out) {
+      check_no_overlap(op, args[out].first, *args[out].second, "cache_slot", *cache_slot);
+    }
+  }
   return check_slots(op, cache_slot, k_cache, batch, slots, /*unique=*/true);
 }
 
