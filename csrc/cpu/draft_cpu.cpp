@@ -333,10 +333,12 @@ int64_t certified_filtered_token(float* z, int64_t vocab, const SlotSampling& s,
     row_max = std::max(row_max, z[x]);
     if (z[x] != -INFINITY) z_max = std::max(z_max, std::fabs(z[x]));
   }
-  if (row_max == -INFINITY) return 0;
   const double inv_t = s.inv_temperature[b];
   const double dz = logit_bound(dot_err, z_max, dot_max, inv_t);
+  // Before the empty-row shortcut: a row whose fast dot products all overflowed is empty here
+  // but not in the exact head, and its bound (not finite) sends it there.
   if (dz < 0) return -1;
+  if (row_max == -INFINITY) return 0;
   const double margin = 2.0 * dz * scale;
   const FilterSpec& spec = s.filter[b];
   std::vector<float> weights(vocab);
