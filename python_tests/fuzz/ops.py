@@ -36,6 +36,10 @@ class OpSpec:
     mutated: tuple = ()  # arguments the op writes in place
     # Arguments whose values index or count (int tensors): out-of-range mutations target these.
     values_checked: tuple = field(default_factory=tuple)
+    # The emulated CUDA result is compared with the reference only while every floating input
+    # stays below this magnitude: the CUDA drafting heads sum in float32 with no float64
+    # fallback (docs/semantics.md §3.2), so weights near float32's maximum overflow there.
+    sim_compare_max: float = float("inf")
 
 
 def _close(name, got, want, rtol, atol) -> Optional[str]:
@@ -396,9 +400,11 @@ OPS = [
     OpSpec("verify", _verify_build, _verify_reference, _verify_compare, _verify_invariants,
            values_checked=("draft_tokens", "num_draft", "target_start", "top_k", "position")),
     OpSpec("markov_draft", lambda s: _draft_common(s, "markov"), _draft_reference("markov"),
-           _draft_compare, _draft_invariants, values_checked=("anchor", "top_k", "position")),
+           _draft_compare, _draft_invariants, values_checked=("anchor", "top_k", "position"),
+           sim_compare_max=1e30),
     OpSpec("rnn_draft", lambda s: _draft_common(s, "rnn"), _draft_reference("rnn"),
-           _draft_compare, _draft_invariants, values_checked=("anchor", "top_k", "position")),
+           _draft_compare, _draft_invariants, values_checked=("anchor", "top_k", "position"),
+           sim_compare_max=1e30),
     OpSpec("draft_confidence", _confidence_build, _confidence_reference,
            lambda a, g, w: _close("confidence", g[0], w[0], 1e-5, 1e-6), _confidence_invariants,
            values_checked=("prev_tokens",)),
