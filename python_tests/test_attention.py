@@ -661,7 +661,9 @@ def test_append_refuses_overlapping_outputs(device, dtype, overlap):
         num_new = state["cache_seqlens"]
         name, message = "cache_seqlens", "must not share memory with 'num_new'"
     else:
-        k_new = state["k_cache"][:, :rows]
+        # Dense views, so the overlap is decidable (as in torch's own checks, interleaved
+        # strided views such as k and v halves of one buffer are not refused).
+        k_new = state["k_cache"].flatten()[:k_new.numel()].view(k_new.shape)
         name, message = "k_cache", "must not share memory with 'k_new'"
     before = cpu_clone({**state, "num_new": num_new})
     with pytest.raises(ValueError, match=rf"append_context_kv\(\): '{name}' is written in "
