@@ -39,7 +39,9 @@ test-sim: build
 
 # The CPU flavour of the library built under AddressSanitizer + UBSan (csrc/build_cpu_asan.py)
 # and loaded instead of dspark_ops._C: the CPU tests of every op family and the short fuzz
-# campaign; the first report aborts the run (halt_on_error), so any report fails it.
+# campaign; the first report aborts the run (halt_on_error), so any report fails it. A huge
+# allocation fails as torch's own error (allocator_may_return_null), not as a report. The
+# library is CPU-only, so the test that every op has a CUDA kernel is left out.
 CPU_ASAN_TESTS = python_tests/test_verify.py python_tests/test_verify_filters.py \
   python_tests/test_draft.py python_tests/test_draft_bf16.py python_tests/test_draft_filters.py \
   python_tests/test_schedule.py python_tests/test_attention.py python_tests/test_random.py \
@@ -47,10 +49,10 @@ CPU_ASAN_TESTS = python_tests/test_verify.py python_tests/test_verify_filters.py
 test-cpu-asan: deps
 	$(PYTHON) csrc/build_cpu_asan.py
 	DSPARK_OPS_LIBRARY=build/cpu-asan/dspark_ops_asan.so LD_PRELOAD="$(ASAN_PRELOAD)" \
-	  ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:alloc_dealloc_mismatch=0 \
+	  ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:alloc_dealloc_mismatch=0:allocator_may_return_null=1 \
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" $(CPU_ASAN_TESTS) -m "not sim and not cuda" \
-	  -p no:cacheprovider
+	  -k "not test_op_backends" -p no:cacheprovider
 
 # A long fuzzing campaign (python_tests/fuzz/harness.py): FUZZ_SEEDS valid calls per op from
 # FUZZ_SEED on, each argument mutated one aspect at a time, on CPU and the emulated CUDA path,
