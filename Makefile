@@ -7,6 +7,9 @@
 # and, for kernel work without a GPU:
 #   make test-sim  the emulated CUDA tests again under the race checker and AddressSanitizer+UBSan
 #   make sim-coverage  which lines of the kernels and CUDA glue the emulated tests execute
+#   make test-cpu-asan the CPU kernels under AddressSanitizer+UBSan: the op tests and the short
+#                      fuzz campaign
+#   make fuzz          a long fuzzing campaign of every op, on CPU and the emulated CUDA path
 PYTHON ?= python3
 export MAX_JOBS ?= 2
 # The bounds flavour runs Python with the sanitizer runtimes preloaded (libstdc++ too, so the
@@ -20,7 +23,7 @@ ASAN_OPTIONS_SIM = detect_leaks=0:halt_on_error=0:alloc_dealloc_mismatch=0
 PYTEST_WITHOUT_TEARDOWN = import os, sys, pytest; rc = int(pytest.main(sys.argv[1:])); \
   sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
 
-.PHONY: bench test demo test-sim sim-coverage build sim deps info clean
+.PHONY: bench test demo test-sim test-cpu-asan fuzz sim-coverage build sim deps info clean
 
 bench: build
 	$(PYTHON) -m bench
@@ -45,6 +48,34 @@ test-sim: build
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan LD_PRELOAD="$(ASAN_PRELOAD)" \
 	  ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" python_tests -m sim \
 	  -p no:cacheprovider
+
+# The CPU flavour of the library built under AddressSanitizer + UBSan (csrc/build_cpu_asan.py)
+# and loaded instead of dspark_ops._C: the CPU tests of every op family and the short fuzz
+# campaign; the first report aborts the run (halt_on_error), so any report fails it. A huge
+# allocation fails as torch's own error (allocator_may_return_null), not as a report. The
+# library is CPU-only, so the test that every op has a CUDA kernel is left out.
+CPU_ASAN_TESTS = python_tests/test_verify.py python_tests/test_verify_filters.py \
+  python_tests/test_draft.py python_tests/test_draft_bf16.py python_tests/test_draft_filters.py \
+  python_tests/test_schedule.py python_tests/test_attention.py python_tests/test_random.py \
+  python_tests/test_loss.py python_tests/test_registration.py python_tests/test_fuzz.py
+test-cpu-asan: deps
+	$(PYTHON) csrc/build_cpu_asan.py
+	DSPARK_OPS_LIBRARY=build/cpu-asan/dspark_ops_asan.so LD_PRELOAD="$(ASAN_PRELOAD)" \
+	  ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:alloc_dealloc_mismatch=0:allocator_may_return_null=1 \
+	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" $(CPU_ASAN_TESTS) -m "not sim and not cuda" \
+	  -k "not test_op_backends" -p no:cacheprovider
+
+# A long fuzzing campaign (python_tests/fuzz/harness.py): FUZZ_SEEDS valid calls per op from
+# FUZZ_SEED on, each argument mutated one aspect at a time, on CPU and the emulated CUDA path,
+# for at most FUZZ_BUDGET seconds; counts per op and class and every finding are printed (and
+# written to build/fuzz-report.json), and any finding fails the run.
+FUZZ_SEED ?= 100
+FUZZ_SEEDS ?= 64
+FUZZ_BUDGET ?= 1800
+fuzz: build sim
+	$(PYTHON) python_tests/fuzz/harness.py --seed $(FUZZ_SEED) --seeds $(FUZZ_SEEDS) \
+	  --budget $(FUZZ_BUDGET) --backends cpu,sim --report build/fuzz-report.json
 
 # Which lines of the kernels and the CUDA glue the emulated tests execute (gcov, via gcovr).
 sim-coverage: build

@@ -83,6 +83,15 @@ def load_library() -> None:
     if _library_loaded():
         _SCHEMAS = _loaded_schemas()
         return
+    override = os.environ.get("DSPARK_OPS_LIBRARY", "")
+    if override:
+        # Another build of the same sources, e.g. the CPU kernels under AddressSanitizer + UBSan
+        # (csrc/build_cpu_asan.py): loaded instead of dspark_ops._C.
+        if not os.path.exists(override):
+            raise ImportError(f"dspark_ops: DSPARK_OPS_LIBRARY={override} does not exist")
+        torch.ops.load_library(override)
+        _SCHEMAS = _schemas_of(override)
+        return
     spec = importlib.util.find_spec("dspark_ops._C")
     if spec is None or spec.origin is None:
         raise ImportError(f"dspark_ops: the compiled library dspark_ops._C is missing; {_BUILD_HINT}")

@@ -577,6 +577,45 @@ def test_append_into_strided_caches(device, dtype, cache_layout):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_HALF)
+@pytest.mark.parametrize("overlap", ["expanded-requests", "expanded-rows", "k-is-v",
+                                     "seqlens-is-num-new", "new-rows-in-cache"])
+def test_append_refuses_overlapping_outputs(device, dtype, overlap):
+    # k_cache, v_cache and cache_seqlens are written in place: an output whose elements share
+    # memory (a cache expanded along the request dimension would have every request write the
+    # same rows, the last one winning) or that shares memory with another argument is refused,
+    # and nothing is written.
+    gen = generator(64)
+    batch, rows, kv_heads, dim, length = 3, 2, 2, 64, 6
+    state = {**make_caches(gen, batch, length, kv_heads, dim, dtype, device),
+             "cache_seqlens": i32(0, 1, 2, device=device)}
+    k_new = randn(gen, batch, rows, kv_heads, dim, dtype=dtype, device=device)
+    v_new = randn(gen, batch, rows, kv_heads, dim, dtype=dtype, device=device)
+    num_new = i32(2, 1, 2, device=device)
+    if overlap == "expanded-requests":
+        state["k_cache"] = state["k_cache"][:1].expand(batch, length, kv_heads, dim)
+        name, message = "k_cache", "its elements must not share memory"
+    elif overlap == "expanded-rows":
+        state["v_cache"] = state["v_cache"][:, :1].expand(batch, length, kv_heads, dim)
+        name, message = "v_cache", "its elements must not share memory"
+    elif overlap == "k-is-v":
+        state["v_cache"] = state["k_cache"]
+        name, message = "k_cache", "must not share memory with 'v_cache'"
+    elif overlap == "seqlens-is-num-new":
+        num_new = state["cache_seqlens"]
+        name, message = "cache_seqlens", "must not share memory with 'num_new'"
+    else:
+        # Dense views, so the overlap is decidable (as in torch's own checks, interleaved
+        # strided views such as k and v halves of one buffer are not refused).
+        k_new = state["k_cache"].flatten()[:k_new.numel()].view(k_new.shape)
+        name, message = "k_cache", "must not share memory with 'k_new'"
+    before = cpu_clone({**state, "num_new": num_new})
+    with pytest.raises(ValueError, match=rf"append_context_kv\(\): '{name}' is written in "
+                                         rf"place.*{message}"):
+        append(state, k_new, v_new, num_new)
+    assert_state_equal({**state, "num_new": num_new}, before)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_HALF)
 def test_append_non_contiguous_new_rows(device, dtype):
     gen = generator(63)
     batch, rows, kv_heads, dim, length = 3, 4, 2, 128, 9
@@ -669,11 +708,11 @@ STRUCTURE_ERRORS = [
     ("q-int", ATT, lambda: dict(q=torch.ones(B, G, HQ, D, dtype=torch.int32)), TypeError,
      r"'q' must have dtype Half or BFloat16( or Float)?, got Int"),
     ("D-32", ATT, lambda: dict(q=_bf16(B, G, HQ, 32)), ValueError,
-     r"the head dimension D must be 64, 128 or 256, got 32"),
+     r"the head dimension D of 'q' must be 64, 128 or 256, got 32"),
     ("D-96", ATT, lambda: dict(q=_bf16(B, G, HQ, 96)), ValueError,
-     r"the head dimension D must be 64, 128 or 256, got 96"),
+     r"the head dimension D of 'q' must be 64, 128 or 256, got 96"),
     ("D-512", ATT, lambda: dict(q=_bf16(B, G, HQ, 512)), ValueError,
-     r"the head dimension D must be 64, 128 or 256, got 512"),
+     r"the head dimension D of 'q' must be 64, 128 or 256, got 512"),
     ("k_cache-3d", BOTH, lambda: dict(k_cache=_bf16(N, L, HKV * D)), ValueError,
      r"'k_cache' must be 4-D \[N, L, Hkv, D\], got a 3-D tensor of shape \[5, 6, 128\]"),
     ("k_cache-dtype", ATT, lambda: dict(k_cache=_bf16(N, L, HKV, D).half()), TypeError,
@@ -705,12 +744,15 @@ STRUCTURE_ERRORS = [
      r"got \[5, 6, 1, 64\]"),
     ("Hq-not-multiple", ATT,
      lambda: dict(k_cache=_bf16(N, L, 3, D), v_cache=_bf16(N, L, 3, D)), ValueError,
-     r"the query heads Hq = 4 must be a multiple of the KV heads Hkv = 3"),
+     r"the query heads Hq = 4 of 'q' must be a multiple of the KV heads Hkv = 3 of "
+     r"'k_cache'"),
     ("Hkv-0", ATT, lambda: dict(k_cache=_bf16(N, L, 0, D), v_cache=_bf16(N, L, 0, D)),
-     ValueError, r"the query heads Hq = 4 must be a multiple of the KV heads Hkv = 0"),
+     ValueError, r"the query heads Hq = 4 of 'q' must be a multiple of the KV heads Hkv = 0 of "
+     r"'k_cache'"),
     ("Hkv-above-Hq", ATT,
      lambda: dict(k_cache=_bf16(N, L, 8, D), v_cache=_bf16(N, L, 8, D)), ValueError,
-     r"the query heads Hq = 4 must be a multiple of the KV heads Hkv = 8"),
+     r"the query heads Hq = 4 of 'q' must be a multiple of the KV heads Hkv = 8 of "
+     r"'k_cache'"),
     ("k_block-dtype", ATT, lambda: dict(k_block=_bf16(B, G, HKV, D).half()), TypeError,
      r"'k_block' must have the dtype of 'q' \(BFloat16\), got Half"),
     ("v_block-dtype", ATT, lambda: dict(v_block=_bf16(B, G, HKV, D).float()), TypeError,

@@ -1472,3 +1472,42 @@ def test_draft_confidence_return_logits(device, calib):
     plain = dspark_ops.draft_confidence(case.hidden, case.prev_tokens, case.w1, case.weight,
                                         case.bias, return_logits=True)[1]
     assert torch.equal(plain, logits)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=[5, 5]), dict(top_p=[0.9, 0.9]),
+                                     dict(min_p=[0.1, 0.1])])
+def test_overflowing_float32_head_falls_back_to_float64(head, filters):
+    # |W2| ~ 3e38: the float32 head's per-lane sums overflow (+-inf, NaN) while the float64 dot
+    # products cancel to finite logits. The certificate's bound is then not finite, so every such
+    # row is redone in float64 and stores what the reference stores, with or without filters (a
+    # filtered row whose fast logits were all non-finite once went out as all -inf, token 0).
+    gen = generator(91)
+    batch, block, vocab, rank, hidden_size = 2, 2, 40, 16, 4
+    base = torch.randn(batch, block, vocab, generator=gen)
+    anchor = torch.randint(0, vocab, (batch,), generator=gen)
+    signs = torch.tensor([1.0] * 4 + [-1.0] * 4 + [1.0] * 4 + [-1.0] * 4)
+    w1 = (0.9 * signs).repeat(vocab, 1)
+    w1[:, 0] = 0.95
+    w2 = torch.full((vocab, rank), 3e38)  # W2 . W1[x] = 3e38 * 0.05: finite in float64
+    temperature, seed = torch.tensor([1.0, 0.0]), torch.tensor([3, 4])
+    position = torch.tensor([0, 7])
+    kw = {k: torch.tensor(v, dtype=torch.int32 if k == "top_k" else torch.float32)
+          for k, v in filters.items()}
+    if head == "markov":
+        args = (base, anchor, w1, w2, temperature, seed, position)
+        got = dspark_ops.markov_draft(*args, **kw)
+        want = reference.markov_draft(*args, **kw)
+    else:
+        hidden = torch.randn(batch, block, hidden_size, generator=gen)
+        joint_weight = torch.zeros(3 * rank, 2 * rank + hidden_size)
+        # tanh(o) = +-tanh(3) (one lane a little larger), cancelling as W1[x] does above
+        joint_bias = torch.cat([torch.zeros(2 * rank), 3.0 * signs])
+        joint_bias[2 * rank] = 3.2
+        args = (base, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature, seed,
+                position)
+        got = dspark_ops.rnn_draft(*args, **kw)
+        want = reference.rnn_draft(*args, **kw)
+    assert torch.isfinite(want.draft_logits).any()
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.draft_logits, want.draft_logits)

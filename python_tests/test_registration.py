@@ -454,3 +454,57 @@ def test_cpu_only_build_on_a_gpu_machine_warns():
         warnings.simplefilter("error")
         _library._warn_if_cpu_only(info, cuda_available=False)
         _library._warn_if_cpu_only({"flavour": "cuda"}, cuda_available=True)
+
+
+# ---- Arguments every entry point refuses the same way: None and mixed devices -----------------
+
+def _first_call(name):
+    """A valid call of op `name` (every schema argument, in order) from the fuzz harness's specs,
+    and the names of its Tensor arguments that are given."""
+    from fuzz.ops import BY_NAME
+
+    call = BY_NAME[name].build(3)  # seed 3: optional tensors given
+    return call, [k for k, v in call.items() if isinstance(v, torch.Tensor)]
+
+
+def test_fuzz_specs_cover_every_op():
+    from fuzz.ops import OPS
+
+    assert [spec.name for spec in OPS] == list(dspark_ops.OPS)
+
+
+@pytest.mark.parametrize("name", _library.OPS)
+def test_one_meta_tensor_among_cpu_tensors_is_refused(name):
+    # One tensor on meta, the rest on CPU, dispatches to the fake kernel: it must refuse the call
+    # as the CPU entry point would, not hand back uninitialised CPU outputs (or, for an in-place
+    # op, silently write nothing).
+    call, tensors = _first_call(name)
+    first = tensors[0]
+    for arg in tensors[1:]:
+        mixed = dict(call, **{arg: call[arg].to("meta")})
+        before = {k: call[k].clone() for k in tensors}
+        with pytest.raises(ValueError, match=rf"{name}\(\): '{arg}' must be on cpu like "
+                                             rf"'{first}', got meta"):
+            getattr(torch.ops.dspark_ops, name)(*mixed.values())
+        assert all(torch.equal(before[k], call[k]) for k in tensors)
+    # All on meta: the fake kernel gives the shapes.
+    on_meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in call.items()}
+    out = getattr(torch.ops.dspark_ops, name)(*on_meta.values())
+    for t in out if isinstance(out, (tuple, list)) else ([] if out is None else [out]):
+        assert t.device.type == "meta"
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("name", _library.OPS)
+def test_none_for_a_required_tensor_names_the_op_and_argument(name, device):
+    # On CPU the entry point's checks refuse it, on meta the fake kernel's.
+    call, tensors = _first_call(name)
+    schema = getattr(torch.ops.dspark_ops, name).default._schema
+    required = [a.name for a in schema.arguments if isinstance(a.type, torch.TensorType)]
+    assert required
+    for arg in required:
+        broken = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                  for k, v in call.items()}
+        broken[arg] = None
+        with pytest.raises(TypeError, match=rf"{name}\(\): '{arg}' must be a tensor, got None"):
+            getattr(torch.ops.dspark_ops, name)(*broken.values())

@@ -1067,6 +1067,13 @@ VALUE_ERRORS = [
      r"'num_verify' values must lie in \[0, 4\], got 5 at index \[1\]"),
     ("num_verify-negative", PACK, lambda: dict(num_verify=i32(-1, 2, 4)), ValueError,
      r"'num_verify' values must lie in \[0, 4\], got -1 at index \[0\]"),
+    # Positions p0 .. p0 + G are written: p0 must lie in [0, 2^62] as verify's (2^63 - 1 would
+    # overflow p0 + 1).
+    ("position-max", PACK, lambda: dict(position=torch.tensor([0, 2**63 - 1, 5])), ValueError,
+     r"'position' values must lie in \[0, 4611686018427387904\], got 9223372036854775807 at "
+     r"index \[1\]"),
+    ("position-negative", PACK, lambda: dict(position=torch.tensor([0, 1, -1])), ValueError,
+     r"'position' values must lie in \[0, 4611686018427387904\], got -1 at index \[2\]"),
     # The CPU checks read the data through its strides: offenders at the last element read, in
     # non-contiguous layouts.
     ("confidence-nan-last-strided", SCHEDULERS,

@@ -984,3 +984,74 @@ def test_bf16_logits_verify_accepts_every_draft(sim):
     out = sim.verify(target, draft.tokens, n, case.temperature, case.seed, case.position,
                      draft_logits=draft.draft_logits, draft_temperature=case.temperature)
     assert torch.equal(out[0], expected.tokens) and torch.equal(out[1], expected.num_accepted)
+
+
+@pytest.mark.parametrize("head", ["markov_draft", "rnn_draft"])
+def test_extreme_position_without_value_checks(sim, head):
+    """position = 2^63 - 1 is refused on CPU; on CUDA without DSPARK_OPS_DEBUG=1 slot j draws
+    from p0 + 1 + j modulo 2^64 (no signed overflow: the asan flavour's UBSan checks it), as the
+    reference does."""
+    from fuzz.ops import BY_NAME
+
+    spec = BY_NAME[head]
+    for seed in (0, 1):  # plain, and sampling filters
+        args = spec.build(seed)
+        args["position"][1] = 2**63 - 1
+        args["position"][2] = 2**63 - 2
+        got = getattr(sim, head)(*args.values())
+        assert torch.equal(got[0], spec.reference(args)[0])
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_confidence_with_huge_finite_weights(sim, weight_dtype):
+    """Finite weights near float32's maximum overflow a float32 dot product (inf, or inf - inf =
+    NaN); the CPU kernel and the reference sum in float64. The emulated CUDA kernel redoes such
+    rows in float64: confidences in [0, 1], equal to the CPU's, also where the logit itself
+    rounds to +-inf."""
+    gen = torch.Generator().manual_seed(71)
+    batch, block, vocab, rank, hidden_size = 3, 4, 37, 8, 40
+    hidden = torch.randn(batch, block, hidden_size, generator=gen)
+    # Logits of about -+3e37 (confidence 0 or 1) and beyond float32's range (-+inf), whatever
+    # the order of the float64 sums.
+    rows = torch.tensor([[1.0, 1.0, 1.0, 1.1], [1.0, 1.1, 1.0, 1.0], [1.0, 1.0, -1.0, -1.0],
+                         [-1.0, -1.0, 1.0, 1.0]])
+    hidden[..., :4] = rows[torch.arange(batch * block) % 4].reshape(batch, block, 4)
+    prev = torch.randint(0, vocab, (batch, block), generator=gen)
+    w1 = torch.randn(vocab, rank, generator=gen)
+    weight = torch.randn(hidden_size + rank, generator=gen)
+    weight[:4] = torch.tensor([3e38, 3e38, -3e38, -3e38])  # float32 partial sums overflow
+    weight = weight.to(weight_dtype)
+    w1 = w1.to(weight_dtype)
+    got = sim.draft_confidence(hidden, prev, w1, weight)
+    cpu = dspark_ops.draft_confidence(hidden, prev, w1, weight)
+    want = reference.draft_confidence(hidden, prev, w1, weight)
+    assert not got.isnan().any() and bool(((got >= 0) & (got <= 1)).all())
+    assert torch.equal(got, cpu) and torch.equal(got, want)
+    assert set(got.flatten().tolist()) == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("logits_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("which", ["top_k", "top_p", "min_p"])
+def test_filtered_row_without_finite_logit_is_stored_as_minus_inf(sim, logits_dtype, which):
+    """All-NaN base logits: with a sampling filter on, the row is stored as every filtered row
+    is, non-finite values as -inf (the CPU kernel and the reference), token 0."""
+    gen = torch.Generator().manual_seed(72)
+    batch, block, vocab, rank = 2, 2, 40, 8
+    base = torch.randn(batch, block, vocab, generator=gen)
+    base[0, 1] = float("nan")
+    base[1, 0] = float("nan")
+    anchor = torch.randint(0, vocab, (batch,), generator=gen)
+    w1, w2 = torch.randn(vocab, rank, generator=gen), torch.randn(vocab, rank, generator=gen)
+    temperature, seed = torch.tensor([1.0, 0.0]), torch.tensor([5, 6])
+    position = torch.tensor([10, 20])
+    filters = {"top_k": torch.tensor([3, 3], dtype=torch.int32),
+               "top_p": torch.tensor([0.5, 0.5]), "min_p": torch.tensor([0.1, 0.1])}
+    kw = {which: filters[which]}
+    args = (base, anchor, w1, w2, temperature, seed, position, kw.get("top_k"), kw.get("top_p"),
+            kw.get("min_p"), logits_dtype)
+    got = sim.markov_draft(*args)
+    cpu = torch.ops.dspark_ops.markov_draft(*args)
+    want = reference.markov_draft(*args[:7], draft_logits_dtype=logits_dtype, **kw)
+    assert got[1][0, 1].float().isneginf().all() and got[1][1, 0].float().isneginf().all()
+    assert torch.equal(got[0], cpu[0]) and torch.equal(got[0], want.tokens)
+    assert torch.equal(got[1].float().isneginf(), want.draft_logits.float().isneginf())

@@ -405,3 +405,18 @@ def test_planted_scan_barrier_is_caught(sim):
                                                                   "block_exclusive_scan")):
         assert emulator.caught(lambda: check_pack(sim, args))
     check_pack(sim, args)
+
+
+def test_pack_extreme_position_wraps_without_overflow(sim):
+    """Positions are range-checked on CPU (and on CUDA under DSPARK_OPS_DEBUG=1); unchecked, the
+    kernel's p0 + j is computed modulo 2^64 with no signed overflow (the asan flavour's UBSan
+    checks that), as the reference's int64 arithmetic does."""
+    gen = generator(44)
+    anchor, drafts, lengths, position = make_pack(3, 4, gen)
+    lengths[:] = 4
+    position[1] = 2**63 - 1
+    got = sim.pack_verify_inputs(anchor, drafts, lengths, position)
+    ref = reference.pack_verify_inputs(anchor, drafts, lengths, position)
+    for name, g, r in zip(("input_ids", "positions", "cu_seqlens"), got, ref):
+        assert torch.equal(g, r.to(g.dtype)), name
+    assert got[1][5:10].tolist() == [2**63 - 1, *range(-(2**63), -(2**63) + 4)]

@@ -950,3 +950,40 @@ def test_planted_filter_fault_is_caught(sim):
         with emulator.planted("drop_barrier:" + site):
             caught.append(emulator.caught(lambda: check_filtered(sim, case, filters, cpu=False)))
     assert any(caught), f"drop_barrier:{site} was not caught"
+
+
+def test_extreme_position_without_value_checks(sim):
+    """position = 2^63 - 1 is refused on CPU; on CUDA without DSPARK_OPS_DEBUG=1 the rows draw
+    from p0 + 1 + j modulo 2^64 (no signed overflow: the asan flavour's UBSan checks it), the
+    streams the reference's int64 arithmetic gives."""
+    from fuzz.ops import BY_NAME
+
+    spec = BY_NAME["verify"]
+    for seed in (0, 3):  # one-hot and distribution proposals
+        args = spec.build(seed)
+        args["position"][1] = 2**63 - 1
+        args["position"][2] = 2**63 - 3
+        got = sim.verify(*args.values())
+        assert spec.compare(args, got, spec.reference(args)) is None
+
+
+@pytest.mark.parametrize("vocab", [37, 1025, 8193])
+def test_last_vocabulary_id_wins_the_race(sim, vocab):
+    """The race's chunks must reach id V - 1: nearly all the mass on the last id, for the bonus
+    row (num_draft = 0) and for the resampling after a rejected draft, sampled and greedy; the
+    last chunk holds few ids at V = 1025 and 8193."""
+    gen = torch.Generator().manual_seed(81)
+    batch, block = 4, 2
+    target = torch.randn(batch, block + 1, vocab, generator=gen)
+    target[..., -1] = 40.0
+    drafts = torch.zeros(batch, block, dtype=torch.int64)  # id 0: rejected (p ~ 0)
+    num_draft = torch.tensor([0, 1, 2, 0], dtype=torch.int32)
+    temperature = torch.tensor([1.0, 0.7, 0.0, 0.0])
+    seed = torch.arange(batch) + 11
+    position = torch.arange(batch) * 100
+    for draft_logits in (None, torch.randn(batch, block, vocab, generator=gen)):
+        args = (target, drafts, num_draft, temperature, seed, position, draft_logits)
+        got = sim.verify(*args)
+        want = reference.verify(*args[:6], draft_logits=draft_logits)
+        assert got[0][:, 0].tolist() == [vocab - 1] * batch
+        assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.num_accepted)

@@ -14,7 +14,7 @@ namespace {
 
 void check_head_dim(const char* op, int64_t dim) {
   TORCH_CHECK_VALUE(dim == 64 || dim == 128 || dim == 256, op,
-                    "(): the head dimension D must be 64, 128 or 256, got ", dim);
+                    "(): the head dimension D of 'q' must be 64, 128 or 256, got ", dim);
 }
 
 // The caches are large: their rows are read in place, so they must have unit stride along D.
@@ -99,8 +99,8 @@ AttentionArgs check_attention_args(const at::Tensor& q, const at::Tensor& k_bloc
   check_cache(op, "v_cache", v_cache, q, "q");
   check_shape(op, "v_cache", v_cache, k_cache.sizes(), "[N, L, Hkv, D] like 'k_cache'");
   TORCH_CHECK_VALUE(a.kv_heads >= 1 && a.heads % a.kv_heads == 0, op,
-                    "(): the query heads Hq = ", a.heads, " must be a multiple of the KV heads Hkv = ",
-                    a.kv_heads);
+                    "(): the query heads Hq = ", a.heads, " of 'q' must be a multiple of the KV "
+                    "heads Hkv = ", a.kv_heads, " of 'k_cache'");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k_block", k_block},
                                 std::pair<const char*, const at::Tensor&>{"v_block", v_block}}) {
     check_device(op, name, t, q, "q");
@@ -166,6 +166,23 @@ at::Tensor check_append_args(const at::Tensor& k_cache, const at::Tensor& v_cach
   check_seqlens(op, cache_seqlens, k_cache, batch, length);
   TORCH_CHECK_VALUE(cache_seqlens.is_contiguous(), op,
                     "(): 'cache_seqlens' must be contiguous (it is updated in place)");
+  // The three in-place outputs: each element its own memory, no memory shared with another
+  // argument (a request's rows would overwrite another's, or be read while written).
+  const std::pair<const char*, const at::Tensor*> args[] = {
+      {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_seqlens", &cache_seqlens},
+      {"k_new", &k_new},     {"v_new", &v_new},     {"num_new", &num_new}};
+  for (int out = 0; out < 3; ++out) {
+    check_no_internal_overlap(op, args[out].first, *args[out].second);
+    for (int other = out + 1; other < 6; ++other) {
+      check_no_overlap(op, args[out].first, *args[out].second, args[other].first,
+                       *args[other].second);
+    }
+  }
+  if (cache_slot.has_value()) {
+    for (int out = 0; out < 3; ++out) {
+      check_no_overlap(op, args[out].first, *args[out].second, "cache_slot", *cache_slot);
+    }
+  }
   return check_slots(op, cache_slot, k_cache, batch, slots, /*unique=*/true);
 }
 

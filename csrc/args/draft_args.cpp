@@ -74,6 +74,7 @@ DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::
                     a.vocab);
   a.base = unit_stride_last(base_logits);
   a.anchor = check_per_request(op, "anchor", anchor, {at::kLong, at::kInt}, base_logits, a.batch);
+  check_defined(op, "w2", w2);  // optional inside check_markov_weights, required here
   a.rank = check_markov_weights(op, w1, w2, base_logits, "base_logits", a.vocab);
   a.w1 = unit_stride_last(w1);
   a.w2 = unit_stride_last(w2);

@@ -66,6 +66,8 @@ void check_pack_verify_args(const at::Tensor& anchor, const at::Tensor& draft_to
   check_shape(op, "position", position, {batch}, "[B]");
   if (value_checks_enabled(draft_tokens) && batch > 0) {
     check_values_in_range(op, "num_verify", num_verify, 0, draft_tokens.size(1));
+    // As verify's: positions p0 .. p0 + G must not overflow.
+    check_values_in_range(op, "position", position, 0, int64_t{1} << 62);
   }
 }
 

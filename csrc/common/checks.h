@@ -3,6 +3,7 @@
 // contents and so cost a device sync on CUDA) run on CPU always and on CUDA when DSPARK_OPS_DEBUG=1.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -22,8 +23,15 @@ inline std::string dtype_list(std::initializer_list<at::ScalarType> dtypes) {
   return out.str();
 }
 
+// A required tensor passed as None reaches the entry points undefined; every check below calls
+// this first, so the message names the argument rather than the undefined tensor's accessor.
+inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.defined(), op, "(): '", name, "' must be a tensor, got None");
+}
+
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
                         std::initializer_list<at::ScalarType> dtypes) {
+  check_defined(op, name, t);
   bool ok = false;
   for (auto dtype : dtypes) ok = ok || t.scalar_type() == dtype;
   TORCH_CHECK_TYPE(ok, op, "(): '", name, "' must have dtype ", dtype_list(dtypes), ", got ",
@@ -33,12 +41,14 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
 // `expected` spells the shape symbolically (e.g. "[B, G]") for the message.
 inline void check_shape(const char* op, const char* name, const at::Tensor& t,
                         at::IntArrayRef shape, const char* expected) {
+  check_defined(op, name, t);
   TORCH_CHECK_VALUE(t.sizes() == shape, op, "(): '", name, "' must have shape ", expected, " = ",
                     shape, ", got ", t.sizes());
 }
 
 inline void check_dim(const char* op, const char* name, const at::Tensor& t,
                       std::initializer_list<int64_t> dims, const char* expected) {
+  check_defined(op, name, t);
   bool ok = false;
   for (auto dim : dims) ok = ok || t.dim() == dim;
   TORCH_CHECK_VALUE(ok, op, "(): '", name, "' must be ", expected, ", got a ", t.dim(),
@@ -47,8 +57,29 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t,
 
 inline void check_device(const char* op, const char* name, const at::Tensor& t,
                          const at::Tensor& reference, const char* reference_name) {
+  check_defined(op, reference_name, reference);
+  check_defined(op, name, t);
   TORCH_CHECK_VALUE(t.device() == reference.device(), op, "(): '", name, "' must be on ",
                     reference.device(), " like '", reference_name, "', got ", t.device());
+}
+
+// An output written in place: no element may share memory with another (an expanded view such
+// as cache[:1].expand(N, ...) would make every request write the same rows, the last one winning).
+inline void check_no_internal_overlap(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, "(): '", name,
+                    "' is written in place, so its elements must not share memory (it is an "
+                    "expanded or self-overlapping view), got shape ", t.sizes(), " and strides ",
+                    t.strides());
+}
+
+// An output written in place must not share memory with another argument of the call.
+inline void check_no_overlap(const char* op, const char* name, const at::Tensor& t,
+                             const char* other_name, const at::Tensor& other) {
+  const auto status = at::get_overlap_status(t, other);
+  TORCH_CHECK_VALUE(status != at::MemOverlapStatus::Full &&
+                        status != at::MemOverlapStatus::Partial,
+                    op, "(): '", name, "' is written in place and must not share memory with '",
+                    other_name, "'");
 }
 
 // On CPU the value checks below first loop over the data and return at once when every value is

@@ -67,6 +67,13 @@ DSPARK_HOST_DEVICE Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_
   return counter;
 }
 
+// Position `offset` tokens after `position`, modulo 2^64: the stream a row draws from. Unsigned
+// arithmetic, so no int64 input (value checks are off on CUDA by default) overflows a signed
+// integer; documented positions (at most 2^62) never wrap.
+DSPARK_HOST_DEVICE int64_t offset_position(int64_t position, int64_t offset) {
+  return static_cast<int64_t>(static_cast<uint64_t>(position) + static_cast<uint64_t>(offset));
+}
+
 // The Philox block holding elements [4*group, 4*group + 4) of stream (seed, position, purpose).
 DSPARK_HOST_DEVICE Philox4 philox_block(int64_t seed, int64_t position, uint32_t purpose,
                                         uint32_t group) {

@@ -333,10 +333,12 @@ int64_t certified_filtered_token(float* z, int64_t vocab, const SlotSampling& s,
     row_max = std::max(row_max, z[x]);
     if (z[x] != -INFINITY) z_max = std::max(z_max, std::fabs(z[x]));
   }
-  if (row_max == -INFINITY) return 0;
   const double inv_t = s.inv_temperature[b];
   const double dz = logit_bound(dot_err, z_max, dot_max, inv_t);
+  // Before the empty-row shortcut: a row whose fast dot products all overflowed is empty here
+  // but not in the exact head, and its bound (not finite) sends it there.
   if (dz < 0) return -1;
+  if (row_max == -INFINITY) return 0;
   const double margin = 2.0 * dz * scale;
   const FilterSpec& spec = s.filter[b];
   std::vector<float> weights(vocab);
@@ -850,7 +852,7 @@ SlotSampling slot_sampling(const DraftArgs& a, int64_t j) {
     s.greedy.push_back(is_greedy(t));
     s.inv_temperature.push_back(is_greedy(t) ? 1.f : 1.f / t);
     s.seed.push_back(a.seed.const_data_ptr<int64_t>()[b]);
-    s.position.push_back(a.position.const_data_ptr<int64_t>()[b] + 1 + j);
+    s.position.push_back(offset_position(a.position.const_data_ptr<int64_t>()[b], 1 + j));
     const auto& f = a.filters;
     s.filter.push_back(
         make_filter_spec(f.top_k_data(), f.top_p_data(), f.min_p_data(), b, a.vocab));

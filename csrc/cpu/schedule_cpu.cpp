@@ -10,6 +10,7 @@
 
 #include "../args/schedule_args.h"
 #include "../common/dispatch.h"
+#include "../common/philox.h"
 #include "../kernels/schedule_math.h"
 #include "../ops.h"
 
@@ -117,7 +118,7 @@ void pack_rows(const at::Tensor& anchor, const at::Tensor& draft_tokens, const i
     const int64_t n = std::clamp<int64_t>(lengths[b], 0, block), start = cu[b];
     ids[start] = anchors[b * anchor.stride(0)];
     for (int64_t j = 0; j < n; ++j) ids[start + 1 + j] = drafts[b * stride_b + j * stride_j];
-    for (int64_t j = 0; j <= n; ++j) pos[start + j] = starts[b] + j;
+    for (int64_t j = 0; j <= n; ++j) pos[start + j] = offset_position(starts[b], j);
     cu[b + 1] = static_cast<int32_t>(start + n + 1);
   }
 }

@@ -348,7 +348,8 @@ struct RequestVerifier {
           q_x = draft_greedy ? (x == d.argmax ? 1.f : 0.f)
                              : softmax_prob(draft_row[x], d.max, 1.f / d.sum, inv_td);
         }
-        accept = accept_draft(philox_uniform(seed, position + 1 + j, kPurposeAccept, 0), p_x, q_x);
+        const int64_t draw_at = offset_position(position, 1 + j);
+        accept = accept_draft(philox_uniform(seed, draw_at, kPurposeAccept, 0), p_x, q_x);
       }
       if (!accept) break;
       if (with_logprobs) row_logprobs[j] = log_prob(t, x);
@@ -371,7 +372,7 @@ struct RequestVerifier {
         q.kind = Proposal::kOneHot;
         q.token = x;
       }
-      const int64_t pos = position + 1 + j;
+      const int64_t pos = offset_position(position, 1 + j);
       float mass = 0.f;
       token = passes.race(target_row.data(), t, inv_t, q, seed, pos, &mass);
       if (!(mass > kMinResidualMass)) {

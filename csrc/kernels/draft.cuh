@@ -353,7 +353,7 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
     s.greedy[i] = is_greedy(temperature);
     s.inv_t[i] = s.greedy[i] ? 1.f : 1.f / temperature;
     s.seed[i] = i < members ? p.seed[b] : 0;
-    s.position[i] = i < members ? p.position[b] + 1 + p.slot : 0;
+    s.position[i] = i < members ? offset_position(p.position[b], 1 + p.slot) : 0;
     s.seen[i] = 0;
     s.base_row[i] = i < members ? static_cast<const Base*>(p.base) + int64_t{b} * p.base_stride_b +
                                       int64_t{p.slot} * p.base_stride_j
@@ -710,10 +710,17 @@ __global__ void __launch_bounds__(kFilterThreads) draft_filter_kernel(const Draf
   sh.candidate_key[threadIdx.x] = logit_key(static_cast<float>(row_max));
   if (threadIdx.x == 0) sh.candidates = blockDim.x;
   const float m = static_cast<float>(block_reduce(row_max, larger, double{-INFINITY}, sh.sum_scratch));
-  if (m == -INFINITY) return;  // no finite logit: the slot kernel's token 0 stands
+  if (m == -INFINITY) {
+    // No finite logit: the slot kernel's token 0 stands; the row is stored as every filtered
+    // row is, non-finite values as -inf (as the CPU kernel and the reference store it).
+    for (int64_t x = threadIdx.x; x < p.vocab; x += blockDim.x) {
+      z[x] = from_float<Logit>(-INFINITY);
+    }
+    return;
+  }
   const FilterResult f = block_filter_row(load8, p.vocab, m, inv_t, spec, sh, blockDim.x);
 
-  const int64_t position = p.position[b] + 1 + p.slot;
+  const int64_t position = offset_position(p.position[b], 1 + p.slot);
   unsigned long long best = 0;
   for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < p.vocab;
        x += int64_t{blockDim.x} * kFilterValues) {
@@ -1216,6 +1223,23 @@ __device__ float staged_dot(const T* row, int n, const ConfidenceParams& p, int 
   return acc;
 }
 
+// sum_k row[k] * weight[offset + k] over k < n in float64, the whole warp reducing it (every lane
+// gets the sum): the rare rows whose float32 sum is not finite. Weights are read from global
+// memory, so no barrier is needed and one warp can take this path alone.
+template <typename T>
+__device__ double exact_dot(const T* row, int n, const ConfidenceParams& p, int offset, int lane) {
+  double acc = 0.0;
+  if (row != nullptr) {
+    for (int k = lane; k < n; k += 32) {
+      acc += static_cast<double>(to_float(row[k])) *
+             static_cast<double>(load_float(p.weight, p.weight_type, offset + k));
+    }
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+  return acc;
+}
+
 // Eight blocks per SM (64 registers): with no minimum, sm_80's float32 instantiation saved a
 // register to the stack around the IEEE division's slow-path call.
 template <typename W>
@@ -1256,8 +1280,30 @@ __global__ void __launch_bounds__(kConfidenceThreads, 8)
   sum += staged_dot(w1, p.rank, p, p.hidden_size, w_seg, lane);
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  const float bias = p.bias ? load_float(p.bias, p.bias_type, 0) : 0.f;
+  float logit = sum + bias;
+  // A float32 sum that overflowed (inf, or inf - inf = NaN for huge finite weights) where the
+  // float64 logit the CPU kernel and the reference round may be finite: the row again in float64.
+  // Lane 0's value decides, so the branch is the warp's (warps are whole rows).
+  if (active && !isfinite(__shfl_sync(0xffffffffu, logit, 0))) {
+    double exact;
+    switch (p.hidden_type) {
+      case kLogitBFloat16:
+        exact = exact_dot(static_cast<const __nv_bfloat16*>(p.hidden) + h_offset, p.hidden_size,
+                          p, 0, lane);
+        break;
+      case kLogitHalf:
+        exact = exact_dot(static_cast<const __half*>(p.hidden) + h_offset, p.hidden_size, p, 0,
+                          lane);
+        break;
+      default:
+        exact = exact_dot(static_cast<const float*>(p.hidden) + h_offset, p.hidden_size, p, 0,
+                          lane);
+    }
+    exact += exact_dot(w1, p.rank, p, p.hidden_size, lane);
+    logit = static_cast<float>(exact + static_cast<double>(bias));
+  }
   if (active && lane == 0) {
-    float logit = sum + (p.bias ? load_float(p.bias, p.bias_type, 0) : 0.f);
     if (p.calib_temperature) logit = logit / p.calib_temperature[j];
     p.out[row] = confidence_sigmoid(logit);
   }

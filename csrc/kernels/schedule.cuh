@@ -29,6 +29,7 @@
 
 #include <cstdint>
 
+#include "../common/philox.h"
 #include "reduce.cuh"
 #include "schedule_math.h"
 #include "launch.cuh"
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
     positions[start] = p0;
     for (int j = 0; j < n; ++j) {
       input_ids[start + 1 + j] = draft_tokens[b * token_stride_b + j * token_stride_j];
-      positions[start + 1 + j] = p0 + 1 + j;
+      positions[start + 1 + j] = offset_position(p0, 1 + j);
     }
     start += n + 1;
   }

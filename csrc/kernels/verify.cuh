@@ -561,7 +561,7 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
   const TT* trow = target_row<TT>(p, r.start + j);
   const int32_t* mrow = mask_row(p, r.start + j);
   const DT* drow = q.kind == Proposal::kDistribution ? draft_row<DT>(p, b, j) : nullptr;
-  const int64_t position = r.position + 1 + j;
+  const int64_t position = offset_position(r.position, 1 + j);
   const int64_t x0 = k * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
   const auto merge_cand = [](RaceCandidate a, RaceCandidate s) { return better_candidate(a, s); };
   const auto add = [](float a, float s) { return a + s; };
@@ -753,7 +753,8 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
               q_x = r.draft_greedy ? (x == md.argmax ? 1.f : 0.f)
                                    : softmax_prob(d_x, md.max, 1.f / md.sum, r.inv_td);
             }
-            const float u = philox_uniform(r.seed, r.position + 1 + j, kPurposeAccept, 0);
+            const int64_t draw_at = offset_position(r.position, 1 + j);
+            const float u = philox_uniform(r.seed, draw_at, kPurposeAccept, 0);
             decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
           }
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+from .._fake_checks import checked_fake
 
 __all__ = ["block_draft_attention", "append_context_kv"]
 
@@ -86,7 +87,8 @@ def append_context_kv(
     Parameters
     ----------
     k_cache, v_cache : torch.Tensor
-        ``[N, L, Hkv, D]``, updated in place.
+        ``[N, L, Hkv, D]``, updated in place: each element its own memory (no expanded view) and
+        no memory shared with another argument, as for ``cache_seqlens``.
     k_new, v_new : torch.Tensor
         ``[B, n_max, Hkv, D]`` in the caches' dtype.
     num_new : torch.Tensor
@@ -102,6 +104,7 @@ def append_context_kv(
 
 
 @torch.library.register_fake("dspark_ops::block_draft_attention")
+@checked_fake("block_draft_attention")
 def _block_draft_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
                                 cache_slot=None, softmax_scale=None, window=None,
                                 return_lse=False):
@@ -110,6 +113,7 @@ def _block_draft_attention_fake(q, k_block, v_block, k_cache, v_cache, cache_seq
 
 
 @torch.library.register_fake("dspark_ops::append_context_kv")
+@checked_fake("append_context_kv")
 def _append_context_kv_fake(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
                             cache_slot=None):
     return None

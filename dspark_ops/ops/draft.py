@@ -17,6 +17,7 @@ import torch
 
 from ..outputs import DraftOutput
 from .._per_request import draw_seeds, per_request_args
+from .._fake_checks import checked_fake
 
 __all__ = [
     "DraftOutput",
@@ -263,6 +264,7 @@ def _confidence_logits(hidden, prev_tokens, w1, weight, bias):
 
 
 @torch.library.register_fake("dspark_ops::markov_draft")
+@checked_fake("markov_draft")
 def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position, top_k=None,
                        top_p=None, min_p=None, draft_logits_dtype=None, op="markov_draft"):
     torch._check(base_logits.dim() == 3, lambda: f"{op}(): 'base_logits' must be 3-D")
@@ -273,13 +275,16 @@ def _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position,
 
 
 @torch.library.register_fake("dspark_ops::rnn_draft")
+@checked_fake("rnn_draft")
 def _rnn_draft_fake(base_logits, anchor, hidden, w1, w2, joint_weight, joint_bias, temperature,
                     seed, position, top_k=None, top_p=None, min_p=None, draft_logits_dtype=None):
-    return _markov_draft_fake(base_logits, anchor, w1, w2, temperature, seed, position,
-                              draft_logits_dtype=draft_logits_dtype, op="rnn_draft")
+    return _markov_draft_fake.__wrapped__(base_logits, anchor, w1, w2, temperature, seed,
+                                          position, draft_logits_dtype=draft_logits_dtype,
+                                          op="rnn_draft")
 
 
 @torch.library.register_fake("dspark_ops::draft_confidence")
+@checked_fake("draft_confidence")
 def _draft_confidence_fake(hidden, prev_tokens, w1, weight, bias=None, calib_temperature=None):
     torch._check(hidden.dim() == 3, lambda: "draft_confidence(): 'hidden' must be 3-D")
     return hidden.new_empty(hidden.shape[:2], dtype=torch.float32)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..outputs import LossOutput
+from .._fake_checks import checked_fake
 
 __all__ = ["dspark_loss", "LossOutput", "loss_denominators"]
 
@@ -150,6 +151,7 @@ def dspark_loss(
 
 
 @torch.library.register_fake("dspark_ops::dspark_loss")
+@checked_fake("dspark_loss")
 def _dspark_loss_fake(hidden, lm_head_weight, labels, weights, term_scale, target_hidden=None,
                       markov_latent=None, markov_w2=None, compute_grad=False,
                       lm_head_grad=False, chunk_rows=0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_RESAMPLE
+from .._fake_checks import checked_fake
 
 __all__ = ["philox_uniform", "PURPOSE_DRAFT", "PURPOSE_ACCEPT", "PURPOSE_RESAMPLE"]
 
@@ -33,5 +34,6 @@ def philox_uniform(seed: torch.Tensor, position: torch.Tensor, purpose: int, cou
 
 
 @torch.library.register_fake("dspark_ops::philox_uniform")
+@checked_fake("philox_uniform")
 def _philox_uniform_fake(seed, position, purpose, count):
     return seed.new_empty((seed.shape[0], count), dtype=torch.float32)

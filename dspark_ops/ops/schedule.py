@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..outputs import VerifyBatch
+from .._fake_checks import checked_fake
 
 __all__ = [
     "schedule_verify",
@@ -108,7 +109,7 @@ def pack_verify_inputs(
     num_verify : torch.Tensor
         int32 ``[B]``: drafts to verify per request, each in ``[0, G]``.
     position : torch.Tensor
-        int64 ``[B]``: absolute position ``p0`` of each anchor.
+        int64 ``[B]``: absolute position ``p0`` (in ``[0, 2**62]``) of each anchor.
 
     Returns
     -------
@@ -126,21 +127,25 @@ def pack_verify_inputs(
 
 
 @torch.library.register_fake("dspark_ops::schedule_verify")
+@checked_fake("schedule_verify")
 def _schedule_verify_fake(confidence, step_rate, max_verify=None):
     return confidence.new_empty((confidence.shape[0],), dtype=torch.int32)
 
 
 @torch.library.register_fake("dspark_ops::plan_verify_budget")
+@checked_fake("plan_verify_budget")
 def _plan_verify_budget_fake(confidence, step_rate):
     return confidence.new_empty((1,), dtype=torch.int32)
 
 
 @torch.library.register_fake("dspark_ops::allocate_verify")
+@checked_fake("allocate_verify")
 def _allocate_verify_fake(confidence, budget, max_verify=None):
     return confidence.new_empty((confidence.shape[0],), dtype=torch.int32)
 
 
 @torch.library.register_fake("dspark_ops::pack_verify_inputs")
+@checked_fake("pack_verify_inputs")
 def _pack_verify_inputs_fake(anchor, draft_tokens, num_verify, position):
     batch, block = draft_tokens.shape
     ids = draft_tokens.new_empty((batch * (block + 1),), dtype=torch.int64)

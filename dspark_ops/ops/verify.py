@@ -8,6 +8,7 @@ import torch
 
 from ..outputs import VerifyOutput
 from .._per_request import draw_seeds, per_request_args
+from .._fake_checks import checked_fake
 
 __all__ = ["VerifyOutput", "verify"]
 
@@ -120,6 +121,7 @@ def verify(
 
 
 @torch.library.register_fake("dspark_ops::verify")
+@checked_fake("verify")
 def _verify_fake(target_logits, draft_tokens, num_draft, temperature, seed, position,
                  draft_logits=None, target_start=None, draft_temperature=None, top_k=None,
                  top_p=None, min_p=None, allowed_token_mask=None, return_logprobs=False):
