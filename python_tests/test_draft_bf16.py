@@ -206,7 +206,8 @@ def test_fake_registration_gives_the_output_dtype(head, dtype):
         tokens, logits = op(*args, draft_logits_dtype=dtype)
     assert tokens.dtype == torch.int64 and tokens.shape == (3, 2)
     assert logits.dtype == (dtype or torch.float32) and logits.shape == (3, 2, 40)
+    markov = make_case(3, 2, 40, 8, seed=2, head="markov").fields()
     with FakeTensorMode() as mode, pytest.raises(ValueError, match="draft_logits_dtype"):
-        fake_base = mode.from_tensor(case.base_logits)
-        dspark_ops.ops.draft._markov_draft_fake(fake_base, None, None, None, None, None, None,
-                                                draft_logits_dtype=torch.float16)
+        fake = [mode.from_tensor(markov[k]) for k in ("base_logits", "anchor", "w1", "w2",
+                                                      "temperature", "seed", "position")]
+        dspark_ops.ops.draft._markov_draft_fake(*fake, draft_logits_dtype=torch.float16)

@@ -125,7 +125,7 @@ def test_checkpoint_loads_strictly_and_bit_exactly(tmp_path, family):
 
 
 def test_load_draft_returns_dspark_drafts_too(tmp_path):
-    from test_gemma4 import deepspec_config as gemma4_dspark, random_state as dspark_state
+    from cases.gemma4 import deepspec_config as gemma4_dspark, random_state as dspark_state
     from dspark_ops.models import DSparkConfig
 
     values = gemma4_dspark()
@@ -425,12 +425,12 @@ def test_greedy_through_hftarget_equals_generate(kind):
     chain drafting with a Gemma4 / Qwen3 Eagle3 draft gives the model's own greedy output."""
     transformers = pytest.importorskip("transformers")
     from dspark_ops.hf import HFTarget
-    from test_gemma4 import hf_generate, tiny_gemma
+    from cases.gemma4 import hf_generate, tiny_gemma
 
     if kind == "gemma4":
         model = tiny_gemma(transformers, "gemma4", 3)
     else:
-        from test_hf import tiny_model
+        from cases.hf import tiny_model
 
         model = tiny_model("qwen3", vocab=96)
     hidden = model.config.hidden_size
@@ -452,7 +452,7 @@ def test_eval_command_runs_an_eagle3_draft(tmp_path, capsys):
     pytest.importorskip("transformers")
     from cases.hf import char_tokenizer
     from dspark_ops.eval import main
-    from test_hf import tiny_model
+    from cases.hf import tiny_model
 
     model = tiny_model("qwen3", vocab=96)
     target_dir, draft_dir = str(tmp_path / "target"), str(tmp_path / "draft")
@@ -522,7 +522,7 @@ def test_eagle3_training_on_a_gemma4_target(tmp_path):
     from cases.hf import char_tokenizer
     from dspark_ops.hf import HFTarget
     from dspark_ops.train.trainer import main
-    from test_gemma4 import tiny_gemma
+    from cases.gemma4 import tiny_gemma
 
     model = tiny_gemma(transformers, "gemma4", 3).float()
     target = str(tmp_path / "target")

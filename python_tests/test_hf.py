@@ -18,11 +18,9 @@ from dspark_ops import DSparkConfig, DSparkDraft, SpeculativeDecoder  # noqa: E4
 from dspark_ops import decoder as decoder_module  # noqa: E402
 from dspark_ops.decoder import default_step_rate, generate_target_only  # noqa: E402
 from dspark_ops.hf import HFTarget  # noqa: E402
-from cases.hf import char_tokenizer  # noqa: E402
+from cases.hf import LAYERS, VOCAB, char_tokenizer, tiny_model  # noqa: E402
 from stats import chi_square, chi_square_passes  # noqa: E402
 
-VOCAB = 64
-LAYERS = 4
 FEATURES = (-1, 1, LAYERS - 1)  # the embedding output, a middle layer and the (raw) last layer
 PROMPTS = [[3, 17, 5], [40, 2, 9, 11, 30, 7, 21], [12], [8, 50, 33, 4]]
 
@@ -34,27 +32,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_model(kind: str, *, vocab: int = VOCAB, layers: int = LAYERS, dtype=torch.float64,
-               seed: int = 0, rope_theta: float = 10_000.0):
-    """A random-initialised Qwen3 or Llama causal LM, weights spread enough (std 0.3) that its
-    next-token distributions are far from uniform."""
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
-                  pad_token_id=0, bos_token_id=None, eos_token_id=None,
-                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
-    if kind == "qwen3":
-        config = transformers.Qwen3Config(**common)
-    else:
-        config = transformers.LlamaConfig(**common)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.to(dtype).eval()
 
 
 @torch.no_grad()
