@@ -25,6 +25,17 @@ def pytest_configure(config):
     )
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): their models are tiny, and a thread pool only loses time on a busy
+    2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def sim(request):
     """torch.ops.dspark_ops_sim, reset for this test (emulated H200, no fault, a seed per test).

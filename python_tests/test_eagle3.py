@@ -24,12 +24,7 @@ HIDDEN = 32
 LAYERS = [0, 1, 2, 3, 4]  # DeepSpec's Eagle3 takes five target layers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def deepspec_config(family: str = "qwen3", **changes) -> dict:

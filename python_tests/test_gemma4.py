@@ -28,12 +28,7 @@ from cases.gemma4 import (HIDDEN, TARGET_LAYERS, deepspec_config, hf_generate,  
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def expected_names(layers: int, k_eq_v: bool = True) -> set:

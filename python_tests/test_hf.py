@@ -25,13 +25,7 @@ FEATURES = (-1, 1, LAYERS - 1)  # the embedding output, a middle layer and the (
 PROMPTS = [[3, 17, 5], [40, 2, 9, 11, 30, 7, 21], [12], [8, 50, 33, 4]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models are tiny: a thread pool only loses time on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.no_grad()

@@ -22,12 +22,7 @@ from dspark_ops.train.data import Schedule, Sample  # noqa: E402
 from dspark_ops.train.trainer import default_target_layers, lr_factor, main  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
