@@ -121,6 +121,24 @@ def _prefill(target: TinyTarget, prompts: Sequence[Sequence[int]], length: int, 
     return logits[:, 0], features, cache, lengths
 
 
+def _verify_drafts(target, anchor, drafts, draft_logits, num_verify, position, cache, cache_len,
+                   temperature, seed, filters: dict):
+    """One target forward over the ragged batch ``[x0, x_1..x_l]`` of every request and the
+    verification of its drafts: ``verify``'s output, the forward's ragged features and each
+    request's first row in them."""
+    with _part("pack_verify_inputs"):
+        packed = pack_verify_inputs(anchor, drafts, num_verify, position)
+    with _part("target_forward"):
+        logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens, cache,
+                                                 cache_len)
+    starts = packed.cu_seqlens[:-1]
+    with _part("verify"):
+        out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
+                     draft_logits=draft_logits, target_start=starts,
+                     draft_temperature=temperature, **filters)
+    return out, features, starts
+
+
 def _sample_from_target(logits: torch.Tensor, temperature, seed, position,
                         filters: Optional[dict] = None) -> torch.Tensor:
     """The token after ``position`` from target logits ``[B, V]``: ``verify`` with no drafts,
@@ -301,11 +319,7 @@ class SpeculativeDecoder:
         position = target_len.long()  # p0 of each anchor
         anchor = _sample_from_target(last, temperature, seed, position - 1, filters)
 
-        generated: List[List[int]] = [[] for _ in range(batch)]
-        done = [max_new_tokens <= 0] * batch
-        for b, t in enumerate(anchor.tolist()):
-            if not done[b]:
-                done[b] = _finish(generated[b], [t], self._stop, max_new_tokens)
+        generated, done = self._first_tokens(anchor, max_new_tokens)
         rounds: List[RoundStats] = []
         history: List[torch.Tensor] = []  # confidences of earlier rounds (the "budget" scheduler)
         rows = torch.arange(block + 1, device=device)
@@ -336,16 +350,9 @@ class SpeculativeDecoder:
             drafted = time.perf_counter()
 
             # 3. Verify: one target forward over the ragged batch of [x0, x_1..x_l].
-            with _part("pack_verify_inputs"):
-                packed = pack_verify_inputs(anchor, drafts, num_verify, position)
-            with _part("target_forward"):
-                logits, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens,
-                                                         t_cache, target_len)
-            starts = packed.cu_seqlens[:-1]
-            with _part("verify"):
-                out = verify(logits.float(), drafts, num_verify, temperature, seed, position,
-                             draft_logits=draft_logits, target_start=starts,
-                             draft_temperature=temperature, **filters)
+            out, features, starts = _verify_drafts(target, anchor, drafts, draft_logits,
+                                                   num_verify, position, t_cache, target_len,
+                                                   temperature, seed, filters)
 
             # 4. Commit the anchor and the accepted drafts; the emitted token is the next anchor.
             with _part("commit"):
@@ -363,19 +370,35 @@ class SpeculativeDecoder:
             with _part("host_sync"):
                 tokens, accepted = out.tokens.tolist(), out.num_accepted.tolist()
                 verified, confidences = num_verify.tolist(), confidence.tolist()
-            finished = time.perf_counter()
-            stats = RoundStats([], [], 0, drafted - started, finished - drafted, [])
-            for b in range(batch):
-                if done[b]:
-                    continue
-                stats.accepted.append(accepted[b])
-                stats.num_verify.append(verified[b])
-                stats.verify_tokens += 1 + verified[b]
-                stats.confidence.append(confidences[b])
-                done[b] = _finish(generated[b], tokens[b][: accepted[b] + 1], self._stop,
-                                  max_new_tokens)
-            rounds.append(stats)
+            rounds.append(self._record_round(
+                drafted - started, time.perf_counter() - drafted, tokens, accepted, verified,
+                confidences, generated, done, max_new_tokens))
         return GenerateOutput(generated, rounds)
+
+    def _first_tokens(self, anchor: torch.Tensor, max_new_tokens: int):
+        """Each request's output list and done flag after the prefill's token."""
+        generated: List[List[int]] = [[] for _ in range(anchor.shape[0])]
+        done = [max_new_tokens <= 0] * anchor.shape[0]
+        for b, t in enumerate(anchor.tolist()):
+            if not done[b]:
+                done[b] = _finish(generated[b], [t], self._stop, max_new_tokens)
+        return generated, done
+
+    def _record_round(self, draft_seconds: float, verify_seconds: float, tokens, accepted,
+                      verified, confidences, generated, done, max_new_tokens: int) -> RoundStats:
+        """A round's statistics over the requests still generating, whose emitted tokens (the
+        accepted drafts and the one after them) are appended; ``done`` is updated in place."""
+        stats = RoundStats([], [], 0, draft_seconds, verify_seconds, [])
+        for b in range(len(done)):
+            if done[b]:
+                continue
+            stats.accepted.append(accepted[b])
+            stats.num_verify.append(verified[b])
+            stats.verify_tokens += 1 + verified[b]
+            stats.confidence.append(confidences[b])
+            done[b] = _finish(generated[b], tokens[b][: accepted[b] + 1], self._stop,
+                              max_new_tokens)
+        return stats
 
     def _generate_chain(self, prompts, max_new_tokens: int, length: int, temperature, seed,
                         filters: dict) -> GenerateOutput:
@@ -409,11 +432,7 @@ class SpeculativeDecoder:
         hidden = rows[every, position - 1]  # [B, hidden]: the output at the last prompt row
         draft_len = target_len.clone()
 
-        generated: List[List[int]] = [[] for _ in range(batch)]
-        done = [max_new_tokens <= 0] * batch
-        for b, t in enumerate(anchor.tolist()):
-            if not done[b]:
-                done[b] = _finish(generated[b], [t], self._stop, max_new_tokens)
+        generated, done = self._first_tokens(anchor, max_new_tokens)
         rounds: List[RoundStats] = []
         offsets = torch.arange(block + 1, device=device)
         one = torch.ones(batch, dtype=torch.int32, device=device)
@@ -434,16 +453,9 @@ class SpeculativeDecoder:
             num_verify = torch.where(active, block, 0).int()
             drafted = time.perf_counter()
 
-            with _part("pack_verify_inputs"):
-                packed = pack_verify_inputs(anchor, drafts, num_verify, position)
-            with _part("target_forward"):
-                logits_t, features = target.forward_ragged(packed.input_ids, packed.cu_seqlens,
-                                                           t_cache, target_len)
-            starts = packed.cu_seqlens[:-1]
-            with _part("verify"):
-                out = verify(logits_t.float(), drafts, num_verify, temperature, seed, position,
-                             draft_logits=draft_logits, target_start=starts,
-                             draft_temperature=temperature, **filters)
+            out, features, starts = _verify_drafts(target, anchor, drafts, draft_logits,
+                                                   num_verify, position, t_cache, target_len,
+                                                   temperature, seed, filters)
             with _part("commit"):
                 kept = torch.where(active, out.num_accepted + 1, 0).int()
                 new_rows = (starts.long()[:, None] + offsets).clamp_max(features.shape[0] - 1)
@@ -460,16 +472,7 @@ class SpeculativeDecoder:
                 anchor = torch.where(active, emitted, anchor)
             with _part("host_sync"):
                 tokens_l, accepted = out.tokens.tolist(), out.num_accepted.tolist()
-            finished = time.perf_counter()
-            stats = RoundStats([], [], 0, drafted - started, finished - drafted, [])
-            for b in range(batch):
-                if done[b]:
-                    continue
-                stats.accepted.append(accepted[b])
-                stats.num_verify.append(block)
-                stats.verify_tokens += 1 + block
-                stats.confidence.append([1.0] * block)
-                done[b] = _finish(generated[b], tokens_l[b][: accepted[b] + 1], self._stop,
-                                  max_new_tokens)
-            rounds.append(stats)
+            rounds.append(self._record_round(
+                drafted - started, time.perf_counter() - drafted, tokens_l, accepted,
+                [block] * batch, [[1.0] * block] * batch, generated, done, max_new_tokens))
         return GenerateOutput(generated, rounds)
