@@ -234,6 +234,13 @@ class DSparkConfig(DraftConfig):
             "layer_types": ["full_attention"] * self.num_hidden_layers,
             "tie_word_embeddings": False,
             "use_cache": True,
+        }
+        values.update(self._draft_fields())
+        return values
+
+    def _draft_fields(self) -> dict:
+        """The DSpark fields of ``config.json`` every draft family writes after its own."""
+        values = {
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),

@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 from ..modules import DraftAttention, DraftLayer, DraftMLP
-from ..ops.attention import block_draft_attention
 from .config import _COPIED_FIELDS, _INFERENCE_NEUTRAL_FIELDS, GEMMA4_MODEL_TYPES, DSparkConfig
 from .draft import DSparkDraft
 
@@ -388,21 +387,8 @@ class Gemma4DSparkConfig(DSparkConfig):
             "use_double_wide_mlp": False,
             "tie_word_embeddings": False,
             "use_cache": True,
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "num_anchors": self.num_anchors,
-            "enable_confidence_head": self.enable_confidence_head,
-            "markov_rank": self.markov_rank,
         }
-        if self.target_num_hidden_layers is not None:
-            values["num_target_layers"] = self.target_num_hidden_layers
-        if self.target_hidden_size not in (None, self.hidden_size):
-            values["target_hidden_size"] = self.target_hidden_size  # not a DeepSpec field
-        if self.markov_rank > 0:
-            values["markov_head_type"] = self.markov_head_type
-        if self.enable_confidence_head:
-            values["confidence_head_with_markov"] = self.confidence_head_with_markov
+        values.update(self._draft_fields())
         return values
 
 
