@@ -561,11 +561,25 @@ def dspark_loss(hidden, lm_head_weight, labels, weights, *, target_hidden=None, 
     that ``c*`` is detached and nothing reaches ``target_hidden``. It holds several ``[N, V]``
     tensors at once, as DeepSpec's eager loss does.
     """
+    return dspark_loss_of_logits(
+        hidden, lm_head_weight, labels, weights, lambda product: product,
+        target_hidden=target_hidden, markov_latent=markov_latent, markov_w2=markov_w2,
+        confidence_logits=confidence_logits, ce_weight=ce_weight, l1_weight=l1_weight,
+        confidence_weight=confidence_weight, denominators=denominators)
+
+
+def dspark_loss_of_logits(hidden, lm_head_weight, labels, weights, logits_of, *,
+                          target_hidden=None, markov_latent=None, markov_w2=None,
+                          confidence_logits=None, ce_weight=0.1, l1_weight=0.9,
+                          confidence_weight=1.0, denominators=None) -> LossOutput:
+    """:func:`dspark_loss` with the LM head's products ``W h`` (draft and target alike) turned
+    into logits by ``logits_of`` before the Markov bias is added: the identity for DSpark's
+    drafts, a soft cap for Gemma4's."""
     from .ops.loss import loss_denominators
 
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     weight = lm_head_weight.to(dtype)
-    z = hidden.to(dtype) @ weight.T
+    z = logits_of(hidden.to(dtype) @ weight.T)
     if markov_latent is not None:
         z = z + markov_latent.to(dtype) @ markov_w2.to(dtype).T
     w = weights.to(dtype)
@@ -575,7 +589,7 @@ def dspark_loss(hidden, lm_head_weight, labels, weights, *, target_hidden=None, 
     zero = loss.new_zeros(())
     l1_mean, confidence, accept_rate = zero, zero, None
     if target_hidden is not None:
-        t = target_hidden.detach().to(dtype) @ weight.T
+        t = logits_of(target_hidden.detach().to(dtype) @ weight.T)
         l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
         l1_mean = (w * l1).sum() / s_l1
         loss = loss + l1_weight * l1_mean

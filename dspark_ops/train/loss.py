@@ -181,32 +181,14 @@ def softcapped_dspark_loss(hidden, lm_head_weight, labels, weights, *, cap: floa
     feeds the target's last hidden state through the draft's LM head and cap). Gradients flow
     through the cap (``1 - tanh^2``). It holds several ``[N, V]`` tensors at once:
     :func:`dspark_ops.dspark_loss` has no cap argument, so a Gemma4 draft trains on this path."""
-    from ..ops.loss import loss_denominators
+    from .. import reference
 
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    weight = lm_head_weight.to(dtype)
-    z = cap * torch.tanh((hidden.to(dtype) @ weight.T) / cap)
-    if markov_latent is not None:
-        z = z + markov_latent.to(dtype) @ markov_w2.to(dtype).T
-    w = weights.to(dtype)
-    s_ce, s_l1, s_conf = (s.to(dtype) for s in loss_denominators(weights, denominators))
-    ce = torch.logsumexp(z, dim=-1) - z.gather(-1, labels.long()[:, None]).squeeze(-1)
-    loss = ce_weight * (w * ce).sum() / s_ce
-    zero = loss.new_zeros(())
-    l1_mean, confidence, accept_rate = zero, zero, None
-    if target_hidden is not None:
-        t = cap * torch.tanh((target_hidden.detach().to(dtype) @ weight.T) / cap)
-        l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
-        l1_mean = (w * l1).sum() / s_l1
-        loss = loss + l1_weight * l1_mean
-        accept_rate = (1 - 0.5 * l1).clamp(0, 1).detach()
-        if confidence_logits is not None:
-            bce = torch.nn.functional.binary_cross_entropy_with_logits(
-                confidence_logits.to(dtype), accept_rate, reduction="none")
-            confidence = (w * bce).sum() / s_conf
-            loss = loss + confidence_weight * confidence
-    return LossOutput(loss, ((w * ce).sum() / s_ce).detach(), l1_mean.detach(),
-                      confidence.detach(), accept_rate)
+    return reference.dspark_loss_of_logits(
+        hidden, lm_head_weight, labels, weights,
+        lambda product: cap * torch.tanh(product / cap), target_hidden=target_hidden,
+        markov_latent=markov_latent, markov_w2=markov_w2, confidence_logits=confidence_logits,
+        ce_weight=ce_weight, l1_weight=l1_weight, confidence_weight=confidence_weight,
+        denominators=denominators)
 
 
 @torch.no_grad()
