@@ -16,9 +16,11 @@ import torch
 from dspark_ops import load_draft
 from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
 from dspark_ops.models import DSparkDraft, TargetConfig, TinyTarget
-from dspark_ops.models.checkpoint import save_safetensors
 from dspark_ops.models.eagle3 import Eagle3Config, Eagle3Draft
 from stats import chi_square, chi_square_passes
+
+import cases.gemma4 as gemma4_cases
+from cases.gemma4 import save_checkpoint
 
 HIDDEN = 32
 LAYERS = [0, 1, 2, 3, 4]  # DeepSpec's Eagle3 takes five target layers
@@ -61,24 +63,7 @@ def deepspec_config(family: str = "qwen3", **changes) -> dict:
 
 
 def random_state(config: Eagle3Config, seed: int = 0, dtype=torch.float32) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, value in Eagle3Draft(config).state_dict().items():
-        noise = torch.randn(value.shape, generator=gen)
-        if name.endswith("layer_scalar"):
-            state[name] = (0.5 + torch.rand(value.shape, generator=gen)).to(dtype)
-        elif "norm" in name:
-            state[name] = (1.0 + 0.3 * noise).to(dtype)
-        else:
-            state[name] = (0.25 * noise).to(dtype)
-    return state
-
-
-def save_checkpoint(path, values, state):
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(values, f)
-    save_safetensors(state, os.path.join(path, "model.safetensors"))
+    return gemma4_cases.random_state(config, seed, dtype, draft_class=Eagle3Draft)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
 from dspark_ops.models import DSparkConfig, DSparkDraft, TargetConfig, TinyTarget
-from dspark_ops.models.checkpoint import load_state_dict_file, save_safetensors
+from dspark_ops.models.checkpoint import load_state_dict_file
 from dspark_ops.models.gemma4 import (
     Gemma4DSparkConfig, Gemma4DSparkDraft, GemmaRMSNorm, ScaledEmbedding, block_attention_torch,
     proportional_inv_freq,
@@ -24,7 +24,7 @@ from dspark_ops.modules import RMSNorm
 from dspark_ops.ops.attention import block_draft_attention
 
 from cases.gemma4 import (HIDDEN, TARGET_LAYERS, deepspec_config, hf_generate,  # noqa: E402
-                          random_state, tiny_gemma)
+                          random_state, save_checkpoint, tiny_gemma)
 
 
 
@@ -43,13 +43,6 @@ def expected_names(layers: int, k_eq_v: bool = True) -> set:
              "lm_head.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
              "confidence_head.proj.weight", "confidence_head.proj.bias"}
     return names | {f"layers.{i}.{name}" for i in range(layers) for name in layer}
-
-
-def save_checkpoint(path, values: dict, state: dict) -> None:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(values, f)
-    save_safetensors(state, os.path.join(path, "model.safetensors"))
 
 
 # --------------------------------------------------------------------------------------------

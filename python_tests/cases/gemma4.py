@@ -4,7 +4,12 @@ for it, tiny random transformers Gemma4/Gemma3 targets with sliding layers, and 
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
+
+from dspark_ops.models.checkpoint import save_safetensors
 
 from dspark_ops.models.gemma4 import Gemma4DSparkConfig, Gemma4DSparkDraft
 
@@ -46,11 +51,13 @@ def deepspec_config(**changes) -> dict:
     return values
 
 
-def random_state(config: Gemma4DSparkConfig, seed: int = 0, dtype=torch.float32) -> dict:
-    """Random weights for every tensor of the draft, norms near 1 and layer scalars != 1."""
+def random_state(config: Gemma4DSparkConfig, seed: int = 0, dtype=torch.float32,
+                 draft_class=Gemma4DSparkDraft) -> dict:
+    """Random weights for every tensor of a ``draft_class`` draft (Gemma4's DSpark draft, or an
+    Eagle3 draft), norms near 1 and layer scalars != 1."""
     gen = torch.Generator().manual_seed(seed)
     state = {}
-    for name, value in Gemma4DSparkDraft(config).state_dict().items():
+    for name, value in draft_class(config).state_dict().items():
         noise = torch.randn(value.shape, generator=gen)
         if name.endswith("layer_scalar"):
             state[name] = (0.5 + torch.rand(value.shape, generator=gen)).to(dtype)
@@ -102,3 +109,11 @@ def hf_generate(model, prompts, steps):
                              max_new_tokens=steps, min_new_tokens=steps)
         rows.append(out[0, len(prompt):].tolist())
     return rows
+
+
+def save_checkpoint(path, values: dict, state: dict) -> None:
+    """A draft directory as DeepSpec writes it: ``config.json`` and ``model.safetensors``."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(values, f)
+    save_safetensors(state, os.path.join(path, "model.safetensors"))
