@@ -499,27 +499,13 @@ def test_eagle3_training_on_a_gemma4_target(tmp_path):
     """A Gemma4 target gets a Gemma4 Eagle3 draft (its text config copied): the loss falls and
     the checkpoint is a Gemma4Eagle3Model that decodes losslessly."""
     transformers = pytest.importorskip("transformers")
-    from cases.hf import char_tokenizer
+    from cases.gemma4 import training_target_and_data
     from dspark_ops.hf import HFTarget
     from dspark_ops.train.trainer import main
-    from cases.gemma4 import tiny_gemma
 
-    model = tiny_gemma(transformers, "gemma4", 3).float()
-    target = str(tmp_path / "target")
-    model.save_pretrained(target)
-    char_tokenizer(96).save_pretrained(target)
-    gen = torch.Generator().manual_seed(8)
-    rows = []
-    with torch.no_grad():
-        for _ in range(16):
-            ids = torch.randint(5, 96, (1, 4), generator=gen)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=28, min_new_tokens=28)[0].tolist()
-            rows.append({"input_ids": out, "loss_mask": [0] * 4 + [1] * 28})
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model, target, data = training_target_and_data(transformers, tmp_path)
     out = str(tmp_path / "run")
-    main(["--target", target, "--data", str(data), "--out", out, "--arch", "eagle3",
+    main(["--target", target, "--data", data, "--out", out, "--arch", "eagle3",
           "--block-size", "4", "--target-layers", "0", "1", "2", "--batch-tokens", "256",
           "--device", "cpu", "--dtype", "float32", "--no-progress", "--min-loss-tokens", "4",
           "--max-steps", "16", "--lr", "3e-3"])

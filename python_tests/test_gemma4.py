@@ -562,26 +562,12 @@ def test_softcapped_loss_caps_before_the_markov_bias():
 
 
 def test_trainer_trains_a_gemma4_draft_for_a_gemma4_target(transformers, tmp_path):
-    from cases.hf import char_tokenizer
+    from cases.gemma4 import training_target_and_data
     from dspark_ops.train.trainer import main
 
-    model = tiny_gemma(transformers, "gemma4", 3).float()
-    model.generation_config.eos_token_id = 3
-    target = str(tmp_path / "target")
-    model.save_pretrained(target)
-    char_tokenizer(96).save_pretrained(target)
-    rows = []
-    gen = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for i in range(16):
-            ids = torch.randint(5, 96, (1, 4), generator=gen)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=28, min_new_tokens=28)[0].tolist()
-            rows.append({"input_ids": out, "loss_mask": [0] * 4 + [1] * 28})
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, target, data = training_target_and_data(transformers, tmp_path, eos_token_id=3)
     out = str(tmp_path / "run")
-    main(["--target", target, "--data", str(data), "--out", out, "--num-layers", "1",
+    main(["--target", target, "--data", data, "--out", out, "--num-layers", "1",
           "--block-size", "4", "--anchors", "8", "--target-layers", "0", "1", "2",
           "--markov-rank", "16", "--batch-tokens", "256", "--device", "cpu", "--dtype",
           "float32", "--no-progress", "--min-loss-tokens", "4", "--max-steps", "16", "--lr",

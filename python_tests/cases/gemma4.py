@@ -117,3 +117,28 @@ def save_checkpoint(path, values: dict, state: dict) -> None:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(values, f)
     save_safetensors(state, os.path.join(path, "model.safetensors"))
+
+
+def training_target_and_data(transformers, tmp_path, eos_token_id=None):
+    """A float32 tiny Gemma4 target saved with a character tokenizer under ``tmp_path/target``,
+    and 16 of its greedy continuations (4 prompt tokens, 28 trained) in ``tmp_path/data.jsonl``;
+    returns the model and both paths."""
+    from cases.hf import char_tokenizer
+
+    model = tiny_gemma(transformers, "gemma4", 3).float()
+    if eos_token_id is not None:
+        model.generation_config.eos_token_id = eos_token_id
+    target = str(tmp_path / "target")
+    model.save_pretrained(target)
+    char_tokenizer(96).save_pretrained(target)
+    gen = torch.Generator().manual_seed(8)
+    rows = []
+    with torch.no_grad():
+        for _ in range(16):
+            ids = torch.randint(5, 96, (1, 4), generator=gen)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=28, min_new_tokens=28)[0].tolist()
+            rows.append({"input_ids": out, "loss_mask": [0] * 4 + [1] * 28})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model, target, str(data)
