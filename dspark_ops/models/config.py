@@ -186,16 +186,7 @@ class DSparkConfig(DraftConfig):
         head_dim = values.get("head_dim")
         kwargs["head_dim"] = (int(head_dim) if head_dim is not None
                               else values["hidden_size"] // values["num_attention_heads"])
-        if int(values["markov_rank"]) > 0:
-            if "markov_head_type" not in values:
-                raise ValueError("config field 'markov_head_type' is required when "
-                                 "markov_rank > 0")
-            kwargs["markov_head_type"] = values["markov_head_type"]
-        if values["enable_confidence_head"]:
-            if "confidence_head_with_markov" not in values:
-                raise ValueError("config field 'confidence_head_with_markov' is required when "
-                                 "enable_confidence_head is true")
-            kwargs["confidence_head_with_markov"] = bool(values["confidence_head_with_markov"])
+        kwargs.update(DSparkConfig._head_fields(values))
         known = (set(_COPIED_FIELDS) | _INFERENCE_NEUTRAL_FIELDS
                  | {"model_type", "architectures", "hidden_act", "tie_word_embeddings",
                     "layer_types", "use_sliding_window", "sliding_window", "rope_theta",
@@ -237,6 +228,23 @@ class DSparkConfig(DraftConfig):
         }
         values.update(self._draft_fields())
         return values
+
+    @staticmethod
+    def _head_fields(values: dict) -> dict:
+        """The Markov and confidence heads' fields of ``config.json``, each required when its
+        head is on (every draft family reads them alike)."""
+        kwargs = {}
+        if int(values["markov_rank"]) > 0:
+            if "markov_head_type" not in values:
+                raise ValueError("config field 'markov_head_type' is required when "
+                                 "markov_rank > 0")
+            kwargs["markov_head_type"] = values["markov_head_type"]
+        if values["enable_confidence_head"]:
+            if "confidence_head_with_markov" not in values:
+                raise ValueError("config field 'confidence_head_with_markov' is required when "
+                                 "enable_confidence_head is true")
+            kwargs["confidence_head_with_markov"] = bool(values["confidence_head_with_markov"])
+        return kwargs
 
     def _draft_fields(self) -> dict:
         """The DSpark fields of ``config.json`` every draft family writes after its own."""

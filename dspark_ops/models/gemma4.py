@@ -332,16 +332,7 @@ class Gemma4DSparkConfig(DSparkConfig):
         kwargs["final_logit_softcapping"] = values.get("final_logit_softcapping")
         if values.get("num_target_layers") is not None:
             kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
-        if int(values["markov_rank"]) > 0:
-            if "markov_head_type" not in values:
-                raise ValueError("config field 'markov_head_type' is required when "
-                                 "markov_rank > 0")
-            kwargs["markov_head_type"] = values["markov_head_type"]
-        if values["enable_confidence_head"]:
-            if "confidence_head_with_markov" not in values:
-                raise ValueError("config field 'confidence_head_with_markov' is required when "
-                                 "enable_confidence_head is true")
-            kwargs["confidence_head_with_markov"] = bool(values["confidence_head_with_markov"])
+        kwargs.update(DSparkConfig._head_fields(values))
         known = (set(_COPIED_FIELDS) | _INFERENCE_NEUTRAL_FIELDS | _GEMMA4_NEUTRAL_FIELDS
                  | {"model_type", "architectures", "tie_word_embeddings", "layer_types",
                     "rope_theta", "rope_parameters", "head_dim", "markov_head_type",
