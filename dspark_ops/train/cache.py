@@ -205,8 +205,11 @@ class TargetCache:
         data = self._bytes(shard)
 
         def take(offset, count, dtype):
-            size = count * torch.empty((), dtype=dtype).element_size()
-            return data[offset:offset + size].clone().view(dtype)  # copied: any alignment
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            raw = data[offset:offset + count * itemsize]
+            # A view of the mapped shard where the offset is aligned (DeepSpec does not align
+            # its tensors), else a copy; the batch copies it into its padded rows either way.
+            return (raw if offset % itemsize == 0 else raw.clone()).view(dtype)
 
         ids = take(o_ids, length, torch.int32).long()
         loss = take(o_loss, length, torch.uint8).float()
