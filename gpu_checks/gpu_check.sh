@@ -11,7 +11,7 @@
 #      against this GPU on the same inputs
 #   7. the static performance MODEL of the built kernels (python -m bench.static, seconds; no GPU
 #      needed), printed in the summary next to the measured times of step 5
-# and print a summary table last. Logs, ptxas report and JSON results go to OUTDIR.
+# and print a summary table last. Logs, the kernels' resource usage and JSON results go to OUTDIR.
 #
 # Usage: bash gpu_checks/gpu_check.sh OUTDIR [--dry-run] [--with-sim]
 #   --dry-run runs everything that needs no GPU (build for sm_90, CPU versions of the checks: the
@@ -59,11 +59,15 @@ else
   ARCH=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 fi
 
-# 1. Build for this GPU only, with the ptxas register/spill report.
-TORCH_CUDA_ARCH_LIST=$ARCH DSPARK_OPS_CUDA=1 DSPARK_OPS_PTXAS_VERBOSE=1 MAX_JOBS=$(nproc) \
+# 1. Build for this GPU only, with the flags of a plain build, so that a tree already built for
+#    this arch (CI's) only relinks; then the registers, stack, local and shared memory of every
+#    kernel of the built library, as the binary records them (cuobjdump's resource usage).
+TORCH_CUDA_ARCH_LIST=$ARCH DSPARK_OPS_CUDA=1 MAX_JOBS=$(nproc) \
   run_step build "$BUILD_LIMIT" $PY -m pip install --no-build-isolation --no-deps -v -e .
 build_ok=$?
-grep -E "Compiling entry|registers|spill" "$OUT/build.log" >"$OUT/ptxas.txt" 2>/dev/null
+CUOBJDUMP=$(command -v cuobjdump || $PY -c "import os, triton; print(os.path.join(os.path.dirname(
+  triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump'))" 2>/dev/null)
+"$CUOBJDUMP" --dump-resource-usage dspark_ops/_C*.so >"$OUT/resource_usage.txt" 2>&1
 $PY -m dspark_ops.info >"$OUT/info.txt" 2>&1
 
 if ((build_ok == 0)); then
