@@ -37,6 +37,7 @@ from cases.common import (
     is_greedy,
     stable_seed,
 )
+from cases.calibration import CALIB_BLOCK, survival_ece
 from cases.draft import (
     RNN_RTOL,
     WEIGHTS,
@@ -922,98 +923,8 @@ def test_draft_confidence_literal(device):
 
 
 # --------------------------------------------------------------------------------------------
-# Sequential temperature scaling and the calibration error
+# Calibrated confidences (the fit itself: test_calibration.py)
 # --------------------------------------------------------------------------------------------
-
-
-def test_expected_calibration_error_literal():
-    p = torch.tensor([0.125, 0.125, 0.875, 0.875, 1.0])
-    y = torch.tensor([0, 1, 1, 1, 1])
-    # 20 bins: 0.125 -> bin 2 (mean p 0.125, mean outcome 0.5), 0.875 -> bin 17 (0.875 vs 1),
-    # 1.0 -> the last bin (1 vs 1).
-    expected = (2 * abs(0.125 - 0.5) + 2 * abs(0.875 - 1.0) + 1 * 0.0) / 5
-    assert dspark_ops.expected_calibration_error(p, y) == pytest.approx(expected, abs=1e-7)
-    assert dspark_ops.expected_calibration_error(p, y, num_bins=1) == pytest.approx(
-        abs(float(p.double().mean()) - 0.8), abs=1e-7)
-    assert dspark_ops.expected_calibration_error(torch.zeros(0), torch.zeros(0)) == 0.0
-    perfect = torch.tensor([0.0, 0.0, 1.0])
-    assert dspark_ops.expected_calibration_error(perfect, perfect.bool()) == 0.0
-
-
-CALIB_BLOCK = 5
-CALIB_SAMPLES = 50000
-
-
-def calibration_data(samples: int, gen: torch.Generator, block: int = CALIB_BLOCK):
-    """Synthetic confidence logits 3 * logit(p) + noise for true conditional acceptance
-    probabilities p in (0.3, 0.97) (an overconfident head: the right temperature is about 3), and
-    the accepted lengths verification would give (sequential: accepted up to the first failure)."""
-    p = 0.3 + 0.67 * torch.rand(samples, block, generator=gen, dtype=torch.float64)
-    logits = 3 * torch.logit(p) + 0.3 * torch.randn(samples, block, generator=gen,
-                                                    dtype=torch.float64)
-    accepted = torch.rand(samples, block, generator=gen, dtype=torch.float64) < p
-    return logits.float(), accepted.int().cumprod(1).sum(1).int()
-
-
-def survival_ece(logits, num_accepted, tau, mask=None):
-    """Per-position ECE of the survival prod_{i<=k} sigmoid(z_i / tau_i) against 1[accepted > k]."""
-    survival = torch.sigmoid(logits.double() / tau.double()).cumprod(1)
-    errors = []
-    for k in range(logits.shape[1]):
-        keep = slice(None) if mask is None else mask[:, k]
-        errors.append(dspark_ops.expected_calibration_error(survival[keep, k],
-                                                            (num_accepted > k)[keep]))
-    return errors
-
-
-def assert_near_three(tau: torch.Tensor) -> None:
-    # Slot 0 sees every sample; later slots see only the survivors, and the calibration error of
-    # a small survival is flat in tau, so their fits scatter more.
-    assert abs(float(tau[0]) - 3) < 0.3 and ((tau > 2) & (tau < 4.5)).all(), tau
-
-
-def test_sequential_temperatures_fix_overconfidence():
-    gen = generator(121)
-    train_logits, train_accepted = calibration_data(CALIB_SAMPLES, gen)
-    test_logits, test_accepted = calibration_data(CALIB_SAMPLES, gen)
-    tau = dspark_ops.fit_sequential_temperatures(train_logits, train_accepted)
-    assert tau.dtype == torch.float32 and tau.shape == (CALIB_BLOCK,)
-    assert_near_three(tau)
-    before = survival_ece(test_logits, test_accepted, torch.ones(CALIB_BLOCK))
-    after = survival_ece(test_logits, test_accepted, tau)
-    assert all(e > 0.05 for e in before), before
-    assert all(e < 0.02 for e in after), after
-    # A custom grid: the temperatures come from it.
-    grid = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0])
-    coarse = dspark_ops.fit_sequential_temperatures(train_logits, train_accepted, grid=grid)
-    assert all(float(t) in grid.tolist() for t in coarse)
-    assert (coarse == 3.0).sum() >= CALIB_BLOCK - 1, coarse
-
-
-def test_sequential_temperatures_respect_num_verified():
-    # Slot k is fitted only on samples that verified more than k drafts: what the unverified slots'
-    # logits hold does not matter, and the fit on the masked data still finds ~3 (treating the
-    # unverified drafts as rejections would not).
-    gen = generator(122)
-    logits, full_accepted = calibration_data(CALIB_SAMPLES, gen)
-    verified = torch.randint(1, CALIB_BLOCK + 1, (CALIB_SAMPLES,), generator=gen).int()
-    verified[:CALIB_SAMPLES // 2] = CALIB_BLOCK  # enough samples reach every slot
-    accepted = torch.minimum(full_accepted, verified)
-    unverified = torch.arange(CALIB_BLOCK)[None] >= verified[:, None]
-    junk_a = torch.where(unverified, 40.0, logits)
-    junk_b = torch.where(unverified, torch.randn(logits.shape, generator=gen) * 10, logits)
-    tau_a = dspark_ops.fit_sequential_temperatures(junk_a, accepted, num_verified=verified)
-    tau_b = dspark_ops.fit_sequential_temperatures(junk_b, accepted, num_verified=verified.long())
-    assert torch.equal(tau_a, tau_b)
-    assert_near_three(tau_a)
-    ignored = dspark_ops.fit_sequential_temperatures(junk_a, accepted)
-    assert not torch.equal(ignored, tau_a)
-    # A slot no sample verified keeps temperature 1.
-    short = torch.minimum(verified, torch.tensor(CALIB_BLOCK - 1, dtype=torch.int32))
-    tau_short = dspark_ops.fit_sequential_temperatures(
-        logits, torch.minimum(accepted, short), num_verified=short)
-    assert float(tau_short[-1]) == 1.0
-    assert_near_three(tau_short[:-1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
