@@ -57,7 +57,7 @@ test-sim: build
 # campaign; the first report aborts the run (halt_on_error), so any report fails it. A huge
 # allocation fails as torch's own error (allocator_may_return_null), not as a report. The
 # library is CPU-only, so the test that every op has a CUDA kernel is left out.
-CPU_ASAN_TESTS = python_tests/test_verify.py python_tests/test_verify_filters.py \
+CPU_ASAN_TESTS ?= python_tests/test_verify.py python_tests/test_verify_filters.py \
   python_tests/test_draft.py python_tests/test_draft_bf16.py python_tests/test_draft_filters.py \
   python_tests/test_schedule.py python_tests/test_attention.py python_tests/test_random.py \
   python_tests/test_loss.py python_tests/test_registration.py python_tests/test_fuzz.py
