@@ -222,6 +222,31 @@ def test_softcap_saturated_logits(device):
     assert g["hidden"].abs().max() < 1e-2 * g["markov_latent"].abs().max()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_subnormal_cap(device):
+    """A cap below float32's normal range (allowed: finite and > 0 as a float32) saturates every
+    nonzero product, and a zero product (a zero hidden row) stays 0 rather than 0 * inf = NaN."""
+    args = make_loss_case(4, 50, 8, rank=3, device=device, seed=12)
+    args["hidden"][0] = 0
+    args["logit_softcap"] = 1e-40
+    # The reference in float64: in float32 its own backward rounds grad * s to a subnormal.
+    wide = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                and k != "weights" else v) for k, v in args.items()}
+    results = []
+    for fn, leaves in ((dspark_ops.dspark_loss, with_grad(args)),
+                       (reference.dspark_loss, with_grad(wide))):
+        a = dict(leaves)
+        out = fn(a.pop("hidden"), a.pop("lm_head_weight"), a.pop("labels"), a.pop("weights"), **a)
+        out.loss.backward()
+        results.append((out, grads(leaves)))
+    (ours, g_ours), (ref, g_ref) = results
+    assert_close(ours.loss, ref.loss, torch.float32, "loss")
+    assert g_ours.keys() == g_ref.keys() and "hidden" in g_ours
+    for name in g_ref:
+        assert torch.isfinite(g_ours[name]).all(), name
+        assert_close(g_ours[name], g_ref[name], torch.float32, f"grad {name}")
+
+
 def test_softcap_memory_stays_within_the_chunk():
     """With the cap and a Markov head the bias takes a third chunk of scratch: still no [N, V]
     tensor."""

@@ -87,6 +87,14 @@ def test_softcap_forward_only(sim):
     assert all(t.numel() == 0 for t in out[3:])
 
 
+def test_softcap_subnormal_cap(sim):
+    """1 / s past float32's range is clamped: zero products stay 0, the others saturate."""
+    args = capped_case(3, 300, 8, 3, seed=7)
+    args["hidden"][0] = 0
+    out = assert_matches_cpu(sim, args, 2e-5, lm_head_grad=True, logit_softcap=1e-40)
+    assert all(torch.isfinite(t).all() for t in out)
+
+
 def test_softcap_is_refused_on_the_cuda_path(sim):
     args = make_loss_case(2, 10, 4, rank=2, confidence=False)
     for cap in (0.0, float("nan"), 1e39):

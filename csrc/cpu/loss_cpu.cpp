@@ -123,21 +123,21 @@ L1SumsOf<F> l1_sums(const F* p, const F* q, int64_t n) {
 }
 
 // x = s tanh(x / s) + bias (bias may be nullptr) in place, and slope = 1 - tanh^2(x / s) where
-// slope is not nullptr (kernels/loss_math.h).
+// slope is not nullptr (kernels/loss_math.h: x / s as x * inv_s).
 template <typename F>
-void soft_cap_row(F* x, int64_t n, F s, const F* bias, F* slope) {
+void soft_cap_row(F* x, int64_t n, F s, F inv_s, const F* bias, F* slope) {
   using Vec = at::vec::Vectorized<F>;
-  const Vec cap(s), one(F(1));
+  const Vec cap(s), inv(inv_s), one(F(1));
   int64_t v = 0;
   for (; v + Vec::size() <= n; v += Vec::size()) {
-    const Vec th = (Vec::loadu(x + v) / cap).tanh();
+    const Vec th = (Vec::loadu(x + v) * inv).tanh();
     Vec out = cap * th;
     if (bias != nullptr) out = out + Vec::loadu(bias + v);
     out.store(x + v);
     if (slope != nullptr) (one - th * th).store(slope + v);
   }
   for (; v < n; ++v) {
-    const SoftCapped<F> c = soft_cap(x[v], s);
+    const SoftCapped<F> c = soft_cap(x[v], s, inv_s);
     x[v] = bias != nullptr ? c.value + bias[v] : c.value;
     if (slope != nullptr) slope[v] = c.slope;
   }
@@ -158,6 +158,7 @@ void loss_rows(const LossChunk& c) {
   const int64_t rows = c.z.size(0), vocab = c.z.size(1);
   const bool has_t = c.t.defined(), capped = c.softcap > 0;
   const F cap = static_cast<F>(c.softcap);
+  const F inv_cap = capped ? soft_cap_inverse<F>(c.softcap) : F(0);
   T* z_all = c.z.data_ptr<T>();
   T* t_all = has_t ? c.t.data_ptr<T>() : nullptr;
   T* bias_all = c.bias.defined() ? c.bias.data_ptr<T>() : nullptr;
@@ -176,7 +177,7 @@ void loss_rows(const LossChunk& c) {
       load_row(z, vocab, p.data());
       if (capped) {
         if (bias_all != nullptr) load_row(bias_all + i * vocab, vocab, bias.data());
-        soft_cap_row(p.data(), vocab, cap, bias_all != nullptr ? bias.data() : nullptr,
+        soft_cap_row(p.data(), vocab, cap, inv_cap, bias_all != nullptr ? bias.data() : nullptr,
                      c.grad ? slope_z.data() : nullptr);
       }
       const int64_t y = labels[i];
@@ -187,7 +188,7 @@ void loss_rows(const LossChunk& c) {
       if (has_t) {
         load_row(t_all + i * vocab, vocab, q.data());
         if (capped) {
-          soft_cap_row(q.data(), vocab, cap, static_cast<const F*>(nullptr),
+          soft_cap_row(q.data(), vocab, cap, inv_cap, static_cast<const F*>(nullptr),
                        c.t_grad ? slope_t.data() : nullptr);
         }
         softmax_row(q.data(), vocab);

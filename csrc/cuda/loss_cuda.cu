@@ -20,6 +20,7 @@ void loss_rows_cuda(const LossChunk& c) {
                                           : kernels::kLossFloat;
   kernels::LossRowParams params{c.z.size(1),
                                 static_cast<float>(c.softcap),
+                                c.softcap > 0 ? soft_cap_inverse<float>(c.softcap) : 0.f,
                                 c.labels.const_data_ptr<int64_t>(),
                                 c.weights.const_data_ptr<float>(),
                                 c.term_scale.const_data_ptr<float>(),

@@ -60,6 +60,7 @@ __device__ __forceinline__ void loss_store(__half* p, float v) { *p = __float2ha
 struct LossRowParams {
   int64_t vocab;
   float softcap;             // s, read by the kCap instantiation only
+  float inv_softcap;         // 1 / s (soft_cap_inverse), likewise
   const int64_t* labels;     // [rows]
   const float* weights;      // [rows]
   const float* term_scale;   // [2]: ce and l1 coefficients per unit weight
@@ -104,18 +105,18 @@ __device__ __forceinline__ void for_each_element(const T* z, const T* m, const T
 // The logits from what the rows hold: without kCap the logits themselves; with it the products,
 // capped, and the draft's bias added after the cap.
 template <bool kCap>
-__device__ __forceinline__ float draft_logit(float zv, float mv, float cap) {
+__device__ __forceinline__ float draft_logit(float zv, float mv, float cap, float inv_cap) {
   if constexpr (kCap) {
-    return soft_cap(zv, cap).value + mv;
+    return soft_cap(zv, cap, inv_cap).value + mv;
   } else {
     return zv;
   }
 }
 
 template <bool kCap>
-__device__ __forceinline__ float target_logit(float tv, float cap) {
+__device__ __forceinline__ float target_logit(float tv, float cap, float inv_cap) {
   if constexpr (kCap) {
-    return soft_cap(tv, cap).value;
+    return soft_cap(tv, cap, inv_cap).value;
   } else {
     return tv;
   }
@@ -131,19 +132,19 @@ __global__ void __launch_bounds__(kLossThreads)
   T* z = z_rows + row * vocab;
   T* m = kCap && m_rows != nullptr ? m_rows + row * vocab : nullptr;
   T* t = t_rows != nullptr ? t_rows + row * vocab : nullptr;
-  const float cap = kCap ? p.softcap : 0.f;
+  const float cap = kCap ? p.softcap : 0.f, inv_cap = kCap ? p.inv_softcap : 0.f;
   const int64_t y = p.labels[row];
   const bool label_ok = y >= 0 && y < vocab;
   // Read before the block's first barrier, so before pass 3 overwrites the row.
   const float z_y = threadIdx.x == 0 && label_ok
                         ? draft_logit<kCap>(loss_load(z[y]), m != nullptr ? loss_load(m[y]) : 0.f,
-                                            cap)
+                                            cap, inv_cap)
                         : 0.f;
 
   LogSumExp sz{-INFINITY, 0.f}, st{-INFINITY, 0.f};
   for_each_element<kCap>(z, m, t, vocab, [&](int64_t, float zv, float mv, float tv) {
-    sz = lse_add(sz, draft_logit<kCap>(zv, mv, cap));
-    if (t != nullptr) st = lse_add(st, target_logit<kCap>(tv, cap));
+    sz = lse_add(sz, draft_logit<kCap>(zv, mv, cap, inv_cap));
+    if (t != nullptr) st = lse_add(st, target_logit<kCap>(tv, cap, inv_cap));
   });
   const auto merge_lse = [](LogSumExp a, LogSumExp b) { return lse_merge(a, b); };
   const LogSumExp empty{-INFINITY, 0.f};
@@ -154,8 +155,8 @@ __global__ void __launch_bounds__(kLossThreads)
   L1Sums sums{0.f, 0.f, 0.f};
   if (t != nullptr) {
     for_each_element<kCap>(z, m, t, vocab, [&](int64_t, float zv, float mv, float tv) {
-      const float pv = loss_exp(draft_logit<kCap>(zv, mv, cap) - lse_z);
-      const float qv = loss_exp(target_logit<kCap>(tv, cap) - lse_t);
+      const float pv = loss_exp(draft_logit<kCap>(zv, mv, cap, inv_cap) - lse_z);
+      const float qv = loss_exp(target_logit<kCap>(tv, cap, inv_cap) - lse_t);
       const float s = l1_sign(pv, qv);
       sums = l1_merge(sums, L1Sums{fabsf(pv - qv), s * pv, s * qv});
     });
@@ -171,12 +172,12 @@ __global__ void __launch_bounds__(kLossThreads)
   const float a = w * p.term_scale[0], b = t != nullptr ? w * p.term_scale[1] : 0.f;
   for_each_element<kCap>(z, m, t, vocab, [&](int64_t v, float zv, float mv, float tv) {
     if constexpr (kCap) {
-      const SoftCapped<float> cz = soft_cap(zv, cap);
+      const SoftCapped<float> cz = soft_cap(zv, cap, inv_cap);
       const float pv = loss_exp(cz.value + mv - lse_z);
       float s = 0.f, qv = 0.f;
       SoftCapped<float> ct{0.f, 0.f};
       if (t != nullptr) {
-        ct = soft_cap(tv, cap);
+        ct = soft_cap(tv, cap, inv_cap);
         qv = loss_exp(ct.value - lse_t);
         s = l1_sign(pv, qv);
       }

@@ -19,6 +19,7 @@
 #include <math.h>
 
 #include <cmath>
+#include <limits>
 
 #include "../common/philox.h"  // DSPARK_HOST_DEVICE
 
@@ -75,8 +76,9 @@ DSPARK_HOST_DEVICE double loss_tanh(double x) {
 }
 
 // cap(x) = s tanh(x / s) and its slope 1 - tanh^2(x / s), as autograd of torch.tanh has it (the
-// slope from the rounded tanh: exactly 0 where tanh rounds to +-1). x / s is a division, as the
-// eager formula's, so a tiny s saturates rather than multiplying by an infinite 1 / s.
+// slope from the rounded tanh: exactly 0 where tanh rounds to +-1). x / s is taken as x times
+// inv_s = 1 / s (soft_cap_inverse): a multiply per element where an IEEE division would cost a
+// dozen instructions and a slow-path branch on the GPU; it differs from x / s by at most an ulp.
 template <typename F>
 struct SoftCapped {
   F value;
@@ -84,9 +86,18 @@ struct SoftCapped {
 };
 
 template <typename F>
-DSPARK_HOST_DEVICE SoftCapped<F> soft_cap(F x, F s) {
-  const F th = loss_tanh(x / s);
+DSPARK_HOST_DEVICE SoftCapped<F> soft_cap(F x, F s, F inv_s) {
+  const F th = loss_tanh(x * inv_s);
   return SoftCapped<F>{s * th, F(1) - th * th};
+}
+
+// 1 / s in F, at most F's largest finite value: for a subnormal float32 s the products then
+// overflow to +-inf (tanh +-1, as x / s would) instead of giving 0 * inf = NaN at x = 0.
+template <typename F>
+inline F soft_cap_inverse(double s) {
+  const double inv = 1.0 / s;
+  const double largest = static_cast<double>(std::numeric_limits<F>::max());
+  return static_cast<F>(inv < largest ? inv : largest);
 }
 
 // sign(p - q): +1, -1, or 0 at a tie. (Templates: the CPU kernel also runs float64 inputs in
