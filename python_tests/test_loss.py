@@ -130,7 +130,7 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(confidence, leaves("confidence_logits"), eps=1e-6, atol=1e-8)
 
 
-# ---- the logit soft cap (Gemma4's final_logit_softcapping) ----------------------------------------
+# ---- the logit soft cap (Gemma4's final_logit_softcapping) ------------------------------------
 
 # Logits of spread ~4 under a cap of 3: tanh bends most of them (its slope ranges over (0, 1]).
 CAP, CAP_LOGITS = 3.0, 4.0

@@ -74,7 +74,7 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
                     chunk_rows);
   if (logit_softcap.has_value()) {
     // The kernels cap in float32 (float64 inputs in float64): s must stay finite and nonzero
-    // as a float32 too, or s tanh(x / s) would be inf * 0 or 0 / 0.
+    // as a float32 too, or s tanh(x / s) would be inf * 0 or 0 * tanh(NaN).
     const double s = *logit_softcap;
     const float s32 = static_cast<float>(s);
     TORCH_CHECK_VALUE(std::isfinite(s) && s > 0 && std::isfinite(s32) && s32 > 0, kOp,

@@ -12,8 +12,10 @@
 // and a third row the Markov bias: every pass caps as it reads (z = s tanh(W h / s) + W2 u,
 // t = s tanh(W g / s), a tanh per element and pass, as the exponentials are recomputed) and pass 3
 // writes the logits' gradients times the cap's slope over z and t, the logits' own over the bias
-// (kernels/loss_math.h). The uncapped instantiation reads no bias and computes no tanh. The pass is memory-bound and small beside the chunk's products (the products are
-// O(d) flops per logit, the pass O(1)); a label outside [0, V) is never used as an index (its
+// (kernels/loss_math.h). The uncapped instantiation reads no bias and computes no tanh.
+// The pass is small beside the chunk's products (the products are O(d) flops per logit, the pass
+// O(1); the tanhs make the capped pass issue-bound rather than memory-bound, at about twice the
+// uncapped pass's instructions per element); a label outside [0, V) is never used as an index (its
 // row's ce is NaN and no logit gets the label term). Reductions run in a fixed order: a row's
 // results do not depend on the rest of the chunk.
 //

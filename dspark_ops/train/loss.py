@@ -5,9 +5,9 @@ training metrics.
 flattens the batch and calls the fused :func:`dspark_ops.dspark_loss` with the draft's own LM head
 and Markov ``W2``: DSpark's ``0.1 CE + 0.9 L1 + 1.0 BCE`` by default, DFlash's CE alone for a draft
 without a Markov head. A draft with soft-capped logits (Gemma4's ``final_logit_softcapping``)
-passes its cap to the same fused op (``logit_softcap``). :func:`block_metrics` turns the per-slot expected acceptance ``c*`` into
-DeepSpec's ``accept_rate@k`` and ``tau_probabilistic`` (as sums, so that data-parallel ranks can
-add them up before dividing).
+passes its cap to the same fused op (``logit_softcap``). :func:`block_metrics` turns the
+per-slot expected acceptance ``c*`` into DeepSpec's ``accept_rate@k`` and ``tau_probabilistic``
+(as sums, so that data-parallel ranks can add them up before dividing).
 
 Example
 -------
