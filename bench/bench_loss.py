@@ -5,6 +5,9 @@ Rows (CPU: ``N = 2048, V = 49152, d = 576, r = 64`` float32, SmolLM2's vocabular
 GPU: ``N = 3584, V = 151936, d = 2560, r = 256`` bfloat16, DeepSpec's Qwen3-4B shape):
 
 * ``dspark``  — the three-term loss (Markov head, target, confidence head), LM head frozen;
+* ``dspark cap30`` — the same with Gemma4's logit soft cap (``logit_softcap=30``), beside the
+                 uncapped row: what the cap costs (a tanh per element and pass, and the Markov
+                 bias in its own chunk of scratch);
 * ``dflash``  — cross-entropy only (no Markov head, no target).
 
 Every row times one forward + backward of the same inputs with:
@@ -53,10 +56,14 @@ CHUNK = 512
 
 
 
-def make_inputs(rows, vocab, width, rank, *, dtype, device, dflash=False, seed=0):
+SOFTCAP = 30.0  # Gemma4's final_logit_softcapping
+
+
+def make_inputs(rows, vocab, width, rank, *, dtype, device, dflash=False, seed=0,
+                logit_softcap=None):
     """Inputs shaped as a training step's: hidden states whose logits have a spread like a
     trained draft's, a target sharing most of the draft's direction, weights exp(-k/4) over
-    blocks of 7 with a few padding rows."""
+    blocks of 7 with a few padding rows; ``logit_softcap`` passed to every loss."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(rows, width, generator=gen) * (3 / width ** 0.5)
     args = {
@@ -74,6 +81,8 @@ def make_inputs(rows, vocab, width, rank, *, dtype, device, dflash=False, seed=0
     args["markov_latent"] = latent.to(dtype).to(device)
     args["markov_w2"] = (torch.randn(vocab, rank, generator=gen) * 0.5).to(dtype).to(device)
     args["confidence_logits"] = torch.randn(rows, generator=gen).to(device)
+    if logit_softcap is not None:
+        args["logit_softcap"] = logit_softcap
     return args
 
 
@@ -163,7 +172,8 @@ def _anchor_factories(device: torch.device, use_anchors: bool) -> dict:
 
 
 def bench_row(variant: str, shape: dict, dtype, device, timing: Timing, anchors: dict) -> Row:
-    args = make_inputs(**shape, dtype=dtype, device=device, dflash=variant == "dflash")
+    args = make_inputs(**shape, dtype=dtype, device=device, dflash=variant == "dflash",
+                       logit_softcap=SOFTCAP if variant.endswith("cap30") else None)
     label = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
     row = Row(op="dspark_loss", variant=f"{variant} {label} fwd+bwd",
               shape="N={rows} V={vocab} d={width}".format(**shape)
@@ -190,7 +200,7 @@ def run(device: torch.device, quick: bool = False, use_anchors: bool = True,
     timing = Timing.for_device(device, quick, cpu_seconds=(2.0, 2.0), cpu_quick_seconds=(0.5, 0.5))
     anchors = _anchor_factories(device, use_anchors)
     rows: List[Row] = []
-    for variant in ("dspark", "dflash"):
+    for variant in ("dspark", "dspark cap30", "dflash"):
         started = time.perf_counter()
         row = bench_row(variant, shape, dtype, device, timing, anchors)
         rows.append(row)

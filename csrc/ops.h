@@ -124,13 +124,15 @@ LossResult dspark_loss_cpu(const at::Tensor& hidden, const at::Tensor& lm_head_w
                            const std::optional<at::Tensor>& target_hidden,
                            const std::optional<at::Tensor>& markov_latent,
                            const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                           bool lm_head_grad, int64_t chunk_rows);
+                           bool lm_head_grad, int64_t chunk_rows,
+                           std::optional<double> logit_softcap);
 LossResult dspark_loss_cuda(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
                             const at::Tensor& labels, const at::Tensor& weights,
                             const at::Tensor& term_scale,
                             const std::optional<at::Tensor>& target_hidden,
                             const std::optional<at::Tensor>& markov_latent,
                             const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                            bool lm_head_grad, int64_t chunk_rows);
+                            bool lm_head_grad, int64_t chunk_rows,
+                           std::optional<double> logit_softcap);
 
 }  // namespace dspark_ops

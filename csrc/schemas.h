@@ -58,12 +58,14 @@ inline constexpr const char* kSchemas[] = {
   // of [rows, V] logits: loss = sum_i weights_i (term_scale[0] ce_i + term_scale[1] l1_i), the
   // per-row ce and l1 (float32, float64 for float64 inputs; l1 is [0] without target_hidden) and, with compute_grad, the
   // loss's gradients (hidden, markov_latent, markov_w2; lm_head_weight with lm_head_grad), [0]
-  // where not computed.
+  // where not computed. logit_softcap s caps the LM head's products before the Markov bias:
+  // z = s tanh(W h / s) + W2 u, t = s tanh(W g / s) (Gemma4's final_logit_softcapping).
   "dspark_loss(Tensor hidden, Tensor lm_head_weight, Tensor labels, Tensor weights, "
       "Tensor term_scale, Tensor? target_hidden=None, Tensor? markov_latent=None, "
       "Tensor? markov_w2=None, bool compute_grad=False, bool lm_head_grad=False, "
-      "int chunk_rows=0) -> (Tensor loss, Tensor ce, Tensor l1, Tensor grad_hidden, "
-      "Tensor grad_markov_latent, Tensor grad_markov_w2, Tensor grad_lm_head_weight)",
+      "int chunk_rows=0, float? logit_softcap=None) -> (Tensor loss, Tensor ce, Tensor l1, "
+      "Tensor grad_hidden, Tensor grad_markov_latent, Tensor grad_markov_w2, "
+      "Tensor grad_lm_head_weight)",
 };
 
 }  // namespace dspark_ops

@@ -553,16 +553,23 @@ def append_context_kv(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens, *,
 
 def dspark_loss(hidden, lm_head_weight, labels, weights, *, target_hidden=None, markov_latent=None,
                 markov_w2=None, confidence_logits=None, ce_weight=0.1, l1_weight=0.9,
-                confidence_weight=1.0, denominators=None) -> LossOutput:
+                confidence_weight=1.0, denominators=None, logit_softcap=None) -> LossOutput:
     """DSpark's training loss, eagerly: the formula :func:`dspark_ops.dspark_loss` fuses.
 
     Computed in float32 (float64 for float64 inputs) from the inputs as given, with autograd
     through every path the formula has (``z`` and ``t``, so a trainable LM head gets both), except
     that ``c*`` is detached and nothing reaches ``target_hidden``. It holds several ``[N, V]``
-    tensors at once, as DeepSpec's eager loss does.
+    tensors at once, as DeepSpec's eager loss does. ``logit_softcap`` ``s`` (Gemma4) caps the LM
+    head's products before the Markov bias: ``z = s tanh(W h / s) + W2 u``,
+    ``t = s tanh(W g / s)``; autograd of ``torch.tanh`` gives the gradients through the cap.
     """
+    if logit_softcap is None:
+        logits_of = lambda product: product  # noqa: E731
+    else:
+        cap = float(logit_softcap)
+        logits_of = lambda product: cap * torch.tanh(product / cap)  # noqa: E731
     return dspark_loss_of_logits(
-        hidden, lm_head_weight, labels, weights, lambda product: product,
+        hidden, lm_head_weight, labels, weights, logits_of,
         target_hidden=target_hidden, markov_latent=markov_latent, markov_w2=markov_w2,
         confidence_logits=confidence_logits, ce_weight=ce_weight, l1_weight=l1_weight,
         confidence_weight=confidence_weight, denominators=denominators)

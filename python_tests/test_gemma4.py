@@ -532,13 +532,13 @@ def test_softcapped_loss_caps_before_the_markov_bias():
     hidden = torch.randn(n, d, generator=gen, dtype=torch.float64, requires_grad=True)
     head = torch.randn(v, d, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, v, (n,), generator=gen)
-    weights = torch.rand(n, generator=gen, dtype=torch.float64)
+    weights = torch.rand(n, generator=gen)
     latent = torch.randn(n, r, generator=gen, dtype=torch.float64)
     w2 = torch.randn(v, r, generator=gen, dtype=torch.float64)
     target = torch.randn(n, d, generator=gen, dtype=torch.float64)
     conf = torch.randn(n, generator=gen, dtype=torch.float64)
     kw = dict(target_hidden=target, markov_latent=latent, markov_w2=w2, confidence_logits=conf)
-    # A cap far above the logits is no cap: the eager formula of record.
+    # A cap far above the logits is no cap: the uncapped eager formula of record.
     loose = softcapped_dspark_loss(hidden, head, labels, weights, cap=1e6, **kw)
     plain = reference.dspark_loss(hidden, head, labels, weights, **kw)
     torch.testing.assert_close(loose.loss, plain.loss, rtol=1e-9, atol=1e-9)
@@ -546,12 +546,13 @@ def test_softcapped_loss_caps_before_the_markov_bias():
     out = softcapped_dspark_loss(hidden, head, labels, weights, cap=2.0, **kw)
     z = 2.0 * torch.tanh(hidden @ head.T / 2.0) + latent @ w2.T
     t = 2.0 * torch.tanh(target @ head.T / 2.0)
-    s = weights.sum() + 1e-6
+    w = weights.double()
+    s = w.sum() + 1e-6
     ce = torch.logsumexp(z, -1) - z.gather(-1, labels[:, None])[:, 0]
     l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
     bce = torch.nn.functional.binary_cross_entropy_with_logits(
         conf, (1 - 0.5 * l1).clamp(0, 1).detach(), reduction="none")
-    want = (0.1 * (weights * ce).sum() + 0.9 * (weights * l1).sum() + (weights * bce).sum()) / s
+    want = (0.1 * (w * ce).sum() + 0.9 * (w * l1).sum() + (w * bce).sum()) / s
     torch.testing.assert_close(out.loss, want)
     grad, = torch.autograd.grad(out.loss, hidden)
     want_grad, = torch.autograd.grad(want, hidden)
@@ -559,6 +560,53 @@ def test_softcapped_loss_caps_before_the_markov_bias():
     assert abs(float((out.loss - plain.loss).detach())) > 1e-2  # the cap changes the loss
     wrong = 2.0 * torch.tanh((hidden @ head.T + latent @ w2.T) / 2.0)  # bias before the cap
     assert (wrong - z).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("cap", [30.0, 2.0])
+@pytest.mark.parametrize("train_head", [False, True])
+def test_gemma4_training_step_fused_matches_eager(cap, train_head):
+    """One training step of a tiny Gemma4 draft: draft_loss through the fused op with the cap
+    (the trainer's path) and through the eager formula with the same cap
+    (reference.dspark_loss, --loss-impl reference) give the same loss, metrics and gradients of
+    every trainable parameter (the LM head's too, through the draft and target logits, when it
+    trains). The uncapped loss is far from both: the cap was applied."""
+    from dspark_ops import reference
+    from dspark_ops.train import draft_loss, training_forward
+    from dspark_ops.train.loss import flatten_batch
+
+    _, _, draft = _loaded(deepspec_config(final_logit_softcapping=cap))
+    draft.lm_head.requires_grad_(train_head)
+    gen = torch.Generator().manual_seed(9)
+    length = 24
+    input_ids = torch.randint(5, 96, (1, length), generator=gen)
+    features = torch.randn(1, length, len(TARGET_LAYERS) * HIDDEN, generator=gen)
+    last_hidden = torch.randn(1, length, HIDDEN, generator=gen)
+    anchors = torch.tensor([[0, 4, 11, 18]])
+    results = []
+    for loss_fn in (None, reference.dspark_loss):
+        draft.zero_grad(set_to_none=True)
+        batch = training_forward(draft, input_ids, features, torch.ones(1, length), last_hidden,
+                                 anchor_positions=anchors)
+        out = draft_loss(draft, batch, loss_fn=loss_fn)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+        results.append((out, grads))
+    (fused, g_fused), (eager, g_eager) = results
+    for field in ("loss", "ce", "l1", "confidence", "accept_rate"):
+        torch.testing.assert_close(getattr(fused, field).detach(), getattr(eager, field).detach(),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{field}: {m}")
+    assert g_fused.keys() == g_eager.keys()
+    assert ("lm_head.weight" in g_fused) == train_head and "markov_head.markov_w2.weight" in g_fused
+    for name in g_eager:
+        scale = g_eager[name].abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(g_fused[name], g_eager[name], rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda m: f"grad {name}: {m}")
+    with torch.no_grad():
+        inputs = flatten_batch(draft, batch)
+        positional = [inputs.pop(k) for k in ("hidden", "lm_head_weight", "labels", "weights")]
+        uncapped = reference.dspark_loss(*positional, **inputs)
+    assert abs(uncapped.loss.item() - eager.loss.item()) > 1e-3 * abs(eager.loss.item())
 
 
 def test_trainer_trains_a_gemma4_draft_for_a_gemma4_target(transformers, tmp_path):

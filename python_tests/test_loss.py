@@ -130,6 +130,155 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(confidence, leaves("confidence_logits"), eps=1e-6, atol=1e-8)
 
 
+# ---- the logit soft cap (Gemma4's final_logit_softcapping) ------------------------------------
+
+# Logits of spread ~4 under a cap of 3: tanh bends most of them (its slope ranges over (0, 1]).
+CAP, CAP_LOGITS = 3.0, 4.0
+
+
+def capped_case(variant, *, dtype=torch.float32, device="cpu", rows=10, vocab=257, seed=13):
+    """A case for the cap: ``dspark`` (Markov head, target, confidence), ``no_markov`` (target,
+    no Markov head), ``dflash`` (CE alone) or ``lm_head`` (dspark with a trainable LM head), with
+    a larger Markov bias than make_loss_case's, so that capping before or after it differs."""
+    rank = 0 if variant in ("dflash", "no_markov") else 5
+    args = make_loss_case(rows, vocab, 16, rank=rank, dtype=dtype, device=device, seed=seed,
+                          target=variant != "dflash", logit_scale=CAP_LOGITS, zero_weights=1)
+    if rank:
+        args["markov_latent"] = args["markov_latent"] * 4
+    if variant == "dflash":
+        args["ce_weight"] = 1.0
+    args["logit_softcap"] = CAP
+    return args, (WITH_LM_HEAD if variant == "lm_head" else TRAINABLE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["dspark", "no_markov", "dflash", "lm_head"])
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_softcap_matches_reference(device, dtype, variant, chunk_rows):
+    """Loss, per-row terms and every gradient (hidden, Markov latent, W2, the LM head through z
+    and t) against autograd of the eager formula with the cap; chunks of 3 rows or one."""
+    args, names = capped_case(variant, dtype=dtype, device=device)
+    ours, _ = check_against_reference(args, dtype, names, chunk_rows=chunk_rows)
+    uncapped = reference.dspark_loss(**{k: v for k, v in args.items() if k != "logit_softcap"})
+    assert abs(ours.loss.item() - uncapped.loss.item()) > 0.05 * abs(uncapped.loss.item())
+
+
+@pytest.mark.parametrize("variant", ["dspark", "no_markov", "lm_head"])
+def test_softcap_float64(variant):
+    """float64 on CPU: the op and autograd of the eager formula agree to rounding."""
+    args, names = capped_case(variant, dtype=torch.float64, rows=7, vocab=100, seed=3)
+    check_against_reference(args, torch.float64, names, chunk_rows=2)
+
+
+@pytest.mark.parametrize("markov", [True, False])
+def test_softcap_gradcheck_float64(markov):
+    """Finite differences of the capped op in float64 through every input that gets a gradient
+    (hidden, the LM head through z and t, the Markov latent and W2). The confidence term is left
+    out: finite differences cannot see that c* is detached."""
+    args = make_loss_case(5, 7, 4, rank=3 if markov else 0, dtype=torch.float64, seed=6,
+                          logit_scale=3.0)
+    names = ("hidden", "lm_head_weight") + (("markov_latent", "markov_w2") if markov else ())
+
+    def fused(*inputs):
+        kw = dict(zip(names, inputs))
+        return dspark_ops.dspark_loss(kw["hidden"], kw["lm_head_weight"], args["labels"],
+                                      args["weights"], target_hidden=args["target_hidden"],
+                                      markov_latent=kw.get("markov_latent"),
+                                      markov_w2=kw.get("markov_w2"), confidence_weight=0.0,
+                                      chunk_rows=2, logit_softcap=1.5).loss
+
+    leaves = tuple(args[n].detach().clone().requires_grad_(True) for n in names)
+    assert torch.autograd.gradcheck(fused, leaves, eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_none_is_the_uncapped_op(device):
+    """logit_softcap=None is the op without the argument, bit for bit; a cap far above the
+    logits is the identity to float32 rounding."""
+    args = make_loss_case(6, 300, 8, rank=4, device=device, seed=8)
+    term_scale = torch.tensor([0.1, 0.9], device=device)
+
+    def call(**kw):
+        return torch.ops.dspark_ops.dspark_loss(
+            args["hidden"], args["lm_head_weight"], args["labels"], args["weights"], term_scale,
+            target_hidden=args["target_hidden"], markov_latent=args["markov_latent"],
+            markov_w2=args["markov_w2"], compute_grad=True, lm_head_grad=True, chunk_rows=4, **kw)
+
+    plain, none, loose = call(), call(logit_softcap=None), call(logit_softcap=1e6)
+    for a, b, c in zip(plain, none, loose):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_saturated_logits(device):
+    """Logits of spread ~1e4 under Gemma4's cap of 30: tanh rounds to +-1 (slope 0) for all but
+    the few products within ~9 caps of 0, so the hidden states get almost no gradient while the
+    Markov bias, added after the cap, gets the logits' own."""
+    args = make_loss_case(6, 100, 16, rank=4, device=device, logit_scale=1e4, seed=10)
+    args["logit_softcap"] = 30.0
+    ours, g = check_against_reference(args, torch.float32, chunk_rows=4)
+    assert g["hidden"].abs().max() < 1e-2 * g["markov_latent"].abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_subnormal_cap(device):
+    """A cap below float32's normal range (allowed: finite and > 0 as a float32) saturates every
+    nonzero product, and a zero product (a zero hidden row) stays 0 rather than 0 * inf = NaN."""
+    args = make_loss_case(4, 50, 8, rank=3, device=device, seed=12)
+    args["hidden"][0] = 0
+    args["logit_softcap"] = 1e-40
+    # The reference in float64: in float32 its own backward rounds grad * s to a subnormal.
+    wide = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                and k != "weights" else v) for k, v in args.items()}
+    results = []
+    for fn, leaves in ((dspark_ops.dspark_loss, with_grad(args)),
+                       (reference.dspark_loss, with_grad(wide))):
+        a = dict(leaves)
+        out = fn(a.pop("hidden"), a.pop("lm_head_weight"), a.pop("labels"), a.pop("weights"), **a)
+        out.loss.backward()
+        results.append((out, grads(leaves)))
+    (ours, g_ours), (ref, g_ref) = results
+    assert_close(ours.loss, ref.loss, torch.float32, "loss")
+    assert g_ours.keys() == g_ref.keys() and "hidden" in g_ours
+    for name in g_ref:
+        assert torch.isfinite(g_ours[name]).all(), name
+        assert_close(g_ours[name], g_ref[name], torch.float32, f"grad {name}")
+
+
+def test_softcap_memory_stays_within_the_chunk():
+    """With the cap and a Markov head the bias takes a third chunk of scratch: still no [N, V]
+    tensor."""
+    rows, vocab, width, rank, chunk = 256, 4096, 64, 16, 16
+    args = make_loss_case(rows, vocab, width, rank=rank)
+
+    def ours():
+        a = with_grad(args)
+        dspark_ops.dspark_loss(a.pop("hidden"), a.pop("lm_head_weight"), a.pop("labels"),
+                               a.pop("weights"), chunk_rows=chunk, logit_softcap=30.0,
+                               **a).loss.backward()
+
+    assert peak_memory_bytes(ours, "cpu") < rows * vocab * 4 / 2
+
+
+@pytest.mark.parametrize("device", DEVICES + [pytest.param("meta", id="meta")])
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-50])
+def test_softcap_argument_errors(device, cap):
+    """A cap that is not finite and > 0 as a float32 is refused, by the entry points and by the
+    fake kernel (meta tensors) alike."""
+    args = make_loss_case(4, 10, 6, rank=3, device=device if device != "meta" else "cpu")
+    if device == "meta":
+        args = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    with pytest.raises(ValueError, match=r"dspark_loss\(\): 'logit_softcap' must be finite and "
+                                         r"> 0 as a float32"):
+        torch.ops.dspark_ops.dspark_loss(
+            args["hidden"], args["lm_head_weight"], args["labels"], args["weights"],
+            torch.tensor([0.1, 0.9], device=args["hidden"].device),
+            target_hidden=args["target_hidden"], markov_latent=args["markov_latent"],
+            markov_w2=args["markov_w2"], logit_softcap=cap)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [0, 4])
 def test_empty_and_zero_weights(device, rows):
@@ -312,6 +461,7 @@ def test_argument_errors(device):
          r"'confidence_logits' must have shape \[N\]"),
         (dict(chunk_rows=0), ValueError, r"'chunk_rows' must be positive"),
         (dict(denominators=(1.0, 2.0)), ValueError, r"'denominators' must be one divisor or three"),
+        (dict(logit_softcap=0.0), ValueError, r"'logit_softcap' must be finite and > 0"),
     ]
     if device == "cpu":  # value checks: always on CPU, on CUDA with DSPARK_OPS_DEBUG=1
         bad_label = args["labels"].clone()
@@ -332,13 +482,15 @@ def test_argument_errors(device):
             call(**changes)
 
 
-def test_compile_fullgraph():
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_compile_fullgraph(cap):
     args = make_loss_case(6, 40, 8, rank=3)
 
     def step(hidden, markov_latent, markov_w2, confidence_logits):
         return dspark_ops.dspark_loss(hidden, args["lm_head_weight"], args["labels"], args["weights"],
                                       target_hidden=args["target_hidden"], markov_latent=markov_latent,
-                                      markov_w2=markov_w2, confidence_logits=confidence_logits).loss
+                                      markov_w2=markov_w2, confidence_logits=confidence_logits,
+                                      logit_softcap=cap).loss
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     names = ("hidden", "markov_latent", "markov_w2", "confidence_logits")

@@ -173,7 +173,8 @@ def test_opcheck_philox_uniform(device, purpose, count):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["dspark", "dspark_grad", "lm_head_grad", "dflash"])
-def test_opcheck_dspark_loss(device, variant):
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_opcheck_dspark_loss(device, variant, cap):
     args = make_loss_case(5, 33, 8, rank=0 if variant == "dflash" else 3, device=device,
                           target=variant != "dflash")
     grad = variant != "dspark"
@@ -185,7 +186,7 @@ def test_opcheck_dspark_loss(device, variant):
          torch.tensor([0.1, 0.9], device=device)),
         dict(target_hidden=args.get("target_hidden"), markov_latent=args.get("markov_latent"),
              markov_w2=args.get("markov_w2"), compute_grad=grad,
-             lm_head_grad=variant == "lm_head_grad", chunk_rows=2))
+             lm_head_grad=variant == "lm_head_grad", chunk_rows=2, logit_softcap=cap))
 
 
 def _schedule_args(device, batch=5, block=6, seed=9):

@@ -1,8 +1,8 @@
 """dspark_loss's CUDA glue and kernel, run in the SIMT emulator: the same values and gradients as
 the CPU kernel over every path of the kernel (with and without target logits, the label term,
 the LM head's target-side gradient, chunk boundaries, vocabulary tails shorter than a block's
-stride, float32 and 16-bit logits), out-of-range labels never used as an index, and a planted
-reduction fault caught."""
+stride, float32 and 16-bit logits, the logit soft cap's instantiation with and without the Markov
+bias), out-of-range labels never used as an index, and a planted reduction fault caught."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from cases.loss import make_loss_case
 pytestmark = pytest.mark.sim
 
 
-def call(op, args, *, grad=True, lm_head_grad=False, chunk_rows=0, term_scale=(0.1, 0.9)):
+def call(op, args, *, grad=True, lm_head_grad=False, chunk_rows=0, term_scale=(0.1, 0.9),
+         logit_softcap=None):
     return op(args["hidden"], args["lm_head_weight"], args["labels"], args["weights"],
               torch.tensor(term_scale), target_hidden=args.get("target_hidden"),
               markov_latent=args.get("markov_latent"), markov_w2=args.get("markov_w2"),
-              compute_grad=grad, lm_head_grad=lm_head_grad, chunk_rows=chunk_rows)
+              compute_grad=grad, lm_head_grad=lm_head_grad, chunk_rows=chunk_rows,
+              logit_softcap=logit_softcap)
 
 
 NAMES = ("loss", "ce", "l1", "grad_hidden", "grad_markov_latent", "grad_markov_w2",
@@ -45,7 +47,59 @@ def test_matches_cpu(sim, vocab, variant):
     sim.clear_launch_log()
     assert_matches_cpu(sim, args, 2e-5, chunk_rows=2, lm_head_grad=variant == "lm_head")
     launches = {k.replace("dspark_ops::kernels::", ""): n for k, n in emulator.launches().items()}
-    assert launches == {"dspark_loss_kernel<float>": 3}  # 5 rows in chunks of 2
+    assert launches == {"dspark_loss_kernel<float, false>": 3}  # 5 rows in chunks of 2
+
+
+# Logits of spread ~4 under a cap of 3 (tanh bends most of them) and a Markov bias large enough
+# that capping before or after it differs.
+def capped_case(rows, vocab, width, rank, **kw):
+    args = make_loss_case(rows, vocab, width, rank=rank, logit_scale=4.0, **kw)
+    if rank:
+        args["markov_latent"] = args["markov_latent"] * 4
+    return args
+
+
+@pytest.mark.parametrize("vocab", [17, 1000, 4100])
+@pytest.mark.parametrize("variant", ["dspark", "no_markov", "dflash", "lm_head"])
+def test_softcap_matches_cpu(sim, vocab, variant):
+    """The capped instantiation: the bias row read beside z (or not, without a Markov head),
+    d loss / d z over the bias, the slopes' products over z and t."""
+    rank = 0 if variant in ("dflash", "no_markov") else 4
+    args = capped_case(5, vocab, 9, rank, seed=vocab + 1, target=variant != "dflash",
+                       zero_weights=1)
+    sim.clear_launch_log()
+    assert_matches_cpu(sim, args, 2e-5, chunk_rows=2, lm_head_grad=variant == "lm_head",
+                       logit_softcap=3.0)
+    launches = {k.replace("dspark_ops::kernels::", ""): n for k, n in emulator.launches().items()}
+    assert launches == {"dspark_loss_kernel<float, true>": 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [700, 704])
+def test_softcap_16_bit_logits(sim, dtype, vocab):
+    args = capped_case(3, vocab, 16, 4, dtype=dtype, seed=2)
+    assert_matches_cpu(sim, args, 2e-2, lm_head_grad=True, logit_softcap=3.0)
+
+
+def test_softcap_forward_only(sim):
+    args = capped_case(4, 300, 8, 3, seed=6)
+    out = assert_matches_cpu(sim, args, 2e-5, grad=False, logit_softcap=3.0)
+    assert all(t.numel() == 0 for t in out[3:])
+
+
+def test_softcap_subnormal_cap(sim):
+    """1 / s past float32's range is clamped: zero products stay 0, the others saturate."""
+    args = capped_case(3, 300, 8, 3, seed=7)
+    args["hidden"][0] = 0
+    out = assert_matches_cpu(sim, args, 2e-5, lm_head_grad=True, logit_softcap=1e-40)
+    assert all(torch.isfinite(t).all() for t in out)
+
+
+def test_softcap_is_refused_on_the_cuda_path(sim):
+    args = make_loss_case(2, 10, 4, rank=2, confidence=False)
+    for cap in (0.0, float("nan"), 1e39):
+        with pytest.raises(ValueError, match=r"dspark_loss\(\): 'logit_softcap' must be finite"):
+            call(sim.dspark_loss, args, logit_softcap=cap)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

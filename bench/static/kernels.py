@@ -806,32 +806,52 @@ LOSS_THREADS = 256
 LOSS_SCRATCH_BYTES = 256 << 20  # args/loss_args.h kLossScratchBytesCuda: z and t of a chunk
 
 
-def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int) -> Op:
+def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int,
+            softcap: bool = False) -> Op:
     """The vocabulary pass of dspark_loss (forward + gradients, LM head frozen, bf16): one launch
     per row chunk, a block per row, three loops over the row. The chunk's matrix products are
     cuBLAS calls the model does not read; their time is the op's floor row in docs/semantics.md
-    §4 (9.2 TFLOP at this shape), so this row's floor is the pass's own bytes."""
-    k = binary.find(r"dspark_loss_kernelI13__nv_bfloat16E")
-    # Rows of 16-byte multiples (V = 151936 in bf16): 16-byte loads of 8 z and 8 t values per
-    # iteration. The first two loops have the same anchors (2 loads, 16 exponentials); the
-    # cheaper path is charged for both (the logsumexp loop's is a few % longer).
-    ldg, mufu = r"^LDG\.E\.128", r"^MUFU\.EX2"
-    lse = LoopSpec("online logsumexps of z and t", {ldg: 2, mufu: 16}, 8, (ldg, 2), loads=ldg)
-    l1 = LoopSpec("p, q: |p - q|, <s,p>, <s,q>", {ldg: 2, mufu: 16}, 8, (ldg, 2), loads=ldg)
-    grad = LoopSpec("write d loss / d z", {ldg: 2, mufu: 16, r"^STG\.E\.U16": 8}, 8, (ldg, 2),
-                    loads=ldg)
-    chunk = max(1, min(rows, LOSS_SCRATCH_BYTES // (2 * vocab * BF16)))
+    §4 (9.2 TFLOP at this shape), so this row's floor is the pass's own bytes.
+
+    ``softcap``: Gemma4's logit soft cap (the kernel's kCap instantiation): the Markov bias is a
+    third row read by every loop beside z and t, each loop computes a tanh per z and t element
+    (an exponential and a reciprocal in SASS), the gradient loop writes the bias row too, and the
+    chunk holds three rows of scratch per row instead of two."""
+    # Rows of 16-byte multiples (V = 151936 in bf16): 16-byte loads of 8 values per tensor and
+    # iteration. The first two loops have the same anchors; the cheaper path is charged for both
+    # (the logsumexp loop's is a few % longer).
+    ldg, mufu, rcp, stg = r"^LDG\.E\.128", r"^MUFU\.EX2", r"^MUFU\.RCP", r"^STG\.E\.U16"
+    if softcap:
+        k = binary.find(r"dspark_loss_kernelI13__nv_bfloat16Lb1E")
+        # z, bias, t per iteration; per element exp(z - lse), exp(t - lse) and two tanh.
+        need = {ldg: 3, mufu: 32, rcp: 16}
+        streams, writes = 3, 2
+    else:
+        _, k = binary.find_first(r"dspark_loss_kernelI13__nv_bfloat16Lb0E",
+                                 r"dspark_loss_kernelI13__nv_bfloat16E")
+        need = {ldg: 2, mufu: 16}
+        streams, writes = 2, 1
+    loads = streams
+    lse = LoopSpec("online logsumexps of z and t", need, 8, (ldg, loads), loads=ldg)
+    l1 = LoopSpec("p, q: |p - q|, <s,p>, <s,q>", need, 8, (ldg, loads), loads=ldg)
+    grad = LoopSpec("write d loss / d z" + (" and d loss / d bias" if softcap else ""),
+                    {**need, stg: 8 * writes}, 8, (ldg, loads), loads=ldg)
+    chunk = max(1, min(rows, LOSS_SCRATCH_BYTES // (streams * vocab * BF16)))
     chunks = -(-rows // chunk)
     elements = chunk * vocab
-    nbytes = 7 * elements * BF16  # z and t read by each of the three loops, z written once
+    # Every stream read by each of the three loops; z (and the bias) written once.
+    per_element = 3 * streams + writes
+    nbytes = per_element * elements * BF16
     launches = [Launch(k, "vocabulary pass (block per row, one launch per chunk)", LOSS_THREADS,
                        chunk, 0, [term(binary, k, spec, elements) for spec in (lse, l1, grad)],
                        nbytes, count=chunks, barrier_stages=4,
                        note=f"{chunks} chunks of {chunk} rows; products by cuBLAS not modelled")]
-    return Op("dspark_loss", f"N={rows} V={vocab} d={hidden} r={rank}", "bf16 vocabulary pass",
-              7 * rows * vocab * BF16, launches,
+    variant = "dspark cap30 bf16 fwd+bwd" if softcap else "dspark bf16 fwd+bwd"
+    return Op("dspark_loss", f"N={rows} V={vocab} d={hidden} r={rank}",
+              "bf16 vocabulary pass" + (", soft cap" if softcap else ""),
+              per_element * rows * vocab * BF16, launches,
               match=dict(op="dspark_loss", params=dict(N=rows, V=vocab, d=hidden, r=rank),
-                         variant="dspark bf16 fwd+bwd"))
+                         variant=variant))
 
 
 NOT_MODELLED = {
@@ -868,4 +888,5 @@ def all_ops(binary: Binary) -> List[Op]:
         schedule_op(binary, 256, 16),
         schedule_op(binary, 1024, 32),
         loss_op(binary, 512 * 7, V, 2560, R),
+        loss_op(binary, 512 * 7, V, 2560, R, softcap=True),
     ]

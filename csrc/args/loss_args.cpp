@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "../common/checks.h"
 
@@ -28,6 +29,7 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
                                 const std::optional<at::Tensor>& markov_latent,
                                 const std::optional<at::Tensor>& markov_w2, bool compute_grad,
                                 bool lm_head_grad, int64_t chunk_rows,
+                                std::optional<double> logit_softcap,
                                 int64_t default_scratch_bytes) {
   LossArgs a;
   check_dim(kOp, "hidden", hidden, {2}, "2-D [N, d]");
@@ -70,6 +72,16 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
   }
   TORCH_CHECK_VALUE(chunk_rows >= 0, kOp, "(): 'chunk_rows' must be >= 0 (0 chooses), got ",
                     chunk_rows);
+  if (logit_softcap.has_value()) {
+    // The kernels cap in float32 (float64 inputs in float64): s must stay finite and nonzero
+    // as a float32 too, or s tanh(x / s) would be inf * 0 or 0 * tanh(NaN).
+    const double s = *logit_softcap;
+    const float s32 = static_cast<float>(s);
+    TORCH_CHECK_VALUE(std::isfinite(s) && s > 0 && std::isfinite(s32) && s32 > 0, kOp,
+                      "(): 'logit_softcap' must be finite and > 0 as a float32 (None: no cap), "
+                      "got ", s);
+    a.softcap = s;
+  }
 
   a.hidden = hidden;
   a.lm_head_weight = lm_head_weight;
@@ -78,8 +90,10 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
   a.term_scale = term_scale.contiguous();
   a.grad = compute_grad || lm_head_grad;
   a.lm_head_grad = lm_head_grad;
-  const int64_t per_row =
-      a.vocab * static_cast<int64_t>(hidden.element_size()) * (a.target_hidden.defined() ? 2 : 1);
+  // Scratch rows per chunk row: z, t with a target, the Markov bias apart with a cap.
+  const int64_t buffers = 1 + (a.target_hidden.defined() ? 1 : 0) +
+                          (a.softcap > 0 && a.markov_latent.defined() ? 1 : 0);
+  const int64_t per_row = a.vocab * static_cast<int64_t>(hidden.element_size()) * buffers;
   a.chunk_rows =
       chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, default_scratch_bytes / per_row);
   a.chunk_rows = std::max<int64_t>(1, std::min(a.chunk_rows, a.rows));
@@ -115,6 +129,9 @@ LossResult run_dspark_loss(const LossArgs& a, LossRowKernel kernel) {
   const auto f32 = a.hidden.options().dtype(
       a.hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   const bool has_t = a.target_hidden.defined(), has_u = a.markov_latent.defined();
+  // With a cap the Markov bias is added after it, by the kernel: the bias has its own scratch,
+  // and z keeps W h, whose tanh the cap's slope needs.
+  const bool bias_apart = a.softcap > 0 && has_u;
   auto ce = at::empty({a.rows}, f32);
   auto l1 = at::empty({has_t ? a.rows : 0}, f32);
   // Outputs never alias: a gradient not computed is its own empty tensor.
@@ -129,6 +146,7 @@ LossResult run_dspark_loss(const LossArgs& a, LossRowKernel kernel) {
   // Scratch of one chunk, reused: the only [rows, V] memory the op holds.
   auto z_buffer = at::empty({a.rows > 0 ? C : 0, a.vocab}, a.hidden.options());
   auto t_buffer = at::empty({has_t && a.rows > 0 ? C : 0, a.vocab}, a.hidden.options());
+  auto bias_buffer = at::empty({bias_apart && a.rows > 0 ? C : 0, a.vocab}, a.hidden.options());
   for (int64_t start = 0; start < a.rows; start += C) {
     const int64_t n = std::min(C, a.rows - start);
     const bool first = start == 0;
@@ -139,7 +157,12 @@ LossResult run_dspark_loss(const LossArgs& a, LossRowKernel kernel) {
     at::Tensor u;
     if (has_u) {
       u = a.markov_latent.narrow(0, start, n);
-      chunk.z.addmm_(u, a.markov_w2.t());
+      if (bias_apart) {
+        chunk.bias = bias_buffer.narrow(0, 0, n);
+        at::mm_out(chunk.bias, u, a.markov_w2.t());
+      } else {
+        chunk.z.addmm_(u, a.markov_w2.t());
+      }
     }
     at::Tensor g;
     if (has_t) {
@@ -154,15 +177,19 @@ LossResult run_dspark_loss(const LossArgs& a, LossRowKernel kernel) {
     chunk.ce = ce.narrow(0, start, n);
     chunk.grad = a.grad;
     chunk.t_grad = a.lm_head_grad && has_t;
+    chunk.softcap = a.softcap;
     kernel(chunk);
     if (!a.grad) continue;
-    // z (and t) now hold the loss's gradients with respect to the logits.
+    // z (and t) now hold the loss's gradients with respect to the LM head's products W h (and
+    // W g): the logits' gradients, times the cap's slope with a cap. The Markov bias gets the
+    // logits' own: bias holds them with a cap, z without one.
     auto gh = grad_hidden.narrow(0, start, n);
     at::mm_out(gh, chunk.z, W);
     if (has_u) {
+      const auto& dz = bias_apart ? chunk.bias : chunk.z;
       auto gu = grad_latent.narrow(0, start, n);
-      at::mm_out(gu, chunk.z, a.markov_w2);
-      accumulate_product(grad_w2, chunk.z.t(), u, first);
+      at::mm_out(gu, dz, a.markov_w2);
+      accumulate_product(grad_w2, dz.t(), u, first);
     }
     if (a.lm_head_grad) {
       accumulate_product(grad_lm_head, chunk.z.t(), h, first);

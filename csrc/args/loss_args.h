@@ -25,6 +25,7 @@ struct LossArgs {
   at::Tensor markov_w2;       // [V, r] or undefined (with markov_latent)
   bool grad = false;          // compute the gradients of the loss during the forward
   bool lm_head_grad = false;  // ... and the LM head's
+  double softcap = 0;         // logit_softcap, 0 for none
   int64_t rows = 0, vocab = 0, hidden_size = 0, rank = 0, chunk_rows = 0;
 };
 
@@ -35,13 +36,19 @@ LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_h
                                 const std::optional<at::Tensor>& markov_latent,
                                 const std::optional<at::Tensor>& markov_w2, bool compute_grad,
                                 bool lm_head_grad, int64_t chunk_rows,
+                                std::optional<double> logit_softcap,
                                 int64_t default_scratch_bytes);
 
-// One chunk of C rows as the backend kernel sees it. z (and t) are contiguous [C, V] in the
-// inputs' dtype; with `grad` the kernel overwrites z with d loss / d z, with `t_grad` t with
-// d loss / d t.
+// One chunk of C rows as the backend kernel sees it. z, bias and t are contiguous [C, V] in the
+// inputs' dtype. Without a soft cap, z holds the draft logits W h + W2 u and t the target logits
+// W g; with `grad` the kernel overwrites z with d loss / d z, with `t_grad` t with d loss / d t.
+// With a cap s (softcap > 0) the buffers hold the LM head's products W h and W g, and, with a
+// Markov head, bias holds W2 u: the kernel caps as it reads (z = s tanh(W h / s) + W2 u,
+// t = s tanh(W g / s)) and overwrites z with d loss / d (W h), t with d loss / d (W g) (the
+// logits' gradients times the cap's slope 1 - tanh^2) and bias with d loss / d z.
 struct LossChunk {
-  at::Tensor z;           // draft logits W h + W2 u
+  at::Tensor z;           // draft logits W h + W2 u; W h with a cap
+  at::Tensor bias;        // W2 u with a cap and a Markov head, else undefined
   at::Tensor t;           // target logits W g, or undefined
   at::Tensor labels;      // int64 [C]
   at::Tensor weights;     // float32 [C]
@@ -49,6 +56,7 @@ struct LossChunk {
   at::Tensor ce;          // [C], out: float32 (float64 for float64 inputs)
   at::Tensor l1;          // [C], out, as ce (undefined without t)
   bool grad = false, t_grad = false;
+  double softcap = 0;     // s, 0 for no cap
 };
 using LossRowKernel = void (*)(const LossChunk&);
 

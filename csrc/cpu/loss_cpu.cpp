@@ -7,6 +7,8 @@
 // sums (so the logsumexps, ce, p and q), the L1 sums |p - q|, <s,p>, <s,q>, and, for training, the
 // logits' gradients (kernels/loss_math.h), written back over the chunk's logits. Sums are kept per
 // vector lane and added lane by lane at the end: a row's results do not depend on the thread count.
+// With a logit soft cap the scratch rows are capped as they are loaded (the Markov bias added
+// after the cap) and keep the cap's slope beside them for the gradients.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -120,6 +122,27 @@ L1SumsOf<F> l1_sums(const F* p, const F* q, int64_t n) {
   return out;
 }
 
+// x = s tanh(x / s) + bias (bias may be nullptr) in place, and slope = 1 - tanh^2(x / s) where
+// slope is not nullptr (kernels/loss_math.h: x / s as x * inv_s).
+template <typename F>
+void soft_cap_row(F* x, int64_t n, F s, F inv_s, const F* bias, F* slope) {
+  using Vec = at::vec::Vectorized<F>;
+  const Vec cap(s), inv(inv_s), one(F(1));
+  int64_t v = 0;
+  for (; v + Vec::size() <= n; v += Vec::size()) {
+    const Vec th = (Vec::loadu(x + v) * inv).tanh();
+    Vec out = cap * th;
+    if (bias != nullptr) out = out + Vec::loadu(bias + v);
+    out.store(x + v);
+    if (slope != nullptr) (one - th * th).store(slope + v);
+  }
+  for (; v < n; ++v) {
+    const SoftCapped<F> c = soft_cap(x[v], s, inv_s);
+    x[v] = bias != nullptr ? c.value + bias[v] : c.value;
+    if (slope != nullptr) slope[v] = c.slope;
+  }
+}
+
 // p = softmax(x) in place; returns logsumexp(x).
 template <typename F>
 F softmax_row(F* x, int64_t n) {
@@ -133,9 +156,12 @@ template <typename T>
 void loss_rows(const LossChunk& c) {
   using F = Acc<T>;
   const int64_t rows = c.z.size(0), vocab = c.z.size(1);
-  const bool has_t = c.t.defined();
+  const bool has_t = c.t.defined(), capped = c.softcap > 0;
+  const F cap = static_cast<F>(c.softcap);
+  const F inv_cap = capped ? soft_cap_inverse<F>(c.softcap) : F(0);
   T* z_all = c.z.data_ptr<T>();
   T* t_all = has_t ? c.t.data_ptr<T>() : nullptr;
+  T* bias_all = c.bias.defined() ? c.bias.data_ptr<T>() : nullptr;
   const int64_t* labels = c.labels.const_data_ptr<int64_t>();
   const float* weights = c.weights.const_data_ptr<float>();
   const F* term_scale = c.term_scale.const_data_ptr<F>();
@@ -143,9 +169,17 @@ void loss_rows(const LossChunk& c) {
   F* l1 = has_t ? c.l1.data_ptr<F>() : nullptr;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<F> p(vocab), q(has_t ? vocab : 0), g(c.grad ? vocab : 0);
+    // With a cap: the Markov bias row, and the cap's slopes where gradients need them.
+    std::vector<F> bias(bias_all != nullptr ? vocab : 0);
+    std::vector<F> slope_z(capped && c.grad ? vocab : 0), slope_t(capped && c.t_grad ? vocab : 0);
     for (int64_t i = begin; i < end; ++i) {
       T* z = z_all + i * vocab;
       load_row(z, vocab, p.data());
+      if (capped) {
+        if (bias_all != nullptr) load_row(bias_all + i * vocab, vocab, bias.data());
+        soft_cap_row(p.data(), vocab, cap, inv_cap, bias_all != nullptr ? bias.data() : nullptr,
+                     c.grad ? slope_z.data() : nullptr);
+      }
       const int64_t y = labels[i];
       // Labels are range-checked on CPU; an unchecked one never becomes an index.
       const F z_y = y >= 0 && y < vocab ? p[y] : std::numeric_limits<F>::quiet_NaN();
@@ -153,6 +187,10 @@ void loss_rows(const LossChunk& c) {
       L1SumsOf<F> sums{0, 0, 0};
       if (has_t) {
         load_row(t_all + i * vocab, vocab, q.data());
+        if (capped) {
+          soft_cap_row(q.data(), vocab, cap, inv_cap, static_cast<const F*>(nullptr),
+                       c.t_grad ? slope_t.data() : nullptr);
+        }
         softmax_row(q.data(), vocab);
         sums = l1_sums(p.data(), q.data(), vocab);
         l1[i] = sums.l1;
@@ -164,10 +202,18 @@ void loss_rows(const LossChunk& c) {
         const F s = has_t ? l1_sign(p[v], q[v]) : F(0);
         g[v] = draft_logit_grad(p[v], s, v == y, a, b, sums.sp);
       }
+      if (capped) {
+        // The bias gets d loss / d z itself, the product W h it times the cap's slope.
+        if (bias_all != nullptr) store_row(g.data(), vocab, bias_all + i * vocab);
+        for (int64_t v = 0; v < vocab; ++v) g[v] *= slope_z[v];
+      }
       store_row(g.data(), vocab, z);
       if (c.t_grad) {
         for (int64_t v = 0; v < vocab; ++v) {
           g[v] = target_logit_grad(q[v], l1_sign(p[v], q[v]), b, sums.sq);
+        }
+        if (capped) {
+          for (int64_t v = 0; v < vocab; ++v) g[v] *= slope_t[v];
         }
         store_row(g.data(), vocab, t_all + i * vocab);
       }
@@ -192,10 +238,11 @@ LossResult dspark_loss_cpu(const at::Tensor& hidden, const at::Tensor& lm_head_w
                            const std::optional<at::Tensor>& target_hidden,
                            const std::optional<at::Tensor>& markov_latent,
                            const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                           bool lm_head_grad, int64_t chunk_rows) {
+                           bool lm_head_grad, int64_t chunk_rows,
+                           std::optional<double> logit_softcap) {
   const auto args = check_dspark_loss_args(hidden, lm_head_weight, labels, weights, term_scale,
                                            target_hidden, markov_latent, markov_w2, compute_grad,
-                                           lm_head_grad, chunk_rows,
+                                           lm_head_grad, chunk_rows, logit_softcap,
                                            kLossScratchBytesCpu);
   return run_dspark_loss(args, &loss_rows_cpu);
 }

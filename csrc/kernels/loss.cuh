@@ -8,8 +8,14 @@
 //   2. p = exp(z - lse_z), q = exp(t - lse_t): |p - q|, <s,p>, <s,q> summed over the block;
 //   3. (training) d loss / d z written over z, and d loss / d t over t when the LM head trains.
 // p and q are recomputed in pass 3 by the same expression as in pass 2, so s = sign(p - q) is the
-// same in both. The pass is memory-bound and small beside the chunk's products (the products are
-// O(d) flops per logit, the pass O(1)); a label outside [0, V) is never used as an index (its
+// same in both. With a logit soft cap (the kCap instantiation) z and t hold the LM head's products
+// and a third row the Markov bias: every pass caps as it reads (z = s tanh(W h / s) + W2 u,
+// t = s tanh(W g / s), a tanh per element and pass, as the exponentials are recomputed) and pass 3
+// writes the logits' gradients times the cap's slope over z and t, the logits' own over the bias
+// (kernels/loss_math.h). The uncapped instantiation reads no bias and computes no tanh.
+// The pass is small beside the chunk's products (the products are O(d) flops per logit, the pass
+// O(1); the tanhs make the capped pass issue-bound rather than memory-bound, at about twice the
+// uncapped pass's instructions per element); a label outside [0, V) is never used as an index (its
 // row's ce is NaN and no logit gets the label term). Reductions run in a fixed order: a row's
 // results do not depend on the rest of the chunk.
 //
@@ -55,6 +61,8 @@ __device__ __forceinline__ void loss_store(__half* p, float v) { *p = __float2ha
 
 struct LossRowParams {
   int64_t vocab;
+  float softcap;             // s, read by the kCap instantiation only
+  float inv_softcap;         // 1 / s (soft_cap_inverse), likewise
   const int64_t* labels;     // [rows]
   const float* weights;      // [rows]
   const float* term_scale;   // [2]: ce and l1 coefficients per unit weight
@@ -63,52 +71,82 @@ struct LossRowParams {
   bool grad, t_grad;
 };
 
-// Calls f(v, z[v], t[v]) (t[v] = 0 without t) for the elements v of the row this thread owns.
-// Rows whose byte length is a multiple of 16 (so every row of the chunk starts 16-byte aligned)
-// are read 16 bytes per tensor and iteration, a thread's kLossVec elements at a time: a scalar
-// 16-bit load per element keeps too few bytes in flight for the HBM's latency. Other rows are
-// read an element at a time.
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_element(const T* z, const T* t, int64_t vocab, F&& f) {
+// Calls f(v, z[v], m[v], t[v]) (m[v] = 0 without m or without kBias, t[v] = 0 without t) for the
+// elements v of the row this thread owns. Rows whose byte length is a multiple of 16 (so every row
+// of the chunk starts 16-byte aligned) are read 16 bytes per tensor and iteration, a thread's
+// kLossVec elements at a time: a scalar 16-bit load per element keeps too few bytes in flight for
+// the HBM's latency. Other rows are read an element at a time. Without kBias m is never read.
+template <bool kBias, typename T, typename F>
+__device__ __forceinline__ void for_each_element(const T* z, const T* m, const T* t,
+                                                 int64_t vocab, F&& f) {
   constexpr int kVec = 16 / sizeof(T);
+  const bool has_m = kBias && m != nullptr;
   if ((vocab * static_cast<int64_t>(sizeof(T))) % 16 == 0) {
     for (int64_t base = threadIdx.x * int64_t{kVec}; base < vocab;
          base += int64_t{blockDim.x} * kVec) {
       union Pack {
         uint4 raw;
         T x[kVec];
-      } zp, tp;
+      } zp, mp, tp;
       zp.raw = *reinterpret_cast<const uint4*>(z + base);  // no __ldg: pass 3 writes z
+      if (has_m) mp.raw = *reinterpret_cast<const uint4*>(m + base);
       if (t != nullptr) tp.raw = *reinterpret_cast<const uint4*>(t + base);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        f(base + e, loss_load(zp.x[e]), t != nullptr ? loss_load(tp.x[e]) : 0.f);
+        f(base + e, loss_load(zp.x[e]), has_m ? loss_load(mp.x[e]) : 0.f,
+          t != nullptr ? loss_load(tp.x[e]) : 0.f);
       }
     }
   } else {
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-      f(v, loss_load(z[v]), t != nullptr ? loss_load(t[v]) : 0.f);
+      f(v, loss_load(z[v]), has_m ? loss_load(m[v]) : 0.f, t != nullptr ? loss_load(t[v]) : 0.f);
     }
   }
 }
 
-template <typename T>
+// The logits from what the rows hold: without kCap the logits themselves; with it the products,
+// capped, and the draft's bias added after the cap.
+template <bool kCap>
+__device__ __forceinline__ float draft_logit(float zv, float mv, float cap, float inv_cap) {
+  if constexpr (kCap) {
+    return soft_cap(zv, cap, inv_cap).value + mv;
+  } else {
+    return zv;
+  }
+}
+
+template <bool kCap>
+__device__ __forceinline__ float target_logit(float tv, float cap, float inv_cap) {
+  if constexpr (kCap) {
+    return soft_cap(tv, cap, inv_cap).value;
+  } else {
+    return tv;
+  }
+}
+
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(kLossThreads)
-    dspark_loss_kernel(T* __restrict__ z_rows, T* __restrict__ t_rows, LossRowParams p) {
+    dspark_loss_kernel(T* __restrict__ z_rows, T* __restrict__ m_rows, T* __restrict__ t_rows,
+                       LossRowParams p) {
   __shared__ LogSumExp lse_scratch[32];
   __shared__ L1Sums sum_scratch[32];
   const int64_t row = blockIdx.x, vocab = p.vocab;
   T* z = z_rows + row * vocab;
+  T* m = kCap && m_rows != nullptr ? m_rows + row * vocab : nullptr;
   T* t = t_rows != nullptr ? t_rows + row * vocab : nullptr;
+  const float cap = kCap ? p.softcap : 0.f, inv_cap = kCap ? p.inv_softcap : 0.f;
   const int64_t y = p.labels[row];
   const bool label_ok = y >= 0 && y < vocab;
   // Read before the block's first barrier, so before pass 3 overwrites the row.
-  const float z_y = threadIdx.x == 0 && label_ok ? loss_load(z[y]) : 0.f;
+  const float z_y = threadIdx.x == 0 && label_ok
+                        ? draft_logit<kCap>(loss_load(z[y]), m != nullptr ? loss_load(m[y]) : 0.f,
+                                            cap, inv_cap)
+                        : 0.f;
 
   LogSumExp sz{-INFINITY, 0.f}, st{-INFINITY, 0.f};
-  for_each_element(z, t, vocab, [&](int64_t, float zv, float tv) {
-    sz = lse_add(sz, zv);
-    if (t != nullptr) st = lse_add(st, tv);
+  for_each_element<kCap>(z, m, t, vocab, [&](int64_t, float zv, float mv, float tv) {
+    sz = lse_add(sz, draft_logit<kCap>(zv, mv, cap, inv_cap));
+    if (t != nullptr) st = lse_add(st, target_logit<kCap>(tv, cap, inv_cap));
   });
   const auto merge_lse = [](LogSumExp a, LogSumExp b) { return lse_merge(a, b); };
   const LogSumExp empty{-INFINITY, 0.f};
@@ -118,8 +156,9 @@ __global__ void __launch_bounds__(kLossThreads)
 
   L1Sums sums{0.f, 0.f, 0.f};
   if (t != nullptr) {
-    for_each_element(z, t, vocab, [&](int64_t, float zv, float tv) {
-      const float pv = loss_exp(zv - lse_z), qv = loss_exp(tv - lse_t);
+    for_each_element<kCap>(z, m, t, vocab, [&](int64_t, float zv, float mv, float tv) {
+      const float pv = loss_exp(draft_logit<kCap>(zv, mv, cap, inv_cap) - lse_z);
+      const float qv = loss_exp(target_logit<kCap>(tv, cap, inv_cap) - lse_t);
       const float s = l1_sign(pv, qv);
       sums = l1_merge(sums, L1Sums{fabsf(pv - qv), s * pv, s * qv});
     });
@@ -133,35 +172,61 @@ __global__ void __launch_bounds__(kLossThreads)
   // passes above (the block reductions' barriers order them).
   const float w = p.weights[row];
   const float a = w * p.term_scale[0], b = t != nullptr ? w * p.term_scale[1] : 0.f;
-  for_each_element(z, t, vocab, [&](int64_t v, float zv, float tv) {
-    const float pv = loss_exp(zv - lse_z);
-    float s = 0.f, qv = 0.f;
-    if (t != nullptr) {
-      qv = loss_exp(tv - lse_t);
-      s = l1_sign(pv, qv);
+  for_each_element<kCap>(z, m, t, vocab, [&](int64_t v, float zv, float mv, float tv) {
+    if constexpr (kCap) {
+      const SoftCapped<float> cz = soft_cap(zv, cap, inv_cap);
+      const float pv = loss_exp(cz.value + mv - lse_z);
+      float s = 0.f, qv = 0.f;
+      SoftCapped<float> ct{0.f, 0.f};
+      if (t != nullptr) {
+        ct = soft_cap(tv, cap, inv_cap);
+        qv = loss_exp(ct.value - lse_t);
+        s = l1_sign(pv, qv);
+      }
+      const float gz = draft_logit_grad(pv, s, v == y, a, b, sums.sp);
+      if (m != nullptr) loss_store(m + v, gz);
+      loss_store(z + v, gz * cz.slope);
+      if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq) * ct.slope);
+    } else {
+      const float pv = loss_exp(zv - lse_z);
+      float s = 0.f, qv = 0.f;
+      if (t != nullptr) {
+        qv = loss_exp(tv - lse_t);
+        s = l1_sign(pv, qv);
+      }
+      loss_store(z + v, draft_logit_grad(pv, s, v == y, a, b, sums.sp));
+      if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq));
     }
-    loss_store(z + v, draft_logit_grad(pv, s, v == y, a, b, sums.sp));
-    if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq));
   });
 }
 
-// z and t: contiguous [rows, V] of `dtype` (t may be nullptr).
-inline cudaError_t launch_dspark_loss(int dtype, void* z, void* t, int64_t rows,
+template <typename T>
+inline void launch_dspark_loss_typed(void* z, void* bias, void* t, unsigned grid,
+                                     const LossRowParams& params, cudaStream_t stream) {
+  if (params.softcap > 0.f) {
+    DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<T, true>)(
+        static_cast<T*>(z), static_cast<T*>(bias), static_cast<T*>(t), params);
+  } else {
+    DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<T, false>)(
+        static_cast<T*>(z), nullptr, static_cast<T*>(t), params);
+  }
+}
+
+// z, bias and t: contiguous [rows, V] of `dtype` (t may be nullptr; bias is read with a cap,
+// params.softcap > 0, and may be nullptr).
+inline cudaError_t launch_dspark_loss(int dtype, void* z, void* bias, void* t, int64_t rows,
                                       const LossRowParams& params, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(rows);
   switch (dtype) {
     case kLossBFloat16:
-      DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<__nv_bfloat16>)(
-          static_cast<__nv_bfloat16*>(z), static_cast<__nv_bfloat16*>(t), params);
+      launch_dspark_loss_typed<__nv_bfloat16>(z, bias, t, grid, params, stream);
       break;
     case kLossHalf:
-      DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<__half>)(
-          static_cast<__half*>(z), static_cast<__half*>(t), params);
+      launch_dspark_loss_typed<__half>(z, bias, t, grid, params, stream);
       break;
     default:
-      DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<float>)(
-          static_cast<float*>(z), static_cast<float*>(t), params);
+      launch_dspark_loss_typed<float>(z, bias, t, grid, params, stream);
   }
   return cudaGetLastError();
 }

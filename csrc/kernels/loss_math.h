@@ -9,11 +9,17 @@
 // (d l1 / d z_v = sum_k s_k p_k (delta_kv - p_v); the target side is the same with q and a minus
 // sign). The two logsumexps are accumulated online: (max, sum of exp(x - max)) pairs that merge
 // in any order.
+//
+// With a logit soft cap s (Gemma4's final_logit_softcapping), the LM head's products x = W h and
+// W g become cap(x) = s tanh(x / s) before the Markov bias is added, z = cap(W h) + W2 u,
+// t = cap(W g); the products' gradients are the logits' times cap'(x) = 1 - tanh^2(x / s), and
+// the bias's are the logits' own.
 #pragma once
 
 #include <math.h>
 
 #include <cmath>
+#include <limits>
 
 #include "../common/philox.h"  // DSPARK_HOST_DEVICE
 
@@ -51,6 +57,47 @@ DSPARK_HOST_DEVICE float lse_value(LogSumExp a) {
 #else
   return a.max + std::log(a.sum);
 #endif
+}
+
+DSPARK_HOST_DEVICE float loss_tanh(float x) {
+#if defined(__CUDA_ARCH__)
+  return tanhf(x);
+#else
+  return std::tanh(x);
+#endif
+}
+
+DSPARK_HOST_DEVICE double loss_tanh(double x) {
+#if defined(__CUDA_ARCH__)
+  return tanh(x);
+#else
+  return std::tanh(x);
+#endif
+}
+
+// cap(x) = s tanh(x / s) and its slope 1 - tanh^2(x / s), as autograd of torch.tanh has it (the
+// slope from the rounded tanh: exactly 0 where tanh rounds to +-1). x / s is taken as x times
+// inv_s = 1 / s (soft_cap_inverse): a multiply per element where an IEEE division would cost a
+// dozen instructions and a slow-path branch on the GPU; it differs from x / s by at most an ulp.
+template <typename F>
+struct SoftCapped {
+  F value;
+  F slope;
+};
+
+template <typename F>
+DSPARK_HOST_DEVICE SoftCapped<F> soft_cap(F x, F s, F inv_s) {
+  const F th = loss_tanh(x * inv_s);
+  return SoftCapped<F>{s * th, F(1) - th * th};
+}
+
+// 1 / s in F, at most F's largest finite value: for a subnormal float32 s the products then
+// overflow to +-inf (tanh +-1, as x / s would) instead of giving 0 * inf = NaN at x = 0.
+template <typename F>
+inline F soft_cap_inverse(double s) {
+  const double inv = 1.0 / s;
+  const double largest = static_cast<double>(std::numeric_limits<F>::max());
+  return static_cast<F>(inv < largest ? inv : largest);
 }
 
 // sign(p - q): +1, -1, or 0 at a tie. (Templates: the CPU kernel also runs float64 inputs in

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Optional, Sequence, Union
 
 import torch
@@ -52,13 +54,16 @@ def dspark_loss(
     confidence_weight: float = 1.0,
     denominators: Denominators = None,
     chunk_rows: Optional[int] = None,
+    logit_softcap: Optional[float] = None,
 ) -> LossOutput:
     """DSpark's training loss, without ever holding the ``[N, V]`` logits in float32.
 
     The weighted sum of the draft's cross-entropy, the L1 distance between the draft and target
     distributions and the confidence head's BCE against the expected acceptance
     ``c* = clamp(1 - l1 / 2, 0, 1)``, each over ``sum(w) + 1e-6``, as DeepSpec's
-    ``compute_dspark_loss``; the formula and its gradients: docs/semantics.md §3.7.
+    ``compute_dspark_loss``; the formula and its gradients: docs/semantics.md §3.7. With
+    ``logit_softcap`` (Gemma4's drafts) the LM head's products are soft-capped before the Markov
+    bias is added, for the draft and the target alike.
 
     The logits are made a chunk of rows at a time (one product for the draft's, one for the
     target's) and a fused vocabulary pass computes both log-sum-exps, ``ce``, ``l1`` and, when
@@ -93,6 +98,12 @@ def dspark_loss(
         Global divisors per term (see :func:`loss_denominators`); default the local ``S``.
     chunk_rows : int, optional
         Rows per chunk; default: as many as fit 256 MiB of logits on CUDA, 128 MiB on CPU.
+    logit_softcap : float, optional
+        ``s``: the logits become ``z = s * tanh(W h / s) + W2 u`` and ``t = s * tanh(W g / s)``
+        (Gemma4's ``final_logit_softcapping``, 30), with every gradient through the cap
+        (``1 - tanh^2``). Finite and ``> 0`` (as a float32); ``None`` (default): no cap, and the
+        op computes exactly what it does without the argument. With a Markov head the cap needs
+        a third chunk of ``[rows, V]`` scratch (the bias apart), within the same default budget.
 
     Returns
     -------
@@ -125,7 +136,7 @@ def dspark_loss(
     fused, ce, l1, *_ = torch.ops.dspark_ops.dspark_loss(
         hidden, lm_head_weight, labels, weights, term_scale, target_hidden=target_hidden,
         markov_latent=markov_latent, markov_w2=markov_w2, compute_grad=compute_grad,
-        lm_head_grad=lm_head_grad, chunk_rows=chunk_rows or 0)
+        lm_head_grad=lm_head_grad, chunk_rows=chunk_rows or 0, logit_softcap=logit_softcap)
     ce, l1 = ce.detach(), l1.detach()
     w = weights.to(ce.dtype)
     zero = fused.new_zeros(())
@@ -150,11 +161,31 @@ def dspark_loss(
     )
 
 
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32 (infinite past its range), as a C++ cast."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def check_logit_softcap(logit_softcap: Optional[float]) -> None:
+    """Refuses a cap the kernels cannot apply, as the entry points do (args/loss_args.cpp)."""
+    if logit_softcap is None:
+        return
+    s = float(logit_softcap)
+    s32 = _as_float32(s)
+    if not (math.isfinite(s) and s > 0 and math.isfinite(s32) and s32 > 0):
+        raise ValueError("dspark_loss(): 'logit_softcap' must be finite and > 0 as a float32 "
+                         f"(None: no cap), got {logit_softcap}")
+
+
 @torch.library.register_fake("dspark_ops::dspark_loss")
 @checked_fake("dspark_loss")
 def _dspark_loss_fake(hidden, lm_head_weight, labels, weights, term_scale, target_hidden=None,
                       markov_latent=None, markov_w2=None, compute_grad=False,
-                      lm_head_grad=False, chunk_rows=0):
+                      lm_head_grad=False, chunk_rows=0, logit_softcap=None):
+    check_logit_softcap(logit_softcap)
     rows, width = hidden.shape
     vocab = lm_head_weight.shape[0]
     wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -198,7 +229,7 @@ def _backward(ctx, grad_loss, *_unused):
         None, None, None, None,
         scaled(grad_latent) if ctx.has_markov else None,
         scaled(grad_w2) if ctx.has_markov else None,
-        None, None, None,
+        None, None, None, None,
     )
 
 

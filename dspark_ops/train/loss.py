@@ -4,11 +4,10 @@ training metrics.
 :func:`draft_loss` weights every block slot with DeepSpec's ``eval_mask * exp(-k / gamma)``,
 flattens the batch and calls the fused :func:`dspark_ops.dspark_loss` with the draft's own LM head
 and Markov ``W2``: DSpark's ``0.1 CE + 0.9 L1 + 1.0 BCE`` by default, DFlash's CE alone for a draft
-without a Markov head. A draft with soft-capped logits (Gemma4) trains with
-:func:`softcapped_dspark_loss`, the eager formula with the cap, since the fused op has none.
-:func:`block_metrics` turns the per-slot expected acceptance ``c*`` into
-DeepSpec's ``accept_rate@k`` and ``tau_probabilistic`` (as sums, so that data-parallel ranks can
-add them up before dividing).
+without a Markov head. A draft with soft-capped logits (Gemma4's ``final_logit_softcapping``)
+passes its cap to the same fused op (``logit_softcap``). :func:`block_metrics` turns the
+per-slot expected acceptance ``c*`` into DeepSpec's ``accept_rate@k`` and ``tau_probabilistic``
+(as sums, so that data-parallel ranks can add them up before dividing).
 
 Example
 -------
@@ -31,7 +30,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -140,7 +138,8 @@ def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: floa
         trainer passes the all-reduced sums ``+ 1e-6``.
     loss_fn : callable, optional
         Replaces :func:`dspark_ops.dspark_loss` (same signature), e.g.
-        :func:`dspark_ops.reference.dspark_loss` to compare against the eager formula.
+        :func:`dspark_ops.reference.dspark_loss` to compare against the eager formula. A draft
+        with ``config.final_logit_softcapping`` set (Gemma4) passes it as ``logit_softcap``.
 
     Returns
     -------
@@ -158,12 +157,7 @@ def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: floa
     fn = dspark_loss if loss_fn is None else loss_fn
     cap = getattr(draft.config, "final_logit_softcapping", None)
     if cap is not None:
-        from .. import reference
-
-        if loss_fn not in (None, reference.dspark_loss):
-            raise ValueError("draft_loss(): a soft-capped (Gemma4) draft trains with "
-                             "softcapped_dspark_loss; loss_fn cannot replace it")
-        fn = functools.partial(softcapped_dspark_loss, cap=float(cap))
+        inputs["logit_softcap"] = float(cap)
     hidden, head, labels, weights = (inputs.pop(k) for k in ("hidden", "lm_head_weight",
                                                              "labels", "weights"))
     return fn(hidden, head, labels, weights, **inputs, ce_weight=alpha, l1_weight=beta,
@@ -174,21 +168,19 @@ def softcapped_dspark_loss(hidden, lm_head_weight, labels, weights, *, cap: floa
                            target_hidden=None, markov_latent=None, markov_w2=None,
                            confidence_logits=None, ce_weight=0.1, l1_weight=0.9,
                            confidence_weight=1.0, denominators=None) -> LossOutput:
-    """DeepSpec's loss for a draft with soft-capped logits (Gemma4), eagerly: the formula of
-    :func:`dspark_ops.reference.dspark_loss` with the base logits ``cap * tanh(W h / cap)`` and
-    the Markov bias added after the cap, ``z = cap * tanh(W h / cap) + W2 u``; the target's
-    logits are capped the same way, ``t = cap * tanh(W h_t / cap)`` (DeepSpec's Gemma4 trainer
-    feeds the target's last hidden state through the draft's LM head and cap). Gradients flow
-    through the cap (``1 - tanh^2``). It holds several ``[N, V]`` tensors at once:
-    :func:`dspark_ops.dspark_loss` has no cap argument, so a Gemma4 draft trains on this path."""
-    from .. import reference
-
-    return reference.dspark_loss_of_logits(
-        hidden, lm_head_weight, labels, weights,
-        lambda product: cap * torch.tanh(product / cap), target_hidden=target_hidden,
-        markov_latent=markov_latent, markov_w2=markov_w2, confidence_logits=confidence_logits,
-        ce_weight=ce_weight, l1_weight=l1_weight, confidence_weight=confidence_weight,
-        denominators=denominators)
+    """DeepSpec's loss for a draft with soft-capped logits (Gemma4), fused:
+    :func:`dspark_ops.dspark_loss` with ``logit_softcap=cap``. The base logits are
+    ``cap * tanh(W h / cap)`` and the Markov bias is added after the cap,
+    ``z = cap * tanh(W h / cap) + W2 u``; the target's logits are capped the same way,
+    ``t = cap * tanh(W h_t / cap)`` (DeepSpec's Gemma4 trainer feeds the target's last hidden
+    state through the draft's LM head and cap). Gradients flow through the cap
+    (``1 - tanh^2``). The eager formula is :func:`dspark_ops.reference.dspark_loss` with the same
+    ``logit_softcap``."""
+    return dspark_loss(hidden, lm_head_weight, labels, weights, target_hidden=target_hidden,
+                       markov_latent=markov_latent, markov_w2=markov_w2,
+                       confidence_logits=confidence_logits, ce_weight=ce_weight,
+                       l1_weight=l1_weight, confidence_weight=confidence_weight,
+                       denominators=denominators, logit_softcap=cap)
 
 
 @torch.no_grad()

@@ -349,7 +349,8 @@ def _loss_build(seed):
              target_hidden=torch.randn(N, d, generator=g) / d**0.5 if _flag(seed, 0) else None,
              markov_latent=None, markov_w2=None,
              compute_grad=_flag(seed, 2), lm_head_grad=_flag(seed, 2) and _flag(seed, 3),
-             chunk_rows=2 if _flag(seed, 4) else 0)
+             chunk_rows=2 if _flag(seed, 4) else 0,
+             logit_softcap=2.0 if _flag(seed, 0) != _flag(seed, 1) else None)
     if _flag(seed, 1):
         a["markov_latent"] = torch.randn(N, r, generator=g) / 4
         a["markov_w2"] = torch.randn(V, r, generator=g)
@@ -358,7 +359,9 @@ def _loss_build(seed):
 
 def _loss_reference(a):
     """loss = sum_i w_i (s0 ce_i + s1 l1_i), ce and l1 per row, in float64."""
-    z = a["hidden"].double() @ a["lm_head_weight"].double().T
+    cap = a.get("logit_softcap")
+    capped = (lambda x: x) if cap is None else (lambda x: cap * torch.tanh(x / cap))
+    z = capped(a["hidden"].double() @ a["lm_head_weight"].double().T)
     if a["markov_latent"] is not None:
         z = z + a["markov_latent"].double() @ a["markov_w2"].double().T
     ce = torch.logsumexp(z, -1) - z.gather(-1, a["labels"].long()[:, None]).squeeze(-1)
@@ -367,7 +370,7 @@ def _loss_reference(a):
     loss = (w * s[0] * ce).sum()
     l1 = torch.zeros(0, dtype=torch.float64)
     if a["target_hidden"] is not None:
-        t = a["target_hidden"].double() @ a["lm_head_weight"].double().T
+        t = capped(a["target_hidden"].double() @ a["lm_head_weight"].double().T)
         l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
         loss = loss + (w * s[1] * l1).sum()
     return loss, ce, l1
