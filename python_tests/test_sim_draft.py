@@ -51,6 +51,14 @@ from cases.draft import (
     rnn_state_case,
     teacher_forced_logits,
 )
+from cases.tails import (
+    CONFIDENCE_SEGMENT,
+    DRAFT_KINDS,
+    DRAFT_VOCABS,
+    check_draft_tail,
+    confidence_tail_cases,
+    draft_tail_case,
+)
 from cases.verify import make_case as verify_case
 
 pytestmark = pytest.mark.sim
@@ -1055,3 +1063,32 @@ def test_filtered_row_without_finite_logit_is_stored_as_minus_inf(sim, logits_dt
     assert got[1][0, 1].float().isneginf().all() and got[1][1, 0].float().isneginf().all()
     assert torch.equal(got[0], cpu[0]) and torch.equal(got[0], want.tokens)
     assert torch.equal(got[1].float().isneginf(), want.draft_logits.float().isneginf())
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary tails (cases/tails.py): the winner at V - 1 and at every tile boundary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("vocab", DRAFT_VOCABS)
+def test_boundary_ids_are_drafted(sim, vocab, head, kind):
+    """V one past a warp tile, a block tile, a CPU chunk: every slot drafts its request's
+    boundary id (the first and last of every block tile and of some warp tiles, and V - 1):
+    the sampled and greedy winner, or the only token the filter kernel keeps; the stored logits
+    are the reference's."""
+    case, filters, where = draft_tail_case(vocab, head, kind, seed=vocab)
+    tokens, logits = case.call(sim, **filters)
+    check_draft_tail(tokens, logits, case, filters, where)
+
+
+@pytest.mark.parametrize("hidden_size", [CONFIDENCE_SEGMENT - 7, 5])
+def test_confidence_reads_every_weight_segment_edge(sim, hidden_size):
+    """The only nonzero confidence weight at each edge of the staged weight segments ([h; W1[x]]
+    one id past a segment, the W1 part from W1's last row), or inside a short vector."""
+    for hidden, prev, w1, weight in confidence_tail_cases(hidden_size, 8, 37):
+        got = sim.draft_confidence(hidden, prev, w1, weight)
+        want = reference.draft_confidence(hidden, prev, w1, weight)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert (got != 0.5).all()

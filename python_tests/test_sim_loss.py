@@ -11,6 +11,7 @@ import torch
 
 import emulator
 from cases.loss import make_loss_case
+from cases.tails import check_loss_tail, loss_tail_case, loss_vocabs
 
 pytestmark = pytest.mark.sim
 
@@ -96,3 +97,15 @@ def test_planted_shuffle_fault_is_caught(sim):
     with emulator.planted("shuffle_off_by_one"):
         with pytest.raises(AssertionError):
             assert_matches_cpu(sim, args, 2e-5)
+
+
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mass_at_boundary_ids(sim, dtype, spread):
+    """The draft's and target's mass on V - 1 and each stride's first and last id, the label
+    there, V one past a block's stride (the scalar path) or one vector past it (the 16-byte
+    path): ce, l1, the loss and the hidden gradient are the reference's."""
+    for vocab in loss_vocabs(torch.tensor([], dtype=dtype).element_size()):
+        args, _ = loss_tail_case(vocab, dtype, spread=spread)
+        # float32: z - lse rounds at the scale of the logits (20), ~1e-6 of p.
+        check_loss_tail(sim.dspark_loss, args, 2e-4 if dtype == torch.float32 else 2e-2)

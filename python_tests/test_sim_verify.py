@@ -57,6 +57,7 @@ import emulator
 from conftest import non_contiguous
 from dspark_ops import reference
 from cases.common import INF, NAN, generator, is_greedy, stable_seed
+from cases.tails import VERIFY_KINDS, VERIFY_VOCABS, check_verify_tail, verify_tail_case
 from cases.verify import (
     BAD_ROWS,
     assert_same_outputs,
@@ -987,3 +988,14 @@ def test_last_vocabulary_id_wins_the_race(sim, vocab):
         want = reference.verify(*args[:6], draft_logits=draft_logits)
         assert got[0][:, 0].tolist() == [vocab - 1] * batch
         assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.num_accepted)
+
+
+@pytest.mark.parametrize("kind", VERIFY_KINDS)
+@pytest.mark.parametrize("vocab", VERIFY_VOCABS)
+def test_boundary_ids_are_emitted(sim, vocab, kind):
+    """Each chunk's first and last id and V - 1 (V one past a CPU block; the CUDA plan's last
+    chunk then ends one id past a 16-id group): the race's winner (over the statistics kernel's
+    and the emit kernel's chunks), the statistics' maximum and the only token the filters or
+    the mask keep are emitted, with the reference's logprobs."""
+    args, where = verify_tail_case(vocab, kind, seed=vocab)
+    check_verify_tail(sim.verify, args, where)
