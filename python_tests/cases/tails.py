@@ -10,6 +10,8 @@ Shared by test_verify.py, test_draft.py, test_loss.py and their test_sim_* twins
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cases.common import generator
@@ -56,8 +58,8 @@ VERIFY_KINDS = ("race", "greedy", "top_k", "top_p", "min_p", "mask")
 def verify_tail_case(vocab: int, kind: str, seed: int = 0) -> tuple[dict, torch.Tensor]:
     """Keyword arguments of ``verify`` (logprobs on) with one request per boundary id x; every
     target row's winner is x and the drafts (id x + 1, or none) are rejected, so each request
-    emits x as its first token: "race", sampled from a row whose mass sits on x (the race, and
-    for the bonus row num_draft = 0); "greedy", the maximum at x (the statistics' argmax);
+    emits x as its first token: "race", sampled from a row whose mass sits on x (the race
+    after a rejected one-hot draft, and for the bonus row num_draft = 0); "greedy", the maximum at x (the statistics' argmax);
     "top_k" (1), "top_p" (0.01), "min_p" (1): x the only token the filter keeps; "mask": x the
     only allowed token, on rows whose maximum is elsewhere. Returns the arguments and x."""
     where = torch.tensor(verify_edges(vocab))
@@ -69,7 +71,10 @@ def verify_tail_case(vocab: int, kind: str, seed: int = 0) -> tuple[dict, torch.
         target[rows, :, (where + vocab // 2) % vocab] = 30.0  # elsewhere, and disallowed
         target[rows, :, where] = 0.5
     else:
-        target[rows, :, where] = 40.0 if kind == "race" else 6.0
+        # "race": the rest of the row keeps ~1e-5 of the mass, far above the race's residual
+        # floor (kMinResidualMass), so a race that missed x would emit another id rather than
+        # fall back to racing the whole row.
+        target[rows, :, where] = math.log(vocab) + 12.0 if kind == "race" else 6.0
     drafts = ((where + 1) % vocab)[:, None].expand(batch, block).contiguous()
     if vocab == 1:
         drafts = torch.zeros(batch, block, dtype=torch.int64)
@@ -78,7 +83,10 @@ def verify_tail_case(vocab: int, kind: str, seed: int = 0) -> tuple[dict, torch.
         num_draft=(torch.arange(batch) % (block + 1)).to(torch.int32),
         temperature=torch.full((batch,), 0.0 if kind == "greedy" else 1.0),
         seed=torch.arange(batch) * 7919 + seed, position=torch.arange(batch) * 1000,
-        draft_logits=None if kind == "greedy" else torch.randn(batch, block, vocab, generator=gen),
+        # One-hot drafts for the race (a draft distribution would leave no residual mass
+        # outside x); the filters' rows are raced against draft distributions.
+        draft_logits=None if kind in ("greedy", "race")
+        else torch.randn(batch, block, vocab, generator=gen),
         return_logprobs=True)
     if kind == "top_k":
         args["top_k"] = torch.ones(batch, dtype=torch.int32)
