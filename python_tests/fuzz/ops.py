@@ -37,8 +37,10 @@ class OpSpec:
     # Arguments whose values index or count (int tensors): out-of-range mutations target these.
     values_checked: tuple = field(default_factory=tuple)
     # The emulated CUDA result is compared with the reference only while every floating input
-    # stays below this magnitude: the CUDA drafting heads sum in float32 with no float64
-    # fallback (docs/semantics.md §3.2), so weights near float32's maximum overflow there.
+    # stays below this magnitude: the CUDA drafting heads sum in float32 and redo a sum in
+    # float64 only where it overflows or reaches 1e30 (docs/semantics.md §3.2); products near
+    # float32's maximum that cancel leave the float32 sum, and even float64 sums in other
+    # orders, apart from the reference by more than its rounding.
     sim_compare_max: float = float("inf")
 
 
