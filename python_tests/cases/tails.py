@@ -76,8 +76,6 @@ def verify_tail_case(vocab: int, kind: str, seed: int = 0) -> tuple[dict, torch.
         # fall back to racing the whole row.
         target[rows, :, where] = math.log(vocab) + 12.0 if kind == "race" else 6.0
     drafts = ((where + 1) % vocab)[:, None].expand(batch, block).contiguous()
-    if vocab == 1:
-        drafts = torch.zeros(batch, block, dtype=torch.int64)
     args = dict(
         target_logits=target, draft_tokens=drafts,
         num_draft=(torch.arange(batch) % (block + 1)).to(torch.int32),
