@@ -38,6 +38,14 @@ from cases.common import (
     stable_seed,
 )
 from cases.calibration import CALIB_BLOCK, survival_ece
+from cases.tails import (
+    CONFIDENCE_SEGMENT,
+    DRAFT_KINDS,
+    DRAFT_VOCABS,
+    check_draft_tail,
+    confidence_tail_cases,
+    draft_tail_case,
+)
 from cases.draft import (
     RNN_RTOL,
     WEIGHTS,
@@ -1422,3 +1430,31 @@ def test_overflowing_float32_head_falls_back_to_float64(head, filters):
     assert torch.isfinite(want.draft_logits).any()
     assert torch.equal(got.tokens, want.tokens)
     assert torch.equal(got.draft_logits, want.draft_logits)
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary tails (cases/tails.py): the winner at V - 1 and at every chunk and tile boundary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("vocab", DRAFT_VOCABS)
+def test_boundary_ids_are_drafted(vocab, head, kind):
+    """With V one past a chunk (and tile), every slot drafts its request's boundary id: the
+    sampled and greedy winner, or the only token top-k / top-p / min-p keep; the stored logits
+    are the reference's."""
+    case, filters, where = draft_tail_case(vocab, head, kind, seed=vocab)
+    out = case.call(**filters)
+    check_draft_tail(out.tokens, out.draft_logits, case, filters, where)
+
+
+@pytest.mark.parametrize("hidden_size", [CONFIDENCE_SEGMENT - 7, 5])
+def test_confidence_reads_every_weight_segment_edge(hidden_size):
+    """The only nonzero confidence weight at each edge of the weight segments ([h; W1[x]] one
+    past a segment, the W1 part read from W1's last row), or inside a short vector."""
+    for hidden, prev, w1, weight in confidence_tail_cases(hidden_size, 8, 37):
+        got = dspark_ops.draft_confidence(hidden, prev, w1, weight)
+        want = reference.draft_confidence(hidden, prev, w1, weight)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        assert (got != 0.5).all()  # the weighted feature was read

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import dspark_ops
 from bench.memory import peak_memory_bytes
+from cases.tails import check_loss_tail, loss_tail_case, loss_vocabs
 from cases.loss import TRAINABLE, WITH_LM_HEAD, grads, make_loss_case, with_grad
 from conftest import DEVICES, non_contiguous
 from dspark_ops import reference
@@ -517,3 +518,21 @@ def test_loss_is_a_weighted_mean():
     out = dspark_ops.dspark_loss(hidden, torch.ones(2, 3), torch.tensor([1]), torch.tensor([2.0]),
                                  ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
     assert math.isclose(out.loss.item(), math.log(2) * 2 / (2 + 1e-6), rel_tol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary tails (cases/tails.py): the only mass at V - 1 and at every stride boundary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mass_at_boundary_ids(dtype, spread):
+    """The draft's and target's mass on V - 1 and each stride's first and last id, the label
+    there, V one past a stride (and the CPU's vector loop) or one vector past: ce, l1, the loss
+    and the hidden gradient are the reference's."""
+    for vocab in loss_vocabs(torch.tensor([], dtype=dtype).element_size()):
+        args, _ = loss_tail_case(vocab, dtype, spread=spread)
+        # float32: z - lse rounds at the scale of the logits (20), ~1e-6 of p.
+        check_loss_tail(torch.ops.dspark_ops.dspark_loss, args,
+                        2e-4 if dtype == torch.float32 else 2e-2)

@@ -51,6 +51,14 @@ from cases.draft import (
     rnn_state_case,
     teacher_forced_logits,
 )
+from cases.tails import (
+    CONFIDENCE_SEGMENT,
+    DRAFT_KINDS,
+    DRAFT_VOCABS,
+    check_draft_tail,
+    confidence_tail_cases,
+    draft_tail_case,
+)
 from cases.verify import make_case as verify_case
 
 pytestmark = pytest.mark.sim
@@ -1055,3 +1063,112 @@ def test_filtered_row_without_finite_logit_is_stored_as_minus_inf(sim, logits_dt
     assert got[1][0, 1].float().isneginf().all() and got[1][1, 0].float().isneginf().all()
     assert torch.equal(got[0], cpu[0]) and torch.equal(got[0], want.tokens)
     assert torch.equal(got[1].float().isneginf(), want.draft_logits.float().isneginf())
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary tails (cases/tails.py): the winner at V - 1 and at every tile boundary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("vocab", DRAFT_VOCABS)
+def test_boundary_ids_are_drafted(sim, vocab, head, kind):
+    """V one past a warp tile, a block tile, a CPU chunk: every slot drafts its request's
+    boundary id (the first and last of every block tile and of some warp tiles, and V - 1):
+    the sampled and greedy winner, or the only token the filter kernel keeps; the stored logits
+    are the reference's."""
+    case, filters, where = draft_tail_case(vocab, head, kind, seed=vocab)
+    tokens, logits = case.call(sim, **filters)
+    check_draft_tail(tokens, logits, case, filters, where)
+
+
+@pytest.mark.parametrize("hidden_size", [CONFIDENCE_SEGMENT - 7, 5])
+def test_confidence_reads_every_weight_segment_edge(sim, hidden_size):
+    """The only nonzero confidence weight at each edge of the staged weight segments ([h; W1[x]]
+    one id past a segment, the W1 part from W1's last row), or inside a short vector."""
+    for hidden, prev, w1, weight in confidence_tail_cases(hidden_size, 8, 37):
+        got = sim.draft_confidence(hidden, prev, w1, weight)
+        want = reference.draft_confidence(hidden, prev, w1, weight)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert (got != 0.5).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Head sums that overflow float32 (huge finite weights): summed again in float64
+# --------------------------------------------------------------------------------------------
+
+
+def huge_head_case(head: str, weights: str, seed: int) -> DraftCase:
+    """Two thirds of W2's rows start with two weights of -3e38 against bias inputs of 1 there
+    (W1's rows, or tanh(20) = 1 from the RNN head's bias), and their base logits are 3.4e38: the
+    float64 bias (about -6e38) plus the base is a finite z near -2.6e38, while the float32 sum
+    overflows to -inf in any order (the bias itself is beyond float32's range). Every slot's bias
+    input has that prefix, whichever token was drafted; the other rows are ordinary and win."""
+    batch, block, vocab, rank = 5, 3, 100, 8
+    case = make_case(batch, block, vocab, rank, seed=seed, head=head, weights=weights,
+                     temperature="mixed")
+    dtype = case.w2.dtype
+    huge = torch.arange(vocab) % 3 != 0
+    w2 = case.w2.float().clone()
+    w2[huge, :2] = -3e38
+    base = case.base_logits.clone()
+    base[..., huge] = 3.4e38
+    changes = dict(w2=w2.to(dtype), base_logits=base)
+    if head == "markov":
+        w1 = case.w1.float().clone()
+        w1[:, :2] = 1.0
+        changes["w1"] = w1.to(dtype)
+    else:
+        joint_weight, joint_bias = case.joint_weight.clone(), case.joint_bias.clone()
+        joint_weight[2 * rank:2 * rank + 2] = 0  # o_k = 20 exactly: tanh(o_k) = 1
+        joint_bias[2 * rank:2 * rank + 2] = 20.0
+        changes.update(joint_weight=joint_weight, joint_bias=joint_bias)
+    return case.replace(**changes)
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_overflowing_head_sums_are_summed_again_in_float64(sim, head, weights):
+    """Finite weights whose float32 head sums overflow: the emulated kernel stores the float64
+    head's finite z (within float32 rounding of the reference, and the CPU kernel's, which falls
+    back to float64 there too) and drafts the reference's tokens, where a float32-only head
+    stores +-inf or NaN."""
+    case = huge_head_case(head, weights, stable_seed("huge-head", head, weights))
+    want = case.call(reference)
+    assert torch.isfinite(want.draft_logits).all()
+    got = run_sim(sim, case)
+    check_output_contract(case, got)
+    assert torch.isfinite(got.draft_logits).all(), "a float32 sum that overflowed was stored"
+    # Relative to the huge values, and the ordinary rows' float32 rounding.
+    tol = dict(rtol=1e-5, atol=1e-3)
+    assert_same_drafts(case, got, want, tol, "the reference")
+    assert_same_drafts(case, got, case.call(), tol, "the CPU kernel")
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_overflowing_rnn_joint_sums_are_summed_again_in_float64(sim, weights):
+    """Every other row of J (gates, candidates, outputs) reads only W1[x]'s first four columns,
+    with weights +3e38, +3e38, -3e38, -3e38 against 1s: exactly 0 in float64 whatever the order
+    (so the row is its bias; a term of ordinary size beside them would be lost to the float64
+    rounding of 3e38, differently in every order), while float32 partial sums reach +inf and
+    -inf (their sum NaN) or one of them, which would make the gates, the state and tanh(o) NaN
+    or saturated. The emulated head kernels redo such rows in float64: the drafts and logits
+    are the reference's and the CPU kernel's."""
+    rank = 8
+    case = make_case(5, 3, 100, rank, seed=stable_seed("huge-joint", weights), head="rnn",
+                     weights=weights, temperature="mixed")
+    dtype = case.w1.dtype
+    joint_weight, w1 = case.joint_weight.float().clone(), case.w1.float().clone()
+    joint_weight[::2] = 0
+    joint_weight[::2, rank:rank + 4] = torch.tensor([3e38, 3e38, -3e38, -3e38])
+    w1[:, :4] = 1.0
+    case = case.replace(joint_weight=joint_weight.to(dtype), w1=w1.to(dtype))
+    want = case.call(reference)
+    assert torch.isfinite(want.draft_logits).all()
+    got = run_sim(sim, case)
+    check_output_contract(case, got)
+    assert torch.isfinite(got.draft_logits).all()
+    tol = sim_tolerance(case, want.draft_logits)
+    assert_same_drafts(case, got, want, tol, "the reference")
+    assert_same_drafts(case, got, case.call(), tol, "the CPU kernel")

@@ -11,6 +11,7 @@ import torch
 
 import emulator
 from cases.loss import make_loss_case
+from cases.tails import check_loss_tail, loss_tail_case, loss_vocabs
 
 pytestmark = pytest.mark.sim
 
@@ -150,3 +151,36 @@ def test_planted_shuffle_fault_is_caught(sim):
     with emulator.planted("shuffle_off_by_one"):
         with pytest.raises(AssertionError):
             assert_matches_cpu(sim, args, 2e-5)
+
+
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mass_at_boundary_ids(sim, dtype, spread):
+    """The draft's and target's mass on V - 1 and each stride's first and last id, the label
+    there, V one past a block's stride (the scalar path) or one vector past it (the 16-byte
+    path): ce, l1, the loss and the hidden gradient are the reference's."""
+    for vocab in loss_vocabs(torch.tensor([], dtype=dtype).element_size()):
+        args, _ = loss_tail_case(vocab, dtype, spread=spread)
+        # float32: z - lse rounds at the scale of the logits (20), ~1e-6 of p.
+        check_loss_tail(sim.dspark_loss, args, 2e-4 if dtype == torch.float32 else 2e-2)
+
+
+# (vocab, id) over kLossThreads = 256 threads: the only element of a thread's share (scalar path:
+# V = 23; V = 301, where threads 45.. hold one), the first or the last of two (V = 301: thread 5
+# holds 5 and 261), the first of a 16-byte vector (V = 300).
+@pytest.mark.parametrize("vocab,nan_id", [(23, 5), (301, 100), (301, 5), (301, 261), (300, 8)])
+def test_one_nan_logit_makes_the_row_nan(sim, vocab, nan_id):
+    """A NaN in one row of the LM head makes that logit NaN in every row: ce (and l1) NaN there,
+    as the reference and the CPU kernel give, wherever it falls in a thread's share of the row.
+    A thread whose only elements are NaN has no maximum (-inf) but a NaN sum: its partial must
+    not be merged away as an empty one."""
+    args = make_loss_case(3, vocab, 8, seed=6, confidence=False)
+    weight = args["lm_head_weight"].clone()
+    weight[nan_id, 2] = float("nan")
+    args["lm_head_weight"] = weight
+    got = sim.dspark_loss(hidden=args["hidden"], lm_head_weight=weight, labels=args["labels"],
+                          weights=args["weights"], term_scale=torch.tensor([0.1, 0.9]),
+                          target_hidden=args["target_hidden"])
+    cpu = call(torch.ops.dspark_ops.dspark_loss, args, grad=False)
+    assert cpu[1].isnan().all() and cpu[2].isnan().all()
+    assert got[1].isnan().all() and got[2].isnan().all() and got[0].isnan()

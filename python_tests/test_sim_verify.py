@@ -48,6 +48,7 @@ merge). Blocks that learn of the rejection from the published mark run the same 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import pytest
@@ -57,6 +58,7 @@ import emulator
 from conftest import non_contiguous
 from dspark_ops import reference
 from cases.common import INF, NAN, generator, is_greedy, stable_seed
+from cases.tails import VERIFY_KINDS, VERIFY_VOCABS, check_verify_tail, verify_tail_case
 from cases.verify import (
     BAD_ROWS,
     assert_same_outputs,
@@ -971,11 +973,14 @@ def test_extreme_position_without_value_checks(sim):
 def test_last_vocabulary_id_wins_the_race(sim, vocab):
     """The race's chunks must reach id V - 1: nearly all the mass on the last id, for the bonus
     row (num_draft = 0) and for the resampling after a rejected draft, sampled and greedy; the
-    last chunk holds few ids at V = 1025 and 8193."""
+    last chunk holds few ids at V = 1025 and 8193. The other ids keep ~1e-5 of the mass, above
+    the race's residual floor: with all of it on V - 1, a race that missed it would fall back to
+    racing the whole row and hide the miss (the one-hot drafts' rows; a draft distribution
+    leaves no residual mass outside V - 1, so those rows always take that fallback)."""
     gen = torch.Generator().manual_seed(81)
     batch, block = 4, 2
     target = torch.randn(batch, block + 1, vocab, generator=gen)
-    target[..., -1] = 40.0
+    target[..., -1] = math.log(vocab) + 12.0
     drafts = torch.zeros(batch, block, dtype=torch.int64)  # id 0: rejected (p ~ 0)
     num_draft = torch.tensor([0, 1, 2, 0], dtype=torch.int32)
     temperature = torch.tensor([1.0, 0.7, 0.0, 0.0])
@@ -987,3 +992,14 @@ def test_last_vocabulary_id_wins_the_race(sim, vocab):
         want = reference.verify(*args[:6], draft_logits=draft_logits)
         assert got[0][:, 0].tolist() == [vocab - 1] * batch
         assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.num_accepted)
+
+
+@pytest.mark.parametrize("kind", VERIFY_KINDS)
+@pytest.mark.parametrize("vocab", VERIFY_VOCABS)
+def test_boundary_ids_are_emitted(sim, vocab, kind):
+    """Each chunk's first and last id and V - 1 (V one past a CPU block; the CUDA plan's last
+    chunk then ends one id past a 16-id group): the race's winner (over the statistics kernel's
+    and the emit kernel's chunks), the statistics' maximum and the only token the filters or
+    the mask keep are emitted, with the reference's logprobs."""
+    args, where = verify_tail_case(vocab, kind, seed=vocab)
+    check_verify_tail(sim.verify, args, where)

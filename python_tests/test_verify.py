@@ -36,6 +36,7 @@ from cases.common import (
     is_greedy,
     stable_seed,
 )
+from cases.tails import VERIFY_KINDS, VERIFY_VOCABS, check_verify_tail, verify_tail_case
 from cases.verify import (
     B,
     BAD_ROWS,
@@ -1297,3 +1298,18 @@ def test_scalar_of_the_wrong_kind_is_named(name, value, message):
         dspark_ops.verify(args.pop("target_logits"), args.pop("draft_tokens"),
                           args.pop("num_draft"), args.pop("temperature"), args.pop("seed"),
                           args.pop("position"), **args)
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary tails (cases/tails.py): the winner at V - 1 and at every block boundary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", VERIFY_KINDS)
+@pytest.mark.parametrize("vocab", VERIFY_VOCABS)
+def test_boundary_ids_are_emitted(vocab, kind):
+    """The CPU kernel's blocks (and the CUDA plan's chunks) must reach their first and last id
+    and V - 1, with V one past a block: the race's sampled winner, the statistics' maximum and
+    the only token the filters or the mask keep are emitted, with the reference's logprobs."""
+    args, where = verify_tail_case(vocab, kind, seed=vocab)
+    check_verify_tail(torch.ops.dspark_ops.verify, args, where)

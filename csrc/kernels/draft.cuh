@@ -46,7 +46,10 @@
 // Float32 accumulation in an order of the hardware's choosing (explicit fmaf: the build's
 // --fmad=false only keeps the sampling arithmetic unfused), so draft_logits match the float64
 // reference to ~1e-6 of the bias scale (|base| + sum |w2| |input|; ~2^-17 for the RNN head's
-// split activation) and tokens match except at float-rounding near-ties.
+// split activation) and tokens match except at float-rounding near-ties. A head sum that is not
+// finite or reaches kExactHeadAbove (huge finite weights) is summed again in float64 by the lane
+// that stores it (exact_head_logit, exact_preactivation; draft_confidence's rows likewise): a
+// branch that ordinary inputs never take.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -446,9 +449,33 @@ __device__ __forceinline__ uint32_t load_relaxed(const uint32_t* p) {
 #endif
 }
 
+// Float32 head sums at or above this magnitude (or not finite) are summed again in float64: an
+// overflow (inf, or inf - inf = NaN) or a sum of terms too large for float32 rounding to be
+// trusted, from finite weights near float32's range where the float64 z may be finite. Logits
+// never come near it, so for ordinary inputs the slow path is one untaken branch per element.
+constexpr float kExactHeadAbove = 1e30f;
+
+// z = fl32(W2[v] . x + base) with the dot product in float64 for request b's bias input (the
+// previous token's W1 row, or tanh(o) of the RNN head's float32 preactivation); `source` is
+// s.source (-1: a zero input). The rare path of tile_epilogue: one lane, global memory only.
+template <typename W, bool kRnn>
+__device__ float exact_head_logit(const DraftParams& p, int64_t source, int64_t v,
+                                  float base) {
+  double bias = 0.0;
+  if (source >= 0) {
+    const W* w2 = static_cast<const W*>(p.w2) + v * p.w2_stride;
+    for (int k = 0; k < p.rank; ++k) {
+      const float x = kRnn ? tanhf(p.preactivation[(source * 3 + 2) * p.rank + k])
+                           : to_float(static_cast<const W*>(p.w1)[source * p.w1_stride + k]);
+      bias += static_cast<double>(to_float(w2[k])) * static_cast<double>(x);
+    }
+  }
+  return static_cast<float>(bias + static_cast<double>(base));
+}
+
 // Stores z and folds the keys of one 16-row x 8-request accumulator tile into the slot's maxima
 // (`best`, in global memory) and s.seen. `any_sampled` is warp-uniform.
-template <typename Base>
+template <typename W, typename Base, bool kRnn>
 __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0, int members,
                                               int nt, const float (&c)[4], bool any_sampled,
                                               GroupSampling& s, unsigned long long* best_out) {
@@ -516,6 +543,9 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
       const bool valid = member[q] && v < p.vocab;
       // bfloat16 logits: z is rounded first, and the key below is that of the stored value.
       float z = c[e] + base[e];
+      if (!(fabsf(c[e]) < kExactHeadAbove) && valid) {
+        z = exact_head_logit<W, kRnn>(p, s.source[nt * 8 + 2 * t + q], v, base[e]);
+      }
       if constexpr (decltype(bf16)::value) {
         const __nv_bfloat16 rounded = __float2bfloat16_rn(z);
         z = __bfloat162float(rounded);
@@ -617,7 +647,7 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
 #pragma unroll
     for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
       if (nt >= column_tiles) break;
-      tile_epilogue<Base>(p, row0, members, nt, acc[nt], any_sampled, s, best + first);
+      tile_epilogue<W, Base, kRnn>(p, row0, members, nt, acc[nt], any_sampled, s, best + first);
     }
   }
 
@@ -839,6 +869,32 @@ __device__ __forceinline__ void head_segment(const W* const (&joint)[kHeadRowsPe
   }
 }
 
+// Row `row` of [g; c; o] = J [s; W1[x]; h] + b for request b with the dot product in float64: the
+// rare path of both head kernels, for a float32 sum at or above kExactHeadAbove or not finite
+// (finite weights near float32's range). s_0 = 0 is multiplied as the float32 path does.
+template <typename W>
+__device__ float exact_preactivation(const DraftParams& p, int b, int row) {
+  const W* joint = static_cast<const W*>(p.joint_weight) + int64_t{row} * p.joint_stride;
+  const auto term = [&](int k, float input) {
+    return static_cast<double>(to_float(joint[k])) * static_cast<double>(input);
+  };
+  double sum = 0.0;
+  for (int k = 0; k < p.rank; ++k) {
+    sum += term(k, p.slot > 0 ? p.state[int64_t{b} * p.rank + k] : 0.f);
+  }
+  const int64_t x = previous_token(p, b);
+  if (x >= 0 && x < p.vocab) {
+    const W* w1 = static_cast<const W*>(p.w1) + x * p.w1_stride;
+    for (int k = 0; k < p.rank; ++k) sum += term(p.rank + k, to_float(w1[k]));
+  }
+  const int64_t h = int64_t{b} * p.hidden_stride_b + int64_t{p.slot} * p.hidden_stride_j;
+  for (int k = 0; k < p.hidden_size; ++k) {
+    sum += term(2 * p.rank + k, load_float(p.hidden, p.hidden_type, h + k));
+  }
+  const double bias = static_cast<double>(to_float(static_cast<const W*>(p.joint_bias)[row]));
+  return static_cast<float>(sum + bias);
+}
+
 template <typename W>
 __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -916,7 +972,8 @@ __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftP
       const int b = b0 + q;
       if (lane == 0 && b < p.batch && row0 + r < rows) {
         p.preactivation[int64_t{b} * rows + row0 + r] =
-            v + to_float(static_cast<const W*>(p.joint_bias)[row0 + r]);
+            fabsf(v) < kExactHeadAbove ? v + to_float(static_cast<const W*>(p.joint_bias)[row0 + r])
+                                       : exact_preactivation<W>(p, b, row0 + r);
       }
     }
   }
@@ -1066,7 +1123,8 @@ __global__ void __launch_bounds__(kHeadMmaThreads) rnn_head_mma_kernel(const Dra
     const int row = row0 + g + 8 * (e >> 1), b = b0 + 2 * t + (e & 1);
     if (row < rows && b < p.batch) {
       p.preactivation[int64_t{b} * rows + row] =
-          sum + to_float(static_cast<const W*>(p.joint_bias)[row]);
+          fabsf(sum) < kExactHeadAbove ? sum + to_float(static_cast<const W*>(p.joint_bias)[row])
+                                       : exact_preactivation<W>(p, b, row);
     }
   }
 }

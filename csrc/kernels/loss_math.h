@@ -38,17 +38,23 @@ DSPARK_HOST_DEVICE float loss_exp(float x) {
 #endif
 }
 
+// Adds x to a record: exp(-inf) = 0 adds nothing, a tie with the maximum adds exp(0) = 1 (also
+// at +inf, where x - max would be NaN: the logsumexp is then +inf, as torch.logsumexp gives), and
+// a NaN (x, or the record's) makes the record NaN for good: a NaN sum under a -inf maximum would
+// be merged away as an empty record when the NaN is all a thread saw.
 DSPARK_HOST_DEVICE LogSumExp lse_add(LogSumExp a, float x) {
-  if (!(x > a.max)) return LogSumExp{a.max, a.sum + loss_exp(x - a.max)};
-  // x is the new maximum; a.max = -inf (nothing yet) contributes exp(-inf) = 0.
-  return LogSumExp{x, a.sum * loss_exp(a.max - x) + 1.f};
+  if (x > a.max) return LogSumExp{x, a.sum * loss_exp(a.max - x) + 1.f};  // a.max = -inf: 0
+  if (x < a.max) return LogSumExp{a.max, a.sum + loss_exp(x - a.max)};
+  if (x == a.max) return x == -INFINITY ? a : LogSumExp{a.max, a.sum + 1.f};
+  return LogSumExp{NAN, NAN};
 }
 
 DSPARK_HOST_DEVICE LogSumExp lse_merge(LogSumExp a, LogSumExp b) {
   if (a.max == -INFINITY) return b;
   if (b.max == -INFINITY) return a;
-  return a.max >= b.max ? LogSumExp{a.max, a.sum + b.sum * loss_exp(b.max - a.max)}
-                        : LogSumExp{b.max, b.sum + a.sum * loss_exp(a.max - b.max)};
+  if (a.max == b.max) return LogSumExp{a.max, a.sum + b.sum};  // +inf ties too
+  return a.max > b.max ? LogSumExp{a.max, a.sum + b.sum * loss_exp(b.max - a.max)}
+                       : LogSumExp{b.max, b.sum + a.sum * loss_exp(a.max - b.max)};
 }
 
 DSPARK_HOST_DEVICE float lse_value(LogSumExp a) {
