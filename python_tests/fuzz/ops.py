@@ -42,6 +42,9 @@ class OpSpec:
     # float32's maximum that cancel leave the float32 sum, and even float64 sums in other
     # orders, apart from the reference by more than its rounding.
     sim_compare_max: float = float("inf")
+    # The emulated CUDA result's comparison where its documented precision is not the CPU's
+    # (None: compare).
+    sim_compare: Optional[Callable[[dict, tuple, tuple], Optional[str]]] = None
 
 
 def _close(name, got, want, rtol, atol) -> Optional[str]:
@@ -194,6 +197,16 @@ def _draft_compare(a, got, want):
     # float32 draft logits are within a proven bound of the float64 head (bfloat16: exact).
     return _first(_equal("tokens", got[0], want[0]),
                   _close("draft_logits", got[1], want[1], 1e-5, 1e-6))
+
+
+def _draft_compare_cuda(a, got, want):
+    # CUDA rounds its float32 z to bfloat16 without the CPU's midpoint certificate: an element
+    # within float32 error of a rounding midpoint may take the other neighbour, one bfloat16 ulp
+    # (at most 2^-7 of its magnitude; docs/semantics.md §3.2).
+    if a["draft_logits_dtype"] != torch.bfloat16:
+        return _draft_compare(a, got, want)
+    return _first(_equal("tokens", got[0], want[0]),
+                  _close("draft_logits", got[1], want[1], 2.0**-7, 0.0))
 
 
 def _draft_invariants(a, out):
@@ -438,10 +451,10 @@ OPS = [
            values_checked=("draft_tokens", "num_draft", "target_start", "top_k", "position")),
     OpSpec("markov_draft", lambda s: _draft_common(s, "markov"), _draft_reference("markov"),
            _draft_compare, _draft_invariants, values_checked=("anchor", "top_k", "position"),
-           sim_compare_max=1e30),
+           sim_compare_max=1e30, sim_compare=_draft_compare_cuda),
     OpSpec("rnn_draft", lambda s: _draft_common(s, "rnn"), _draft_reference("rnn"),
            _draft_compare, _draft_invariants, values_checked=("anchor", "top_k", "position"),
-           sim_compare_max=1e30),
+           sim_compare_max=1e30, sim_compare=_draft_compare_cuda),
     OpSpec("draft_confidence", _confidence_build, _confidence_reference,
            lambda a, g, w: _close("confidence", g[0], w[0], 1e-5, 1e-6), _confidence_invariants,
            values_checked=("prev_tokens",)),
