@@ -29,6 +29,19 @@ VERIFY_MAX_CHUNKS = VERIFY_ALIGN  # the CUDA plan's most chunks per request
 VERIFY_VOCABS = (VERIFY_ALIGN + 1, VERIFY_BLOCK + 1, 8 * VERIFY_BLOCK + 1)
 
 
+def filters_keeping_one(kind: str, batch: int) -> dict:
+    """The per-request filter of ``kind`` that keeps only a row's most likely token (top-k 1,
+    top-p 0.01, min-p 1; {} for any other kind): the winner at a boundary id must be the only
+    token left."""
+    if kind == "top_k":
+        return {"top_k": torch.ones(batch, dtype=torch.int32)}
+    if kind == "top_p":
+        return {"top_p": torch.full((batch,), 0.01)}
+    if kind == "min_p":
+        return {"min_p": torch.ones(batch)}
+    return {}
+
+
 def verify_cuda_chunks(vocab: int) -> list[tuple[int, int]]:
     """[x0, x1) of each chunk of kernels/verify.cuh's plan (verify_chunk)."""
     wanted = min(VERIFY_MAX_CHUNKS, -(-vocab // VERIFY_BLOCK))
@@ -86,13 +99,8 @@ def verify_tail_case(vocab: int, kind: str, seed: int = 0) -> tuple[dict, torch.
         draft_logits=None if kind in ("greedy", "race")
         else torch.randn(batch, block, vocab, generator=gen),
         return_logprobs=True)
-    if kind == "top_k":
-        args["top_k"] = torch.ones(batch, dtype=torch.int32)
-    elif kind == "top_p":
-        args["top_p"] = torch.full((batch,), 0.01)
-    elif kind == "min_p":
-        args["min_p"] = torch.ones(batch)
-    elif kind == "mask":
+    args.update(filters_keeping_one(kind, batch))
+    if kind == "mask":
         allowed = torch.zeros(batch * (block + 1), vocab, dtype=torch.bool)
         allowed[torch.arange(allowed.shape[0]), where.repeat_interleave(block + 1)] = True
         args["allowed_token_mask"] = pack_mask(allowed)
@@ -138,14 +146,7 @@ def draft_tail_case(vocab: int, head: str, kind: str, seed: int = 0):
                      temperature=0.0 if kind == "greedy" else 1.0, bias_scale=0.1)
     base = case.base_logits.clone()
     base[torch.arange(batch), :, where] = 30.0
-    filters = {}
-    if kind == "top_k":
-        filters["top_k"] = torch.ones(batch, dtype=torch.int32)
-    elif kind == "top_p":
-        filters["top_p"] = torch.full((batch,), 0.01)
-    elif kind == "min_p":
-        filters["min_p"] = torch.ones(batch)
-    return case.replace(base_logits=base), filters, where
+    return case.replace(base_logits=base), filters_keeping_one(kind, batch), where
 
 
 def confidence_tail_cases(hidden_size: int, rank: int, vocab: int, seed: int = 0):
