@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 from bench.common import log, resolve_device
-from bench.report import add_output_args, environment, print_table, write_results
+from bench.report import add_output_args, add_smoke_arg, environment, print_table, write_results
 from bench.timing import measure_copy_bandwidth
 
 
@@ -30,6 +30,7 @@ def families() -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows and repeats per family")
+    add_smoke_arg(parser)
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--json-only", action="store_true",
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     forwarded = ["--device", str(device)] + (["--quick"] if args.quick else []) \
+        + (["--smoke"] if args.smoke else []) \
         + (["--no-anchors"] if args.no_anchors else []) + ["--results-dir", str(args.results_dir)]
 
     started = time.perf_counter()

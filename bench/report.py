@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from bench.common import device_name, device_slug, log, resolve_device
-from bench.timing import BUSY_CORES, NOISY_SPREAD, measure_copy_bandwidth, warn_if_busy
+from bench.timing import BUSY_CORES, NOISY_SPREAD, measure_copy_bandwidth, set_smoke, warn_if_busy
 
 # Where runs write their JSON/CSV: build/ is ignored by git, so benchmarking leaves the checkout
 # clean. bench/results/ holds the committed snapshots (``--results-dir bench/results``).
@@ -130,7 +130,11 @@ def family_main(name: str, args: argparse.Namespace, run: Callable[..., List[Row
     ``% copy`` column.
     """
     device = resolve_device(args.device)
-    log(f"bench {name} on {device} ({torch.get_num_threads()} threads)")
+    if args.smoke:
+        args.quick = True
+        set_smoke(True)
+    log(f"bench {name} on {device} ({torch.get_num_threads()} threads)"
+        + (", smoke run: times mean nothing" if args.smoke else ""))
     warn_if_busy(device)
 
     @functools.lru_cache(maxsize=None)
@@ -164,6 +168,7 @@ def family_arg_parser(description: str, quick_help: str, anchors_help: str) -> a
     """The command line every ``bench_<family>.py`` shares (``python -m bench`` passes it on)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
+    add_smoke_arg(parser)
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--json-only", action="store_true",
@@ -171,6 +176,13 @@ def family_arg_parser(description: str, quick_help: str, anchors_help: str) -> a
     parser.add_argument("--no-anchors", action="store_true", help=anchors_help)
     add_output_args(parser)
     return parser
+
+
+def add_smoke_arg(parser: argparse.ArgumentParser) -> None:
+    """``--smoke``: the ``--quick`` rows, each competitor called once; times are meaningless."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="run every --quick row's code once, each competitor timed by a single "
+                             "call (checks that nothing is broken; the times mean nothing)")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:

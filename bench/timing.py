@@ -168,6 +168,16 @@ class LoadMeter:
 NOISY_SPREAD = 0.25
 BUSY_CORES = 0.5
 
+# ``--smoke`` (the GPU check's dry run): every row's code runs, each competitor is timed by one
+# call, and nothing is re-measured. The times mean nothing; the point is that no path is broken.
+_smoke = False
+
+
+def set_smoke(enabled: bool) -> None:
+    """Switches smoke timing on or off for every later ``measure`` in this process."""
+    global _smoke
+    _smoke = enabled
+
 
 def _spread(samples: Sequence[float]) -> Optional[float]:
     """Interquartile range of the round times over their median; ``None`` below two rounds."""
@@ -226,7 +236,13 @@ def measure(row: "Row", competitors: Dict[str, Optional[Callable[[], Any]]], dev
     samples: Dict[str, List[float]] = {name: [] for name in live}
     meter = LoadMeter()
     rounds = timing.rounds
-    for attempt in range(2):
+    spreads: Dict[str, Optional[float]] = {name: None for name in live}
+    for name, fn in live.items() if _smoke else ():
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples[name].append((time.perf_counter() - start) * 1e6)
+    for attempt in range(0 if _smoke else 2):
         for r in range(rounds):
             names = list(live)
             names = names[r % len(names):] + names[: r % len(names)] if names else names

@@ -96,6 +96,39 @@ def test_failing_or_absent_competitor_is_not_measured(fake_clock):
     assert fake_clock == ["ours", "ours"]
 
 
+def test_smoke_calls_each_competitor_twice_and_never_times_rounds(fake_clock, monkeypatch):
+    """--smoke: one warm-up and one timed call per competitor, however noisy; no rounds."""
+    class Counting(Scripted):
+        calls = 0
+
+        def __call__(self):
+            self.calls += 1
+
+    monkeypatch.setattr(timing, "_smoke", True)
+    row = report.Row("op", "s", "v")
+    competitors = {"ours": Counting("ours", [1e-3, 4e-3]), "ref": Counting("ref", [1e-3])}
+    timing.measure(row, competitors, CPU, _timing(5))
+    assert fake_clock == []  # time_op (the rounds) never ran
+    assert [c.calls for c in competitors.values()] == [2, 2]
+    assert row.rounds == 1 and row.ours_us is not None and row.reference_us is not None
+    assert "noisy" not in row.flags
+
+
+def test_smoke_flag_reaches_every_family(monkeypatch):
+    """``python -m bench --smoke`` forwards the flag, and each family's parser accepts it."""
+    from bench import __main__ as bench_main
+
+    seen = []
+    monkeypatch.setattr(bench_main, "families", lambda: ["fake_family"])
+    monkeypatch.setattr(bench_main.importlib, "import_module", lambda name: type(
+        "M", (), {"main": staticmethod(lambda argv, emit=False: seen.append(argv) or [])}))
+    monkeypatch.setattr(bench_main, "write_results", lambda *a, **k: [])
+    bench_main.main(["--smoke", "--device", "cpu", "--json-only"])
+    assert "--smoke" in seen[0]
+    parser = report.family_arg_parser("d", "q", "a")
+    assert parser.parse_args(["--smoke"]).smoke
+
+
 def test_load_meter_sees_a_busy_process():
     import subprocess
 
