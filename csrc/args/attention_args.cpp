@@ -1,6 +1,8 @@
 #include "attention_args.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_unique.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,7 @@
 #include "draft_args.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "../common/checks.h"
 

@@ -1,6 +1,6 @@
 #include "filter_args.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "../common/checks.h"
 

@@ -1,6 +1,9 @@
 #include "loss_args.h"
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <cmath>

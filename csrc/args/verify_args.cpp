@@ -1,6 +1,8 @@
 #include "verify_args.h"
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "../common/checks.h"
 

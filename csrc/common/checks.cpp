@@ -1,6 +1,8 @@
 #include "checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 
 #include <algorithm>
 #include <cmath>

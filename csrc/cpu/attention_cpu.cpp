@@ -10,7 +10,7 @@
 // four rows by sixteen columns; online softmax (running max and sum per row). Context rows are read
 // in place from the request's cache row; the block's own keys come last and are never written
 // anywhere.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -1,5 +1,6 @@
 // CPU kernel of philox_uniform: the random numbers every sampling op draws (common/philox.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

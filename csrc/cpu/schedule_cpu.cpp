@@ -2,7 +2,11 @@
 // plan_verify_budget, allocate_verify and pack_verify_inputs. The ranking is a sort of one 64-bit key per eligible
 // pair and the admission walks are sequential; the math is kernels/schedule_math.h, shared with
 // the CUDA kernels, so both backends return identical lengths.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
