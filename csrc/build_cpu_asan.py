@@ -2,11 +2,13 @@
 the sources setup.py compiles for CPU (csrc/*.cpp, csrc/common, csrc/args, csrc/cpu) with the same
 CPU flags, plus -fsanitize=address,undefined, into build/cpu-asan/dspark_ops_asan.so.
 
-    python csrc/build_cpu_asan.py
+    python csrc/build_cpu_asan.py [--opt=-O1]
 
 ``DSPARK_OPS_LIBRARY=build/cpu-asan/dspark_ops_asan.so`` makes ``import dspark_ops`` load it
 instead of dspark_ops._C; Python must run with the sanitizer runtimes preloaded (``make
-test-cpu-asan`` does both). Incremental (ninja); MAX_JOBS sets the parallelism.
+test-cpu-asan`` does both). Incremental (ninja); MAX_JOBS sets the parallelism. ``--opt``: the
+optimisation level, -O1 by default (the sanitizers' advice: the whole CPU suite runs in about half
+an hour on 2 cores); -O0 halves the build and suits a short run such as CI's fuzz slice.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ OUT = os.path.join(ROOT, "build", "cpu-asan")
 LIBRARY = os.path.join(OUT, "dspark_ops_asan.so")
 
 
-def build() -> str:
+def build(opt: str = "-O1") -> str:
     import torch.utils.cpp_extension as cpp_extension
 
     os.makedirs(OUT, exist_ok=True)
@@ -39,9 +41,11 @@ def build() -> str:
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize=vptr"]
     # As setup.py's CPU flavour (-ffp-contract=off: the kernels' rounding is the reference's),
-    # at -O1 so the reports point at the right lines; -g1 keeps the line tables the reports
-    # need without full debug information, which only lengthens the build.
-    flags = ["-std=c++20", "-fPIC", "-O1", "-g1", "-fno-omit-frame-pointer", "-ffp-contract=off",
+    # at -O1 or less so the reports point at the right lines; -g1 keeps the line tables the
+    # reports need without full debug information, which only lengthens the build.
+    if opt not in ("-O0", "-O1"):
+        raise SystemExit(f"build_cpu_asan.py: --opt must be -O0 or -O1, got {opt!r}")
+    flags = ["-std=c++20", "-fPIC", opt, "-g1", "-fno-omit-frame-pointer", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wno-unknown-pragmas", *cpu_isa, *openmp,
              *sanitize, *[f"-I{p}" for p in cpp_extension.include_paths()],
              f"-I{sysconfig.get_paths()['include']}"]
@@ -78,4 +82,8 @@ def build() -> str:
 
 
 if __name__ == "__main__":
-    print("dspark_ops cpu-asan: built", build(), flush=True)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--opt", default="-O1", help="optimisation level: -O1 (default) or -O0")
+    print("dspark_ops cpu-asan: built", build(parser.parse_args().opt), flush=True)
