@@ -110,7 +110,21 @@ std::string base_name(const std::string& kernel) {
 }  // namespace
 
 const DeviceSpec& device() { return *g_device; }
-int device_ordinal() { return static_cast<int>(g_device - kDevices); }
+// With a binary's kernel resources set, the emulated device answers occupancy queries as that
+// binary's GPU: a device of its own, whose ordinal (past kernels/device_cache.cuh's kMaxDevices,
+// one per distinct resource table) keeps the launchers' per-device caches from answering with
+// what they computed without those resources, or with another table's.
+static constexpr int kDeviceCount = static_cast<int>(sizeof(kDevices) / sizeof(kDevices[0]));
+static constexpr int kResourceOrdinals = 64;
+static constexpr int kResourceTables = (127 - kResourceOrdinals) / kDeviceCount;  // c10::DeviceIndex
+static std::vector<std::string> g_resource_tables;  // distinct tables set so far
+static int g_resource_table = -1;                 // the current one's index; -1: none
+
+int device_ordinal() {
+  const int index = static_cast<int>(g_device - kDevices);
+  return g_resource_table < 0 ? index
+                              : kResourceOrdinals + g_resource_table * kDeviceCount + index;
+}
 
 bool set_device(const std::string& name) {
   for (const auto& d : kDevices) {
@@ -178,7 +192,25 @@ std::string set_kernel_resources(const std::string& table) {
     parsed[name] = {std::atoi(line.substr(tab1 + 1, tab2 - tab1 - 1).c_str()),
                     std::atoi(line.substr(tab2 + 1).c_str())};
   }
+  if (!problems.empty()) return problems;
+  std::ostringstream canonical;
+  for (const auto& [name, r] : parsed) canonical << name << "\t" << r.registers << "\t" << r.shared << "\n";
+  int index = -1;
+  if (!parsed.empty()) {
+    const auto found = std::find(g_resource_tables.begin(), g_resource_tables.end(), canonical.str());
+    if (found == g_resource_tables.end()) {
+      if (static_cast<int>(g_resource_tables.size()) == kResourceTables) {
+        return "more than " + std::to_string(kResourceTables) +
+               " distinct resource tables in one process (each is an emulated device)";
+      }
+      g_resource_tables.push_back(canonical.str());
+      index = static_cast<int>(g_resource_tables.size()) - 1;
+    } else {
+      index = static_cast<int>(found - g_resource_tables.begin());
+    }
+  }
   g_resources = std::move(parsed);
+  g_resource_table = index;
   return problems;
 }
 
