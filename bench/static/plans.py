@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from bench.static.binary import Binary, KernelInfo, demangled_names
+from bench.static.sass import StructureError
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "build" / "sim" / "plain" / "dspark_ops_sim.so"
@@ -115,7 +116,8 @@ class Plan:
 
     def one(self, kernel: str) -> Tuple[Launch, int]:
         """(the launch, how many times it was made) of a kernel launched with one configuration
-        (e.g. once per draft slot); StructureError-like ValueError otherwise."""
+        (e.g. once per draft slot); ValueError when it is not launched, or launched with more
+        than one configuration."""
         found = self.of(kernel)
         if not found:
             raise ValueError(f"the plan launches no {kernel}; it launches "
@@ -180,7 +182,7 @@ class Planner:
         launches = []
         for r in records:
             if r["kernel"] not in self.kernels:
-                raise ValueError(f"{op} launched {r['kernel']}, which {self.binary.path.name} "
+                raise StructureError(f"{op} launched {r['kernel']}, which {self.binary.path.name} "
                                  "does not contain (is the binary built from this source?)")
             launches.append(Launch(self.kernels[r["kernel"]], r["kernel"], tuple(r["grid"]),
                                    tuple(r["block"]), r["shared"], r["dependent"], r["fields"]))
