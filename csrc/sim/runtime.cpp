@@ -116,7 +116,8 @@ const DeviceSpec& device() { return *g_device; }
 // what they computed without those resources, or with another table's.
 static constexpr int kDeviceCount = static_cast<int>(sizeof(kDevices) / sizeof(kDevices[0]));
 static constexpr int kResourceOrdinals = 64;
-static constexpr int kResourceTables = (127 - kResourceOrdinals) / kDeviceCount;  // c10::DeviceIndex
+// Ordinals stay within c10::DeviceIndex (int8_t).
+static constexpr int kResourceTables = (127 - kResourceOrdinals) / kDeviceCount;
 static std::vector<std::string> g_resource_tables;  // distinct tables set so far
 static int g_resource_table = -1;                 // the current one's index; -1: none
 
@@ -194,10 +195,13 @@ std::string set_kernel_resources(const std::string& table) {
   }
   if (!problems.empty()) return problems;
   std::ostringstream canonical;
-  for (const auto& [name, r] : parsed) canonical << name << "\t" << r.registers << "\t" << r.shared << "\n";
+  for (const auto& [name, r] : parsed) {
+    canonical << name << "\t" << r.registers << "\t" << r.shared << "\n";
+  }
   int index = -1;
   if (!parsed.empty()) {
-    const auto found = std::find(g_resource_tables.begin(), g_resource_tables.end(), canonical.str());
+    const auto found =
+        std::find(g_resource_tables.begin(), g_resource_tables.end(), canonical.str());
     if (found == g_resource_tables.end()) {
       if (static_cast<int>(g_resource_tables.size()) == kResourceTables) {
         return "more than " + std::to_string(kResourceTables) +

@@ -133,8 +133,10 @@ std::string kernel_names();
 // Per-kernel resources of a compiled binary ("instantiation\tregisters\tshared" lines; shared as
 // cuobjdump reports it: static shared memory plus the 1 KB reserved per block). With them the
 // occupancy query applies the register and shared-memory limits of the binary's kernels; without
-// them (the default), threads, block slots and dynamic shared memory only. Returns an error
-// message, empty when every line named a registered kernel.
+// them (the default), threads, block slots and dynamic shared memory only. Each distinct table
+// makes the emulated device one of its own (device_ordinal() past the launchers' per-device
+// caches), so no plan reuses an answer computed without it. Returns an error message, empty when
+// every line named a registered kernel (the table is then in force; otherwise nothing changed).
 std::string set_kernel_resources(const std::string& table);
 // The occupancy query's answer for a registered instantiation (-1 when it is not registered).
 int occupancy_of_kernel(const std::string& kernel, int threads, size_t dynamic_shared);
