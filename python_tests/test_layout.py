@@ -151,6 +151,23 @@ def test_every_op_is_in_the_static_model():
     assert excused <= ops, f"NOT_MODELLED names no op of csrc/schemas.h: {sorted(excused - ops)}"
 
 
+def test_static_model_takes_every_launch_from_a_plan():
+    """bench/static/kernels.py re-derives no launch configuration: its model launches are made
+    by `planned`, from a launch the real code recorded in the emulator (bench/static/plans.py),
+    and it sizes no grid by occupancy itself."""
+    tree = ast.parse((ROOT / "bench" / "static" / "kernels.py").read_text())
+    outside = []
+    for function in tree.body:
+        if not isinstance(function, ast.FunctionDef) or function.name == "planned":
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                    "Launch", "occ_of", "occupancy"):
+                outside.append(f"{function.name}: {node.func.id}(...)")
+    # evaluate() computes the occupancy of a planned launch for its time, not for its grid.
+    assert outside == ["occ_of: occupancy(...)", "evaluate: occ_of(...)"], outside
+
+
 def test_contributing_maps_every_op():
     text = (ROOT / "CONTRIBUTING.md").read_text()
     families = op_families()

@@ -29,6 +29,7 @@ from typing import Dict, List
 from bench.static import kernels
 from bench.static.binary import Binary, NoDeviceCode, default_so
 from bench.static.model import H200
+from bench.static.plans import EmulatorUnavailable
 from bench.static.sass import StructureError
 
 TITLE = ("MODEL, not a measurement: static estimate from the sm_90 SASS of {so} "
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
         if not Path(so).exists():
             raise FileNotFoundError(f"{so} does not exist")
         result = run_model(Path(so))
-    except NoDeviceCode as error:
+    except (NoDeviceCode, EmulatorUnavailable) as error:
         print(f"bench.static: {error}", file=sys.stderr)
         return 2
     except StructureError as error:

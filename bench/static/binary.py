@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 from bench.static import sass
 
@@ -47,6 +47,18 @@ def default_so() -> Path:
         if found:
             return found[0]
     raise FileNotFoundError("no built dspark_ops/_C*.so next to the package")
+
+
+def demangled_names(names: List[str]) -> Dict[str, str]:
+    """mangled -> demangled (c++filt); a name c++filt cannot read is kept as it is."""
+    tool = shutil.which("c++filt")
+    if not tool:
+        raise FileNotFoundError("c++filt not found (binutils): needed to name the kernels")
+    res = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    if len(lines) != len(names):
+        raise RuntimeError(f"c++filt returned {len(lines)} names for {len(names)}")
+    return dict(zip(names, lines))
 
 
 @dataclasses.dataclass
@@ -108,16 +120,6 @@ class Binary:
                 f"kernel pattern {pattern!r} matches {len(names)} kernels in {self.path.name}"
                 + (f": {names[:4]}" if names else ""))
         return self.resources[names[0]]
-
-    def find_first(self, *patterns: str):
-        """(index, kernel) of the first pattern that matches exactly one kernel: the newest code's
-        name first, then earlier versions' names (so an older build can still be modelled)."""
-        for k, pattern in enumerate(patterns):
-            names = [n for n in self.resources if re.search(pattern, n)]
-            if len(names) == 1:
-                return k, self.resources[names[0]]
-        self.find(patterns[0])  # raises with the newest pattern's message
-        raise AssertionError("unreachable")
 
     def cfg(self, name: str) -> sass.CFG:
         if name not in self._cfgs:

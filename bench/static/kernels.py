@@ -1,6 +1,8 @@
-"""Per-kernel knowledge the model needs, read from csrc/kernels/*.cuh and csrc/cuda/*.cu: launch
-configuration, which loop is hot and what one iteration of it does, and the bytes each launch
-moves at a given shape. If the compiled code no longer has the expected loop (no loop of the
+"""Per-kernel knowledge the model needs: which loop is hot and what one iteration of it does, and
+the bytes each launch moves at a given shape. The launch configurations (grid, block, dynamic
+shared memory, launches per call) are not here: each op's real glue and launchers plan them in the
+SIMT emulator (bench/static/plans.py), and the few kernel constants the model needs are read from
+csrc/kernels/ (`constant`). If the compiled code no longer has the expected loop (no loop of the
 kernel has the expected work on one path), the model raises StructureError instead of reporting
 numbers for the wrong code: update the selector here together with the kernel."""
 
@@ -11,9 +13,15 @@ import math
 import re
 from typing import Dict, List, Optional, Tuple
 
+from pathlib import Path
+
 from bench.static import sass
 from bench.static.binary import Binary, KernelInfo
 from bench.static.model import (H200, LaunchResult, Term, bound_of, launch_time, occupancy)
+from bench.static.plans import Launch as PlanLaunch
+from bench.static.plans import Plan, Planner
+
+KERNELS = Path(__file__).resolve().parents[2] / "csrc" / "kernels"
 
 BF16, F32 = 2, 4
 # Philox-4x32 round multiplies (0xD2511F53, 0xCD9E8D57): 20 per block, a few hoisted out of loops.
@@ -108,19 +116,6 @@ def extra_term(binary: Binary, kernel: KernelInfo, base: LoopSpec, name: str,
                 candidates)
 
 
-def first_matching(binary: Binary, kernel: KernelInfo, specs: List[LoopSpec]) -> int:
-    """Index of the first spec whose loop the kernel has (the newest code's first); the newest's
-    StructureError when none has."""
-    first_error = None
-    for k, spec in enumerate(specs):
-        try:
-            select_loop(binary, kernel, spec)
-            return k
-        except sass.StructureError as error:
-            first_error = first_error or error
-    raise first_error
-
-
 @dataclasses.dataclass
 class Launch:
     """What a builder says about one launch; evaluated against the binary by `evaluate`."""
@@ -139,7 +134,7 @@ class Launch:
     note: str = ""
     load_bytes: Optional[float] = None  # bytes the latency bound waits for (default: dram_bytes)
     serial_s: float = 0.0   # work one block does alone on the critical path (verify's filters)
-    dependent: bool = False  # a programmatic dependent launch (see is_dependent_launch)
+    dependent: bool = False  # a programmatic dependent launch (DSPARK_LAUNCH_DEPENDENT)
 
 
 def occ_of(kernel: KernelInfo, threads: int, dynamic_smem: int):
@@ -174,69 +169,56 @@ class Op:
 
 
 # ------------------------------------------------------------------------------------------------
-# verify (csrc/kernels/verify.cuh, csrc/cuda/verify_cuda.cu)
+# Launch plans and the kernels' constants come from the real code: each op is called in the SIMT
+# emulator's plan-only mode at the modelled shape (bench/static/plans.py), which records the grid,
+# block, dynamic shared memory and plan fields of every launch its glue and launchers make; what a
+# launch does not say (how a kernel splits its work inside a block) is computed from the kernel
+# headers' constants, read by `constant`.
 
-VERIFY_THREADS = 256
-
-
-VERIFY_MAX_CHUNKS = 16
-
-
-def verify_plan_of_vocab_alone(binary: Binary, emit: KernelInfo) -> bool:
-    """Whether the build splits the vocabulary by V alone (batch-invariant chunks). It came with
-    padded targets read in place, whose row index is the emit kernel's one 32-bit division by a
-    runtime value (I2F.U32.RP); earlier builds' emit kernel has none."""
-    cfg = binary.cfg(emit.name)
-    return sass.count((i for b in cfg.blocks for i in b.instrs), r"^I2F\.U32\.RP") > 0
+_CONSTANTS: Optional[Dict[str, int]] = None
 
 
-def verify_grid(binary: Binary, stats: KernelInfo, batch: int, vocab: int, filters: bool,
-                vocab_alone: bool = False):
-    from bench.static.model import H200 as hw
-    if vocab_alone:
-        # verify.cuh verify_chunk: min(16, ceil(V / 1024)) chunks, a multiple of 16 long.
-        wanted = min((vocab + 1023) // 1024, VERIFY_MAX_CHUNKS)
-        chunk = ((vocab + wanted - 1) // wanted + 15) // 16 * 16
-        return (vocab + chunk - 1) // chunk, chunk
-    dyn = filter_shared_bytes() if filters else 0
-    bps = occ_of(stats, VERIFY_THREADS, dyn).blocks_per_sm
-    resident = bps * hw.sms
-    chunks = min(max(resident // batch, 1), (vocab + 1023) // 1024)
-    chunk = ((vocab + chunks - 1) // chunks + 15) // 16 * 16
-    return (vocab + chunk - 1) // chunk, chunk
+def constant(name: str) -> int:
+    """An integer constant of the kernel headers (``constexpr int kName = expression;`` in
+    csrc/kernels/), its expression evaluated over the constants defined before it."""
+    global _CONSTANTS
+    if _CONSTANTS is None:
+        _CONSTANTS = {}
+        for path in sorted(KERNELS.glob("*.cuh")) + sorted(KERNELS.glob("*.h")):
+            for m in re.finditer(r"constexpr\s+(?:int|int64_t|unsigned)\s+(k\w+)\s*=\s*([^;]+);",
+                                 path.read_text()):
+                expr = m.group(2).strip()
+                if not re.fullmatch(r"[\w\s*+/()-]+", expr):
+                    continue
+                try:
+                    _CONSTANTS.setdefault(m.group(1), int(eval(  # noqa: S307 (integers only)
+                        expr.replace("/", "//"), {"__builtins__": {}}, dict(_CONSTANTS))))
+                except Exception:
+                    continue
+    if name not in _CONSTANTS:
+        raise sass.StructureError(f"no constant {name} in csrc/kernels/: the kernel changed; "
+                                  "update bench/static/kernels.py")
+    return _CONSTANTS[name]
 
 
-def filter_shared_bytes() -> int:
-    # FilterShared (kernels/filter.cuh): count[2048]*4 + weight[2048]*8 + 2560*(4+4) + 32*8 +
-    # 32*4 + 8 + 4, padded to 8.
-    buckets = 2048
-    size = buckets * 4 + buckets * 8 + 2560 * 4 + 2560 * 4 + 32 * 8 + 32 * 4
-    size = (size + 7) // 8 * 8 + 8 + 4
-    return (size + 7) // 8 * 8
-
-
-def gather_loops(binary: Binary, kernel: KernelInfo, load: str, loads: int) -> int:
-    """Loops of a filter kernel that gather candidates: `loads` row loads and a shared ATOMS.ADD
-    (two since top-k's floor: the floor's gather and the fallback's)."""
-    cfg = binary.cfg(kernel.name)
-    return sum(1 for loop in cfg.loops
-               if sass.count(loop.instrs(cfg), load) == loads
-               and sass.count(loop.instrs(cfg), r"^ATOMS\.ADD$") > 0)
-
-
-def is_dependent_launch(binary: Binary, kernel: KernelInfo) -> bool:
-    """Whether the kernel waits for the grid before it (griddepcontrol.wait, SASS ACQBULK): it is
-    launched as a programmatic dependent launch (kernels/launch.cuh)."""
-    cfg = binary.cfg(kernel.name)
-    return sass.count((i for b in cfg.blocks for i in b.instrs), r"^ACQBULK") > 0
-
-
-def _has_loop(binary: Binary, kernel: KernelInfo, spec: LoopSpec) -> bool:
+def kernel_launch(plan: Plan, kernel: str) -> Tuple[PlanLaunch, int]:
+    """(the launch, how many times) of ``kernel`` in ``plan``; StructureError when the real code
+    does not launch it (or launches it with more than one configuration)."""
     try:
-        select_loop(binary, kernel, spec)
-        return True
-    except sass.StructureError:
-        return False
+        return plan.one(kernel)
+    except ValueError as error:
+        raise sass.StructureError(f"{error}; update bench/static/kernels.py") from None
+
+
+def planned(launch: PlanLaunch, label: str, terms: List[Term], dram_bytes: float,
+            count: int = 1, **kwargs) -> Launch:
+    """A model Launch with the recorded launch's kernel, block, grid and shared memory."""
+    return Launch(launch.kernel, label, launch.threads, launch.blocks, launch.shared, terms,
+                  dram_bytes, count=count, dependent=launch.dependent, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# verify (csrc/kernels/verify.cuh, csrc/cuda/verify_cuda.cu)
 
 
 def one_block_pass_s(t: Term, threads: int) -> float:
@@ -249,16 +231,18 @@ def one_block_pass_s(t: Term, threads: int) -> float:
     return max(issue, latency)
 
 
-def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
-              alpha: float = 0.7, filtered: bool = False) -> Op:
+def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: int,
+              variant: str, alpha: float = 0.7, filtered: bool = False) -> Op:
     """variant: greedy or sampled, with acceptance alpha (alpha = 1: every row is read, the
     floor's first case)."""
-    stats = binary.find(r"verify_row_stats_kernelI13__nv_bfloat16fE")
-    emit = binary.find(r"verify_emit_kernelI13__nv_bfloat16fE")
-    chunks, _ = verify_grid(binary, stats, batch, vocab, filtered,
-                            vocab_alone=verify_plan_of_vocab_alone(binary, emit))
-    blocks = chunks * batch
     greedy = variant == "greedy"
+    plan = planner.verify(batch, block, vocab, sampled=not greedy, filtered=filtered)
+    # bf16 target rows; float32 draft rows (greedy passes none: the same instantiation).
+    stats_launch, _ = kernel_launch(plan, "verify_row_stats_kernel<__nv_bfloat16, float>")
+    emit_launch, _ = kernel_launch(plan, "verify_emit_kernel<__nv_bfloat16, float>")
+    stats, emit = stats_launch.kernel, emit_launch.kernel
+    chunks = stats_launch.fields["num_chunks"]
+    threads = stats_launch.threads
     rows = block + 1
     t_rows = sum(alpha ** i for i in range(rows))        # rows up to the first rejection
     d_rows = 0.0 if greedy else sum(alpha ** i for i in range(block))
@@ -273,19 +257,13 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     stats_bytes = batch * vocab * (t_rows * BF16 + d_rows * F32)
     serial_s, note = 0.0, "one fence+atomic per row a block walks"
     if filtered:
-        # top-k + top-p (kernels/filter.cuh): the deciding block passes over the row twice (first
-        # digit by count, then the gather), from L2, before the next row can be decided; since
-        # top-k's floor (the warps' maxima the streaming blocks publish), once: the gather from
-        # the floor (a second gather loop, the fallback's, is then in the binary).
-        hist = LoopSpec("filter: first-digit histogram", {r"^LDG\.E\.128": 1,
-                                                          r"^ATOMS\.POPC\.INC": 8}, 8,
-                        (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
+        # top-k + top-p (kernels/filter.cuh): the deciding block gathers the row's candidates
+        # from top-k's floor (the warps' maxima the streaming blocks publish) in one pass over
+        # the row, from L2, before the next row can be decided.
         visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
                          (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
         passes = [term(binary, stats, visit, vocab)]
-        if gather_loops(binary, stats, r"^LDG\.E\.128", 1) < 2:
-            passes.insert(0, term(binary, stats, hist, vocab))
-        serial_s = t_rows * sum(one_block_pass_s(t, VERIFY_THREADS) for t in passes)
+        serial_s = t_rows * sum(one_block_pass_s(t, threads) for t in passes)
         note = f"filters: {serial_s * 1e6:.0f} us of one-block row passes on the critical path"
     with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
                                                PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
@@ -296,37 +274,28 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
     emit_terms, emit_bytes, emit_round_trips = [], 0.0, 0
     if not greedy:
         p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
-        # Since the race moved into the statistics kernel (its loops are in both kernels), the
-        # blocks of a request that see its rejection race one chunk each of row j* as they stop,
-        # re-reading it from L2: between a chunk's stream and its race the GPU reads about one row
-        # step of the resident blocks (3 x 132 x 57 KB = 23 MB, under the 50 MB L2). A request
-        # that accepts every draft leaves C - 1 of its C chunks to the emit kernel (its other
-        # blocks finished before the bonus row was decided), which reads them from HBM.
-        fused = _has_loop(binary, stats, with_q)
-        chunks_in_stats = chunks if fused else 0
-        rejected_in_emit = 1 - chunks_in_stats / chunks
-        bonus_in_emit = 1 - min(chunks_in_stats, 1) / chunks
-        if fused:
-            stats_terms += [term(binary, stats, with_q, batch * vocab * p_draft),
-                            term(binary, stats, no_q, batch * vocab * (1 - p_draft) / chunks)]
-            # The deciding block races its own chunk after the decision, on the critical path.
-            serial_s += one_block_pass_s(dataclasses.replace(
-                stats_terms[1], elements=vocab / chunks), VERIFY_THREADS)
-        emit_terms = [term(binary, emit, with_q, batch * vocab * p_draft * rejected_in_emit),
+        # The blocks of a request that see its rejection race one chunk each of row j* as they
+        # stop, re-reading it from L2: between a chunk's stream and its race the GPU reads about
+        # one row step of the resident blocks (3 x 132 x 57 KB = 23 MB, under the 50 MB L2). A
+        # request that accepts every draft leaves C - 1 of its C chunks to the emit kernel (its
+        # other blocks finished before the bonus row was decided), which reads them from HBM.
+        bonus_in_emit = 1 - 1 / chunks
+        stats_terms += [term(binary, stats, with_q, batch * vocab * p_draft),
+                        term(binary, stats, no_q, batch * vocab * (1 - p_draft) / chunks)]
+        # The deciding block races its own chunk after the decision, on the critical path.
+        serial_s += one_block_pass_s(dataclasses.replace(
+            stats_terms[1], elements=vocab / chunks), threads)
+        emit_terms = [term(binary, emit, with_q, 0.0),
                       term(binary, emit, no_q, batch * vocab * (1 - p_draft) * bonus_in_emit)]
-        emit_bytes = batch * vocab * (BF16 * (p_draft * rejected_in_emit
-                                              + (1 - p_draft) * bonus_in_emit)
-                                      + F32 * p_draft * rejected_in_emit)
+        emit_bytes = batch * vocab * BF16 * (1 - p_draft) * bonus_in_emit
         emit_round_trips = 1
-    launches = [Launch(stats, "row statistics + decide" + (" + filters" if filtered else "")
-                       + ("" if greedy else " + race"),
-                       VERIFY_THREADS, blocks, filter_shared_bytes() if filtered else 0,
-                       stats_terms, stats_bytes + batch * rows * 8 + batch * 16,
-                       serial_round_trips=t_rows, serial_s=serial_s, note=note)]
-    launches.append(Launch(emit, "emit (greedy: nothing left)" if greedy else
-                           "emit (race on row j*: the chunks left)", VERIFY_THREADS, blocks, 0,
-                           emit_terms, emit_bytes, serial_round_trips=emit_round_trips,
-                           dependent=is_dependent_launch(binary, emit)))
+    launches = [planned(stats_launch, "row statistics + decide"
+                        + (" + filters" if filtered else "") + ("" if greedy else " + race"),
+                        stats_terms, stats_bytes + batch * rows * 8 + batch * 16,
+                        serial_round_trips=t_rows, serial_s=serial_s, note=note)]
+    launches.append(planned(emit_launch, "emit (greedy: nothing left)" if greedy else
+                            "emit (race on row j*: the chunks left)", emit_terms, emit_bytes,
+                            serial_round_trips=emit_round_trips))
     shape = f"B={batch} G={block} V={vocab}"
     label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
         (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")
@@ -341,41 +310,19 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
 # ------------------------------------------------------------------------------------------------
 # markov_draft / rnn_draft (csrc/kernels/draft.cuh, csrc/cuda/draft_cuda.cu)
 
-DRAFT_THREADS, TILE_ROWS, MAX_GROUP, K_CHUNK = 256, 128, 64, 32
-DRAFT_WARPS = DRAFT_THREADS // 32
-FILTER_THREADS = 1024  # draft.cuh kFilterThreads
-
-
-def draft_shared(group: int, rank: int, passes: int) -> int:
-    padded = (rank + K_CHUNK - 1) // K_CHUNK * K_CHUNK
-    stride = (padded + 63) // 64 * 64 + 32   # 16-bit weights
-    return passes * group * stride * BF16
-
-
-# draft.cuh draft_input_budget on the H200: half the SM's shared memory less kSlotSharedReserve.
-DRAFT_INPUT_BUDGET = H200.smem_per_sm // 2 - 5 * 1024
-
-
-def draft_group(batch: int, rank: int, passes: int) -> int:
-    size = MAX_GROUP
-    while size > 8 and draft_shared(size, rank, passes) > DRAFT_INPUT_BUDGET:
-        size //= 2
-    return min(size, max(8, (batch + 7) // 8 * 8))
-
-
 # Slack of key_bound over -log(u) (draft.cuh: within 0.06), as a factor on the chance to pass.
 KEY_BOUND_SLACK = math.exp(0.06)
 
 
-def vote_fraction(grid_tiles: int, tiles: int, slack: float) -> float:
+def vote_fraction(grid_tiles: int, tiles: int, tile_rows: int, slack: float) -> float:
     """ASSUMPTION: the expected fraction of the epilogue's warp calls (16 rows x 8 requests) in
     which some lane's token may still win, so the warp runs the vote-guarded block.
 
     A block's first tile knows no best key yet (it folds the grid's maxima in at the start of a
     tile, and every block starts together): all of its calls run the block. In the r-th later
-    round of tiles about n = r * grid_tiles * 128 rows per request are known, and a row whose key
-    is exchangeable with theirs beats their best key with probability about 1/n (times `slack`
-    for the key bound's margin), so a call of 128 (row, request) pairs runs the block with
+    round of tiles about n = r * grid_tiles * tile_rows rows per request are known, and a row
+    whose key is exchangeable with theirs beats their best key with probability about 1/n (times
+    `slack` for the key bound's margin), so a call of 128 (row, request) pairs runs the block with
     probability 1 - (1 - slack / n)^128. Independent of the logits' scale for exchangeable rows;
     rows sorted by logit, or adversarial inputs, would run it more often.
     """
@@ -385,7 +332,7 @@ def vote_fraction(grid_tiles: int, tiles: int, slack: float) -> float:
         if round_ == 0:
             p = 1.0
         else:
-            known = round_ * grid_tiles * TILE_ROWS
+            known = round_ * grid_tiles * tile_rows
             p = 1.0 - (1.0 - min(1.0, slack / known)) ** (16 * 8)
         calls += n_tiles * p
         done += n_tiles
@@ -393,165 +340,115 @@ def vote_fraction(grid_tiles: int, tiles: int, slack: float) -> float:
     return calls / tiles
 
 
-def warp_tile_shares(vocab: int, grid_tiles: int) -> List[int]:
-    """16-row tiles per block of draft_slot_kernel: warp w of block x takes tiles w * grid + x,
-    then every DRAFT_WARPS * grid-th."""
-    warp_tiles, stride = (vocab + 15) // 16, DRAFT_WARPS * grid_tiles
+def warp_tile_shares(vocab: int, grid_tiles: int, warps: int) -> List[int]:
+    """16-row tiles (one MMA's rows) per block of draft_slot_kernel: warp w of block x takes
+    tiles w * grid + x, then every warps * grid-th."""
+    warp_tiles, stride = (vocab + 15) // 16, warps * grid_tiles
     return [sum(max(0, (warp_tiles - (w * grid_tiles + x) + stride - 1) // stride)
-                for w in range(DRAFT_WARPS)) for x in range(grid_tiles)]
+                for w in range(warps)) for x in range(grid_tiles)]
 
 
-def warp_interleaved(binary: Binary, kernel: KernelInfo) -> bool:
-    """Whether the slot kernel's tile loop (its largest outermost loop) steps by
-    DRAFT_WARPS * gridDim.x, the warp-interleaved walk, rather than by gridDim.x: its latch scales
-    the step by 8 (``IMAD.WIDE.U32 R10, R97, 0x8, R10``; earlier builds add gridDim.x itself)."""
-    cfg = binary.cfg(kernel.name)
-    outer = [loop for loop in cfg.loops if loop.parent is None]
-    if not outer:
-        return False
-    tiles = max(outer, key=lambda loop: len(loop.blocks))
-    return any(re.match(r"(IMAD|LEA|SHF\.L)\S* .*, 0x%x\b" % DRAFT_WARPS, i.body)
-               for latch in tiles.latches for i in cfg.blocks[latch].instrs)
-
-
-def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn: bool,
-             sampled: bool = True, hidden: int = 2560, filtered: bool = False) -> Op:
+def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: int, rank: int,
+             rnn: bool, sampled: bool = True, hidden: int = 2560, filtered: bool = False) -> Op:
+    plan = planner.draft(batch, block, vocab, rank, rnn=rnn, sampled=sampled, hidden=hidden,
+                         filtered=filtered)
     passes = 2 if rnn else 1
-    # Newest first: the base logits' dtype a template parameter (bf16 base, S2_), then the build
-    # whose epilogue switched on it per element.
-    version, slot = binary.find_first(r"draft_slot_kernelI13__nv_bfloat16S2_Lb%dE" % int(rnn),
-                                      r"draft_slot_kernelI13__nv_bfloat16Lb%dE" % int(rnn))
-    vote = version == 0
-    group = draft_group(batch, rank, passes)
-    groups = (batch + group - 1) // group
-    dyn = draft_shared(group, rank, passes)
-    bps = occ_of(slot, DRAFT_THREADS, dyn).blocks_per_sm
-    tiles = (vocab + TILE_ROWS - 1) // TILE_ROWS
-    grid_tiles = min(max(bps * H200.sms // groups, 1), tiles)
-    if warp_interleaved(binary, slot):
-        # The warps walk 16-row tiles interleaved over the grid: the busiest block's share.
-        imbalance = max(warp_tile_shares(vocab, grid_tiles)) / ((vocab + 15) // 16 / grid_tiles)
-    else:  # earlier builds: each block walks whole 128-row tiles
-        imbalance = math.ceil(tiles / grid_tiles) / (tiles / grid_tiles)
-    ct = (min(group, batch) + 7) // 8                    # MMA column tiles per block
-    chunks = (rank + K_CHUNK - 1) // K_CHUNK
+    # bf16 weights and base logits.
+    slot_launch, _ = kernel_launch(
+        plan, f"draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, {str(rnn).lower()}>")
+    slot = slot_launch.kernel
+    grid_tiles, groups = slot_launch.grid[0], slot_launch.grid[1]
+    group, tiles = slot_launch.fields["group_size"], slot_launch.fields["num_tiles"]
+    warps = slot_launch.threads // 32
+    # The warps walk 16-row tiles interleaved over the grid: the busiest block's share.
+    imbalance = max(warp_tile_shares(vocab, grid_tiles, warps)) / ((vocab + 15) // 16 / grid_tiles)
+    ct = (min(group, batch) + 7) // 8                    # MMA column tiles (n8) per block
+    k_chunk, in_flight = constant("kKChunk"), constant("kChunksInFlight")
+    chunks = (rank + k_chunk - 1) // k_chunk
     mma = LoopSpec("W2 x inputs (mma.sync)",
-                   {r"^HMMA": 2 * min(4, chunks) * ct * passes, r"^LDG\.E\.128": 2 * min(4, chunks)},
-                   16 * K_CHUNK * min(4, chunks) / 32, (r"^LDG\.E\.128", 2 * min(4, chunks)),
-                   loads=r"^LDG\.E\.128")
-    # z is stored through a row pointer kept in shared memory since the Base template (a generic
-    # ST.E), before it through a global STG.E.
-    store = r"^ST\.E$" if vote else r"^STG\.E$"
+                   {r"^HMMA": 2 * min(in_flight, chunks) * ct * passes,
+                    r"^LDG\.E\.128": 2 * min(in_flight, chunks)},
+                   16 * k_chunk * min(in_flight, chunks) / 32,
+                   (r"^LDG\.E\.128", 2 * min(in_flight, chunks)), loads=r"^LDG\.E\.128")
+    # z is stored through a row pointer kept in shared memory (a generic ST.E).
+    store = r"^ST\.E$"
     need = {store: 4 * ct}
     if sampled:
         need[PHILOX] = PHILOX_PER_BLOCK * ct  # one Philox block per lane and column tile
-    epi = LoopSpec("epilogue: store z, key bounds" if vote else "epilogue: store z, Gumbel keys",
-                   need, 16 * 8 * ct / 32, (store, 4 * ct), innermost=False)
+    epi = LoopSpec("epilogue: store z, key bounds", need, 16 * 8 * ct / 32, (store, 4 * ct),
+                   innermost=False)
     w2 = vocab * rank * BF16 * groups
     slot_bytes = w2 + batch * vocab * BF16 + batch * vocab * F32 + batch * rank * BF16
     terms = [term(binary, slot, mma, vocab * rank * groups),
              term(binary, slot, epi, vocab * batch)]
-    note = ""
-    if vote:
-        # The epilogue's two warp votes: the logarithms (log1pf and logf: two exponent
-        # extractions per element, 4 elements per lane) and the reductions + global atomicMax
-        # (2 per call). Their fractions of warp calls are ASSUMPTIONS (vote_fraction); each
-        # warp runs exactly one first tile, so the busiest SM's extra tiles (imbalance) are late
-        # ones that rarely vote in: the vote blocks' elements are divided by the imbalance.
-        # One column tile's share of the epilogue's anchors with its vote block, times ct: a
-        # path search over all tiles' anchors at once grows too large with the bf16 store path.
-        epi_tile = dataclasses.replace(epi, need={a: n // ct for a, n in epi.need.items()},
-                                       unroll=(store, 4))
-        f_red = vote_fraction(grid_tiles, tiles, 1.0)
-        f_log = vote_fraction(grid_tiles, tiles, KEY_BOUND_SLACK) if sampled else 0.0
-        if sampled:
-            terms.append(extra_term(binary, slot, epi_tile,
-                                    f"epilogue: logarithms ({100 * f_log:.1f}% "
-                                    "of warp calls, assumed)", {r"^I2FP\.F32\.S32": 8},
-                                    vocab * batch * f_log / imbalance, copies=ct))
-        terms.append(extra_term(binary, slot, epi_tile, f"epilogue: reductions + atomicMax "
-                                f"({100 * f_red:.1f}% of warp calls, assumed)",
-                                {r"^ATOMG\.E\.MAX": 2}, vocab * batch * f_red / imbalance,
-                                copies=ct))
-        note = (f"vote blocks assumed in {100 * f_log:.1f}% (logarithms) / {100 * f_red:.1f}% "
-                "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
+    # The epilogue's two warp votes: the logarithms (log1pf and logf: two exponent extractions per
+    # element, 4 elements per lane) and the reductions + global atomicMax (2 per call). Their
+    # fractions of warp calls are ASSUMPTIONS (vote_fraction); each warp runs exactly one first
+    # tile, so the busiest SM's extra tiles (imbalance) are late ones that rarely vote in: the
+    # vote blocks' elements are divided by the imbalance. One column tile's share of the
+    # epilogue's anchors with its vote block, times ct: a path search over all tiles' anchors at
+    # once grows too large with the bf16 store path.
+    epi_tile = dataclasses.replace(epi, need={a: n // ct for a, n in epi.need.items()},
+                                   unroll=(store, 4))
+    tile_rows = constant("kTileRows")
+    f_red = vote_fraction(grid_tiles, tiles, tile_rows, 1.0)
+    f_log = vote_fraction(grid_tiles, tiles, tile_rows, KEY_BOUND_SLACK) if sampled else 0.0
+    if sampled:
+        terms.append(extra_term(binary, slot, epi_tile,
+                                f"epilogue: logarithms ({100 * f_log:.1f}% "
+                                "of warp calls, assumed)", {r"^I2FP\.F32\.S32": 8},
+                                vocab * batch * f_log / imbalance, copies=ct))
+    terms.append(extra_term(binary, slot, epi_tile, f"epilogue: reductions + atomicMax "
+                            f"({100 * f_red:.1f}% of warp calls, assumed)",
+                            {r"^ATOMG\.E\.MAX": 2}, vocab * batch * f_red / imbalance,
+                            copies=ct))
+    note = (f"vote blocks assumed in {100 * f_log:.1f}% (logarithms) / {100 * f_red:.1f}% "
+            "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
     launches = []
     if rnn:
         rows = 3 * rank
         width = 2 * rank + hidden
-        # Newest first: the tensor-core head (a block per 16 rows x 8 requests, its eight warps
-        # splitting the 16-column steps), then the CUDA-core head.
-        version, head = binary.find_first(r"rnn_head_mma_kernelI13__nv_bfloat16E",
-                                          r"rnn_head_kernelI13__nv_bfloat16E")
-        if version == 0:
-            head_threads = 256
-            head_blocks = ((rows + 15) // 16) * ((batch + 7) // 8)
-            # A warp's step: one m16n8k16 (16 rows x 8 requests x 16 columns: 64 multiply-adds a
-            # lane) from four 32-bit J loads and two of the inputs; unrolled by 4. The modelled
-            # loop is the bf16 hidden segment's (exact in bf16: one MMA a step), d of the 2r + d
-            # columns; the float32 state's r columns take three MMAs a step.
-            macs = LoopSpec("J x [s; W1[x]; h] (mma.sync, pair loads)",
-                            {r"^HMMA": 4, r"^LDG\.E\.CONSTANT$": 24}, 64, (r"^HMMA", 1),
-                            loads=r"^LDG\.E\.CONSTANT$")
-        else:
-            head_threads = DRAFT_THREADS
-            head_blocks = ((rows + 31) // 32) * ((batch + 7) // 8)
-            # A lane's step: a pair of columns for 4 rows x 8 requests (64 multiply-adds). The
-            # modelled loop is the bf16 hidden segment's with pair loads (12 32-bit loads; the
-            # high halves unpacked by LOP3), d of the 2r + d columns; before pair loads, the one
-            # k loop.
-            pairs = LoopSpec("J x [s; W1[x]; h] (FMA, pair loads)",
-                             {r"^FFMA": 64, r"^LDG\.E\.CONSTANT$": 12, r"^LOP3": 12}, 64,
-                             (r"^FFMA", 64))
-            single = LoopSpec("J x [s; W1[x]; h] (FMA)", {r"^FFMA": 32}, 32, (r"^FFMA", 32))
-            macs = [pairs, single][first_matching(binary, head, [pairs, single])]
+        # The tensor-core head: a block per 16 rows x 8 requests, its warps splitting the
+        # 16-column steps. A warp's step: one m16n8k16 (16 rows x 8 requests x 16 columns: 64
+        # multiply-adds a lane) from four 32-bit J loads and two of the inputs; unrolled by 4.
+        # The modelled loop is the bf16 hidden segment's (exact in bf16: one MMA a step), d of the
+        # 2r + d columns; the float32 state's r columns take three MMAs a step.
+        head_launch, head_count = kernel_launch(plan, "rnn_head_mma_kernel<__nv_bfloat16>")
+        macs = LoopSpec("J x [s; W1[x]; h] (mma.sync, pair loads)",
+                        {r"^HMMA": 4, r"^LDG\.E\.CONSTANT$": 24}, 64, (r"^HMMA", 1),
+                        loads=r"^LDG\.E\.CONSTANT$")
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
-        launches.append(Launch(head, "rnn head [g;c;o]", head_threads, head_blocks, 0,
-                               [term(binary, head, macs, rows * width * batch)], head_bytes,
-                               count=block, note="J read once from HBM, L2 serves the batch blocks"))
-    launches.append(Launch(slot, f"slot: W2 mma + sample ({groups} group(s) of {group})",
-                           DRAFT_THREADS, grid_tiles * groups, dyn, terms, slot_bytes, count=block,
-                           imbalance=imbalance, serial_round_trips=1,
-                           load_bytes=w2 + batch * vocab * BF16, note=note))
+        launches.append(planned(head_launch, "rnn head [g;c;o]",
+                                [term(binary, head_launch.kernel, macs, rows * width * batch)],
+                                head_bytes, count=head_count,
+                                note="J read once from HBM, L2 serves the batch blocks"))
+    slot_launch, slot_count = kernel_launch(
+        plan, f"draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, {str(rnn).lower()}>")
+    launches.append(planned(slot_launch, f"slot: W2 mma + sample ({groups} group(s) of {group})",
+                            terms, slot_bytes, count=slot_count, imbalance=imbalance,
+                            serial_round_trips=1, load_bytes=w2 + batch * vocab * BF16,
+                            note=note))
     if filtered:
-        # float32 rows: the float instantiation (before it the only, untemplated kernel).
-        _, filt = binary.find_first(r"draft_filter_kernelIfE", r"draft_filter_kernelENS")
-        # Since: 1024 threads a block, two 16-byte loads per 8 elements; before: 256 threads,
-        # 8 scalar loads.
-        scan_vec = LoopSpec("row max", {r"^LDG\.E\.128": 2}, 8, (r"^LDG\.E\.128", 2))
-        scan = LoopSpec("row max", {r"^LDG\.E$": 8}, 8, (r"^LDG\.E$", 8))
-        vector = first_matching(binary, filt, [scan_vec, scan]) == 0
-        load = (r"^LDG\.E\.128", 2) if vector else (r"^LDG\.E$", 8)
-        scan = scan_vec if vector else scan
-        # By count (top-k): one shared increment per element (ATOMS.POPC.INC; the gather pass's
-        # warp-aggregated ATOMS.ADD is a different loop).
-        hist = LoopSpec("first-digit histogram", {load[0]: load[1], r"^ATOMS\.POPC\.INC": 8}, 8,
-                        (r"^ATOMS\.POPC\.INC", 8))
+        # float32 draft rows (the default draft_logits dtype).
+        filt_launch, filt_count = kernel_launch(plan, "draft_filter_kernel<float>")
+        filt = filt_launch.kernel
+        # Two 16-byte loads per 8 elements.
+        load = (r"^LDG\.E\.128", 2)
+        scan = LoopSpec("row max", {load[0]: load[1]}, 8, load)
         redraw = LoopSpec("drop + redraw", {load[0]: load[1], r"^STG\.E$": 8,
                                             PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^STG\.E$", 8))
-        # The candidates' gather (a warp-aggregated ATOMS.ADD, costed as if every iteration
-        # took it). Since top-k's gather starts from the floor the threads' maxima give (two
-        # gather loops: the floor's and the fallback's), it replaces the first-digit pass.
-        gather = LoopSpec("gather candidates", {load[0]: load[1], r"^ATOMS\.ADD$": 1}, 8,
-                          (load[0], load[1]))
-        gathers = gather_loops(binary, filt, load[0], load[1])
+        # The candidates' gather from the floor the threads' maxima give (a warp-aggregated
+        # ATOMS.ADD, costed as if every iteration took it).
+        gather = LoopSpec("gather candidates", {load[0]: load[1], r"^ATOMS\.ADD$": 1}, 8, load)
         n = batch * vocab
-        threads = FILTER_THREADS if vector else DRAFT_THREADS
-        if gathers >= 2:
-            passes, reads = [scan, gather, redraw], 3
-            note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 3 times from L2 (max, "
-                    "gather from the floor, redraw) and rewritten")
-        else:
-            passes, reads = [scan, hist, redraw], 4
-            note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 4 times from L2 and "
-                    "rewritten; gather pass not costed")
-        launches.append(Launch(filt, "top-k filter + redraw (block per request)", threads,
-                               batch, filter_shared_bytes(),
-                               [term(binary, filt, spec, n) for spec in passes],
-                               batch * vocab * F32, count=block, latency_s=H200.l2_latency_s,
-                               load_bytes=reads * batch * vocab * F32,
-                               note=note))
+        note = ("the slot's rows (B*V*4, below the 50 MB L2) are read 3 times from L2 (max, "
+                "gather from the floor, redraw) and rewritten")
+        launches.append(planned(filt_launch, "top-k filter + redraw (block per request)",
+                                [term(binary, filt, spec, n) for spec in (scan, gather, redraw)],
+                                batch * vocab * F32, count=filt_count,
+                                latency_s=H200.l2_latency_s, load_bytes=3 * batch * vocab * F32,
+                                note=note))
     floor = block * vocab * rank * BF16 + batch * block * vocab * (BF16 + F32)
     op = "rnn_draft" if rnn else "markov_draft"
     shape = f"B={batch} G={block} V={vocab} r={rank}" + (f" d={hidden}" if rnn else "")
@@ -562,30 +459,22 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                                                variant="sampled" if sampled else "greedy"))
 
 
-CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft.cuh kConfidenceThreads, kConfidenceSegment
-
-
-def confidence_op(binary: Binary, batch: int, block: int, hidden: int, rank: int) -> Op:
-    k = binary.find(r"draft_confidence_kernelI13__nv_bfloat16E")
+def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidden: int,
+                  vocab: int, rank: int) -> Op:
+    plan = planner.confidence(batch, block, hidden, vocab, rank)
+    launch, _ = kernel_launch(plan, "draft_confidence_kernel<__nv_bfloat16>")
     rows = batch * block
     nbytes = rows * hidden * BF16 + rows * rank * BF16 + (hidden + rank) * BF16 + rows * 12
-    # Since: weights staged in shared memory CONFIDENCE_SEGMENT at a time, each lane's eight
-    # 16-byte row loads issued before its multiply-adds, four rows per block. Before: one
-    # element per lane and iteration, both operands from global memory, eight rows per block.
+    # Weights staged in shared memory kConfidenceSegment at a time, each lane's eight 16-byte row
+    # loads issued before its multiply-adds, a warp per row.
     staged = LoopSpec("row . weight (16-byte loads)", {r"^LDG\.E\.128": 8, r"^FFMA": 64}, 64,
                       (r"^LDG\.E\.128", 8))
-    scalar = LoopSpec("hidden . weight", {r"^LDG\.E\.U16": 2, r"^FFMA": 1}, 1, (r"^FFMA", 1))
-    if first_matching(binary, k, [staged, scalar]) == 0:
-        segments = -(-hidden // CONFIDENCE_SEGMENT) + -(-rank // CONFIDENCE_SEGMENT)
-        rows_per_block = CONFIDENCE_THREADS // 32
-        launches = [Launch(k, "stage weights, dot + sigmoid (warp per row)", CONFIDENCE_THREADS,
-                           -(-rows // rows_per_block), 0,
-                           [term(binary, k, staged, rows * (hidden + rank))], nbytes,
-                           serial_round_trips=segments, barrier_stages=2 * segments,
-                           note=f"{segments} weight segments staged in turn")]
-    else:
-        launches = [Launch(k, "dot + sigmoid (warp per row)", DRAFT_THREADS, (rows + 7) // 8, 0,
-                           [term(binary, k, scalar, rows * (hidden + rank))], nbytes)]
+    segment = constant("kConfidenceSegment")
+    segments = -(-hidden // segment) + -(-rank // segment)
+    launches = [planned(launch, "stage weights, dot + sigmoid (warp per row)",
+                        [term(binary, launch.kernel, staged, rows * (hidden + rank))], nbytes,
+                        serial_round_trips=segments, barrier_stages=2 * segments,
+                        note=f"{segments} weight segments staged in turn")]
     return Op("draft_confidence", f"B={batch} G={block} d={hidden} r={rank}", "calibrated",
               nbytes, launches, launch_bound=True,
               match=dict(op="draft_confidence", params=dict(B=batch, G=block, d=hidden, r=rank),
@@ -595,85 +484,52 @@ def confidence_op(binary: Binary, batch: int, block: int, hidden: int, rank: int
 # ------------------------------------------------------------------------------------------------
 # block_draft_attention, append_context_kv (csrc/kernels/attention.cuh, cuda/attention_cuda.cu)
 
-ATTN_THREADS, ATTN_ROWS, ATTN_KEYS = 128, 16, 64
 
-
-def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: int, dim: int,
-                 length: int) -> Op:
-    split = binary.find(r"block_attention_split_kernelI13__nv_bfloat16Li%dE" % dim)
-    merge = binary.find(r"block_attention_merge_kernelI13__nv_bfloat16Li%dE" % dim)
-    smem = BF16 * (ATTN_ROWS + 2 * ATTN_KEYS) * (dim + 8)
-    bps = occ_of(split, ATTN_THREADS, smem).blocks_per_sm
+def attention_op(binary: Binary, planner: Planner, batch: int, block: int, heads: int,
+                 kv_heads: int, dim: int, length: int) -> Op:
+    plan = planner.attention(batch, block, heads, kv_heads, dim, length)
+    split_launch, _ = kernel_launch(plan, f"block_attention_split_kernel<__nv_bfloat16, {dim}>")
+    merge_launch, _ = kernel_launch(plan, f"block_attention_merge_kernel<__nv_bfloat16, {dim}>")
+    split, merge = split_launch.kernel, merge_launch.kernel
+    splits = split_launch.fields["splits"]
+    groups = split_launch.grid[1] // kv_heads           # grid (splits, Hkv x row groups, B)
     rows = block * (heads // kv_heads)
-    groups = (rows + ATTN_ROWS - 1) // ATTN_ROWS
-    base = batch * kv_heads * groups
     kper = dim // 32                                    # merge: floats per lane and row
-    # The merge kernel and the split plan changed together: one maximum over all splits (lanes
-    # over splits, a scaling loop over them) with the waves / splits plan; before it, a serial
-    # running rescale with the one-wave plan.
+    # One maximum over all splits (lanes over splits, a scaling loop over them); the block keys'
+    # values in their own loop (a score shuffled in from lane n).
     merge_new = LoopSpec("splits: scale partial outputs", {r"^MUFU\.EX2": 1, r"^FFMA": kper,
                                                           r"^LDG": kper + 1}, kper,
                          (r"^MUFU\.EX2", 1))
     values = LoopSpec("block keys: fold v", {r"^SHFL\.IDX": 1, r"^MUFU\.EX2": 1, r"^LDG": kper},
                       kper, (r"^MUFU\.EX2", 1), pick="densest")
-    merge_old = LoopSpec("block keys: q.k, fold v", {r"^SHFL\.BFLY": 5, r"^MUFU\.EX2": 2},
-                         2 * dim / 32, (r"^SHFL\.BFLY", 5))
-    # The block keys' values in their own loop (a score shuffled in from lane n) only since.
-    new_merge = first_matching(binary, merge, [values, merge_old]) == 0
-    wanted = bps * H200.sms
-    if new_merge:
-        # attention_cuda.cu: the fewest splits within 2% of the best waves(s) / s.
-        max_splits = min(max(1, (length + 255) // 256), 2 * ((wanted + base - 1) // base))
-        splits, best_cost = 1, float((base + wanted - 1) // wanted)
-        for s in range(2, max_splits + 1):
-            cost = ((base * s + wanted - 1) // wanted) / s
-            if cost < 0.98 * best_cost:
-                splits, best_cost = s, cost
-    else:
-        max_splits = max(1, (length + 255) // 256)
-        splits = min(max((wanted + base - 1) // base, 1), max_splits)
-    split_len = max(ATTN_KEYS, ((length + splits - 1) // splits + ATTN_KEYS - 1) // ATTN_KEYS
-                    * ATTN_KEYS)
-    splits = max(1, (length + split_len - 1) // split_len)
     kv = 2 * batch * length * kv_heads * dim * BF16
     partial = batch * kv_heads * rows * splits * (dim + 2) * F32
     q = batch * block * heads * dim * BF16
-    # The K/V tiles by cp.async (LDGSTS, outstanding until the DEPBAR of their group); before,
-    # 16-byte loads through registers. The scalar loads are the unaligned fallback.
+    # The K/V tiles of kAttnKeys rows by cp.async (LDGSTS, outstanding until the DEPBAR of their
+    # group), one tile per iteration over the block's threads.
+    keys = constant("kAttnKeys")
     mmas = dim // 16 * 2 + dim // 8
-    tile_specs = [LoopSpec("K/V tile: S=QK^T, softmax, O+=PV",
-                           {r"^HMMA": mmas, r"^LDGSTS": dim // 8},
-                           ATTN_KEYS * dim * 2 / ATTN_THREADS, (r"^HMMA", mmas), loads=r"^LDGSTS"),
-                  LoopSpec("K/V tile: S=QK^T, softmax, O+=PV",
-                           {r"^HMMA": mmas, r"^LDG\.E\.128": dim // 8},
-                           ATTN_KEYS * dim * 2 / ATTN_THREADS, (r"^HMMA", mmas),
-                           loads=r"^LDG\.E\.128")]
-    tile = tile_specs[first_matching(binary, split, tile_specs)]
+    tile = LoopSpec("K/V tile: S=QK^T, softmax, O+=PV", {r"^HMMA": mmas, r"^LDGSTS": dim // 8},
+                    keys * dim * 2 / split_launch.threads, (r"^HMMA", mmas), loads=r"^LDGSTS")
     split_elems = batch * kv_heads * groups * length * dim * 2
-    launches = [Launch(split, f"split-KV ({splits} split(s), {groups} row group(s)/head)",
-                       ATTN_THREADS, splits * kv_heads * groups * batch, smem,
-                       [term(binary, split, tile, split_elems)], kv + partial + q,
-                       load_bytes=kv + q,
-                       note="row groups of one head share K/V through L2 (HBM once)")]
+    launches = [planned(split_launch, f"split-KV ({splits} split(s), {groups} row group(s)/head)",
+                        [term(binary, split, tile, split_elems)], kv + partial + q,
+                        load_bytes=kv + q,
+                        note="row groups of one head share K/V through L2 (HBM once)")]
     out_rows = batch * block * heads
     merge_bytes = partial + out_rows * dim * BF16 + q + 2 * batch * block * kv_heads * dim * BF16
-    if new_merge:
-        # Block keys' scores and values in loops unrolled by 4 (G >= 4 at the modelled shapes:
-        # the unrolled loop, not its remainder); the splits' scaling loop runs `splits` times
-        # (its remainder loop when fewer than 4).
-        scores = LoopSpec("block keys: q.k", {r"^SHFL\.BFLY": 5}, kper, (r"^SHFL\.BFLY", 5),
-                          pick="densest")
-        if splits >= 4:
-            merge_new = dataclasses.replace(merge_new, pick="densest")
-        merge_terms = [term(binary, merge, scores, out_rows * block * dim),
-                       term(binary, merge, merge_new, out_rows * splits * dim),
-                       term(binary, merge, values, out_rows * block * dim)]
-        label = "merge splits + block keys (warp per row)"
-    else:
-        merge_terms = [term(binary, merge, merge_old, out_rows * block * 2 * dim)]
-        label = "merge splits + block keys (warp per row)"
-    launches.append(Launch(merge, label, ATTN_THREADS, (out_rows + 3) // 4, 0, merge_terms,
-                           merge_bytes))
+    # Block keys' scores and values in loops unrolled by 4 (G >= 4 at the modelled shapes: the
+    # unrolled loop, not its remainder); the splits' scaling loop runs `splits` times (its
+    # remainder loop when fewer than 4).
+    scores = LoopSpec("block keys: q.k", {r"^SHFL\.BFLY": 5}, kper, (r"^SHFL\.BFLY", 5),
+                      pick="densest")
+    if splits >= 4:
+        merge_new = dataclasses.replace(merge_new, pick="densest")
+    merge_terms = [term(binary, merge, scores, out_rows * block * dim),
+                   term(binary, merge, merge_new, out_rows * splits * dim),
+                   term(binary, merge, values, out_rows * block * dim)]
+    launches.append(planned(merge_launch, "merge splits + block keys (warp per row)",
+                            merge_terms, merge_bytes))
     return Op("block_draft_attention",
               f"B={batch} G={block} Hq={heads} Hkv={kv_heads} D={dim} ctx={length}", "bf16", kv,
               launches, match=dict(op="block_draft_attention",
@@ -681,20 +537,19 @@ def attention_op(binary: Binary, batch: int, block: int, heads: int, kv_heads: i
                                                ctx=length), variant="bf16"))
 
 
-def append_op(binary: Binary, batch: int, rows: int, kv_heads: int, dim: int, context: int) -> Op:
-    k = binary.find(r"append_context_kv_kernelItE")
-    # Newest first: 256 threads, each with 4 K and 4 V 16-byte chunks in flight (aligned rows);
-    # before it, 128 threads copying one K and one V element per iteration.
-    chunks = LoopSpec("copy 4 K + 4 V 16-byte chunks", {r"^LDG\.E\.128": 8, r"^ST\.E\.128": 8},
-                      2 * 4 * 8, (r"^ST\.E\.128", 8), loads=r"^LDG\.E\.128")
-    element = LoopSpec("copy one K and one V element", {r"^LDG\.E\.U16": 2, r"^STG\.E\.U16": 2},
-                       2, (r"^STG\.E\.U16", 2))
-    new = first_matching(binary, k, [chunks, element]) == 0
-    copy, threads = (chunks, 256) if new else (element, ATTN_THREADS)
+def append_op(binary: Binary, planner: Planner, batch: int, rows: int, kv_heads: int, dim: int,
+              context: int) -> Op:
+    plan = planner.append(batch, rows, kv_heads, dim, context)
+    # bf16 rows are copied as 16-bit units.
+    launch, _ = kernel_launch(plan, "append_context_kv_kernel<short unsigned int>")
+    # Each thread with 4 K and 4 V 16-byte chunks in flight (aligned rows).
+    copy = LoopSpec("copy 4 K + 4 V 16-byte chunks", {r"^LDG\.E\.128": 8, r"^ST\.E\.128": 8},
+                    2 * 4 * 8, (r"^ST\.E\.128", 8), loads=r"^LDG\.E\.128")
     elems = 2 * batch * rows * kv_heads * dim
     nbytes = 2 * elems * BF16 + batch * 12
-    launches = [Launch(k, "copy kept rows (block per request)", threads, batch, 0,
-                       [term(binary, k, copy, elems)], nbytes, load_bytes=elems * BF16)]
+    launches = [planned(launch, "copy kept rows (block per request)",
+                        [term(binary, launch.kernel, copy, elems)], nbytes,
+                        load_bytes=elems * BF16)]
     return Op("append_context_kv", f"B={batch} n<={rows} Hkv={kv_heads} D={dim} ctx={context}",
               "bf16", nbytes, launches, launch_bound=True,
               match=dict(op="append_context_kv", params=dict(B=batch, Hkv=kv_heads, D=dim,
@@ -704,11 +559,6 @@ def append_op(binary: Binary, batch: int, rows: int, kv_heads: int, dim: int, co
 # ------------------------------------------------------------------------------------------------
 # scheduling (csrc/kernels/schedule.cuh, csrc/cuda/schedule_cuda.cu)
 
-SCHEDULE_THREADS, SHARED_KEYS = 1024, 16384
-H200_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on an H200 (227 KB)
-
-
-MERGE_ITEMS, MERGE_CHUNKS = 8, 4   # schedule.cuh: outputs per merge segment, segments per thread
 SMEM_LATENCY_S = 33 / H200.clock_hz  # ASSUMPTION: one dependent shared-memory load, ~33 clocks
 
 
@@ -721,92 +571,53 @@ def merge_rounds(batch: int, block: int) -> List[int]:
     return widths
 
 
-def schedule_merge_op(binary: Binary, batch: int, block: int) -> Op:
-    """The merge of per-request sorted runs (schedule.cuh): ceil(log2 B) rounds, a thread's 8
-    outputs per segment after one merge-path binary search."""
+def schedule_op(binary: Binary, planner: Planner, batch: int, block: int) -> Op:
+    """The merge of per-request sorted runs (schedule.cuh): ceil(log2 B) rounds, a thread's
+    kMergeItems outputs per segment after one merge-path binary search."""
+    plan = planner.schedule(batch, block)
+    # schedule_verify's mode (0); the keys in shared memory (true) or in global memory.
+    found = [l for l in plan.launches if l.name.startswith("schedule_kernel<0, ")]
+    if len(found) != 1:
+        raise sass.StructureError(f"schedule_verify launched {[l.name for l in plan.launches]}; "
+                                  "the model expects one schedule_kernel<0, ...>: update "
+                                  "bench/static/kernels.py")
+    launch = found[0]
+    shared = launch.name.endswith("true>")
+    k = launch.kernel
+    items, chunks_per_thread = constant("kMergeItems"), constant("kMergeChunks")
     pairs = batch * block
-    shared = pairs <= SCHEDULE_THREADS * MERGE_ITEMS * MERGE_CHUNKS and \
-        pairs * 4 + 2048 <= H200_OPTIN
-    k = binary.find(r"schedule_kernelILi0ELb%dE" % int(shared))
-    segments = math.ceil(pairs / MERGE_ITEMS)
-    per_thread = min(MERGE_CHUNKS, math.ceil(segments / SCHEDULE_THREADS))
+    segments = math.ceil(pairs / items)
+    per_thread = min(chunks_per_thread, math.ceil(segments / launch.threads))
     widths = merge_rounds(batch, block)
     load, store = (r"^LDS$", r"^STS\.128") if shared else (r"^LDG", r"^STG\.E\.128")
     rounds_need = {r"^BAR": 2 if shared else 1, store: 2 * per_thread, load: 8 * per_thread}
     # One source-level iteration = one segment; the unrolled chunks are the unrolling.
-    round_spec = LoopSpec("merge round: 8 outputs per segment", rounds_need, MERGE_ITEMS,
+    round_spec = LoopSpec(f"merge round: {items} outputs per segment", rounds_need, items,
                           (store, 2), innermost=not shared)
     search = LoopSpec("merge-path search step", {load: 2}, 1, (load, 2))
     steps = [max(1, math.ceil(math.log2(w + 1))) for w in widths]   # run A holds w keys
-    # Critical path of a round: the dependent search steps, then the 8 dependent merge steps.
-    chain = sum(s + MERGE_ITEMS for s in steps)
+    # Critical path of a round: the dependent search steps, then the dependent merge steps.
+    chain = sum(s + items for s in steps)
     latency = H200.l2_latency_s if not shared else SMEM_LATENCY_S
     nbytes = pairs * F32 + batch * 8
-    launches = [Launch(k, "survival keys, merge of sorted runs, scan, lengths (one block)",
-                       SCHEDULE_THREADS, 1, pairs * 4 if shared else 0,
-                       [term(binary, k, round_spec, len(widths) * pairs),
-                        term(binary, k, search, segments * sum(steps))],
-                       0, latency_s=None, barrier_stages=0, serial_s=chain * latency,
-                       note=f"{pairs} keys in {'shared memory' if shared else 'global (L2)'}, "
-                            f"{len(widths)} merge rounds, {chain} dependent "
-                            f"{'shared' if shared else 'L2'} loads on the critical path "
-                            "(assumed latency each)")]
+    launches = [planned(launch, "survival keys, merge of sorted runs, scan, lengths (one block)",
+                        [term(binary, k, round_spec, len(widths) * pairs),
+                         term(binary, k, search, segments * sum(steps))],
+                        0, latency_s=None, barrier_stages=0, serial_s=chain * latency,
+                        note=f"{pairs} keys in {'shared memory' if shared else 'global (L2)'}, "
+                             f"{len(widths)} merge rounds, {chain} dependent "
+                             f"{'shared' if shared else 'L2'} loads on the critical path "
+                             "(assumed latency each)")]
     return Op("schedule_verify", f"B={batch} G={block}", "one-stage", nbytes, launches,
               launch_bound=True,
               match=dict(op="schedule_verify", params=dict(B=batch, G=block), variant=""))
 
 
-def schedule_op(binary: Binary, batch: int, block: int) -> Op:
-    # Newest first: the merge of sorted runs (16-byte stores of merged segments), else the
-    # bitonic sort of 64-bit rank keys.
-    merged = LoopSpec("merge round", {r"^BAR": 2, r"^STS\.128": 2}, MERGE_ITEMS,
-                      (r"^STS\.128", 2), innermost=False)
-    bitonic = LoopSpec("bitonic compare-exchange", {r"^LDS\.64": 2}, 1, (r"^LDS\.64", 2))
-    if first_matching(binary, binary.find(r"schedule_kernelILi0ELb1E"), [merged, bitonic]) == 0:
-        return schedule_merge_op(binary, batch, block)
-    pairs = batch * block
-    size = 1
-    while size < pairs:
-        size <<= 1
-    shared = size <= SHARED_KEYS and size * 8 + 2048 <= H200_OPTIN
-    k = binary.find(r"schedule_kernelILi0ELb%dE" % int(shared))
-    load = r"^LDS\.64" if shared else r"^LDG\.E\.64"
-    cmp = LoopSpec("bitonic compare-exchange", {load: 2}, 1, (load, 2))
-    stage = LoopSpec("bitonic stage (barrier)", {r"^BAR": 1}, 1, (r"^BAR", 1), innermost=False)
-    log = size.bit_length() - 1
-    stages = log * (log + 1) // 2
-    per_thread = math.ceil(size // 2 / SCHEDULE_THREADS)
-    nbytes = pairs * F32 + (pairs + 1) * F32 + batch * 8
-    key_traffic = stages * size * 8 * 2          # every stage reads and writes every key
-    launches = [Launch(k, "rank keys, bitonic sort, scan, lengths (one block)", SCHEDULE_THREADS,
-                       1, size * 8 if shared else 0,
-                       [term(binary, k, cmp, stages * per_thread * SCHEDULE_THREADS),
-                        term(binary, k, stage, stages * SCHEDULE_THREADS)],
-                       0 if shared else key_traffic / 2,
-                       load_bytes=None if shared else key_traffic / 2,
-                       latency_s=None if shared else H200.l2_latency_s,
-                       barrier_stages=stages,
-                       note=f"{size} keys in {'shared memory' if shared else 'global (L2)'}, "
-                            f"{stages} stages")]
-    if not shared:
-        launches[0].note += "; key traffic L2-resident, its reads costed at L2 latency"
-    return Op("schedule_verify", f"B={batch} G={block}", "one-stage", nbytes, launches,
-              launch_bound=True,
-              match=dict(op="schedule_verify", params=dict(B=batch, G=block), variant=""))
-
-
-# ------------------------------------------------------------------------------------------------
-
-# The ops of csrc/schemas.h that all_ops leaves out, and why (python_tests/test_layout.py: every
-# other op is modelled above).
 # ------------------------------------------------------------------------------------------------
 # dspark_loss (csrc/kernels/loss.cuh, csrc/args/loss_args.cpp)
 
-LOSS_THREADS = 256
-LOSS_SCRATCH_BYTES = 256 << 20  # args/loss_args.h kLossScratchBytesCuda: z and t of a chunk
 
-
-def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int,
+def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int, rank: int,
             softcap: bool = False) -> Op:
     """The vocabulary pass of dspark_loss (forward + gradients, LM head frozen, bf16): one launch
     per row chunk, a block per row, three loops over the row. The chunk's matrix products are
@@ -817,18 +628,20 @@ def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int,
     third row read by every loop beside z and t, each loop computes a tanh per z and t element
     (an exponential and a reciprocal in SASS), the gradient loop writes the bias row too, and the
     chunk holds three rows of scratch per row instead of two."""
+    plan = planner.loss(rows, vocab, softcap)
+    name = f"dspark_loss_kernel<__nv_bfloat16, {str(softcap).lower()}>"
+    groups = plan.groups(name)      # full chunks, then the last chunk's rows when fewer
+    if not groups:
+        kernel_launch(plan, name)   # raises: the plan does not launch it
     # Rows of 16-byte multiples (V = 151936 in bf16): 16-byte loads of 8 values per tensor and
     # iteration. The first two loops have the same anchors; the cheaper path is charged for both
     # (the logsumexp loop's is a few % longer).
     ldg, mufu, rcp, stg = r"^LDG\.E\.128", r"^MUFU\.EX2", r"^MUFU\.RCP", r"^STG\.E\.U16"
     if softcap:
-        k = binary.find(r"dspark_loss_kernelI13__nv_bfloat16Lb1E")
         # z, bias, t per iteration; per element exp(z - lse), exp(t - lse) and two tanh.
         need = {ldg: 3, mufu: 32, rcp: 16}
         streams, writes = 3, 2
     else:
-        _, k = binary.find_first(r"dspark_loss_kernelI13__nv_bfloat16Lb0E",
-                                 r"dspark_loss_kernelI13__nv_bfloat16E")
         need = {ldg: 2, mufu: 16}
         streams, writes = 2, 1
     loads = streams
@@ -836,16 +649,17 @@ def loss_op(binary: Binary, rows: int, vocab: int, hidden: int, rank: int,
     l1 = LoopSpec("p, q: |p - q|, <s,p>, <s,q>", need, 8, (ldg, loads), loads=ldg)
     grad = LoopSpec("write d loss / d z" + (" and d loss / d bias" if softcap else ""),
                     {**need, stg: 8 * writes}, 8, (ldg, loads), loads=ldg)
-    chunk = max(1, min(rows, LOSS_SCRATCH_BYTES // (streams * vocab * BF16)))
-    chunks = -(-rows // chunk)
-    elements = chunk * vocab
     # Every stream read by each of the three loops; z (and the bias) written once.
     per_element = 3 * streams + writes
-    nbytes = per_element * elements * BF16
-    launches = [Launch(k, "vocabulary pass (block per row, one launch per chunk)", LOSS_THREADS,
-                       chunk, 0, [term(binary, k, spec, elements) for spec in (lse, l1, grad)],
-                       nbytes, count=chunks, barrier_stages=4,
-                       note=f"{chunks} chunks of {chunk} rows; products by cuBLAS not modelled")]
+    launches = []
+    for launch, count in groups:
+        chunk = launch.blocks   # a block per row of the chunk
+        elements = chunk * vocab
+        launches.append(planned(
+            launch, "vocabulary pass (block per row, one launch per chunk)",
+            [term(binary, launch.kernel, spec, elements) for spec in (lse, l1, grad)],
+            per_element * elements * BF16, count=count, barrier_stages=4,
+            note=f"{count} chunk(s) of {chunk} rows; products by cuBLAS not modelled"))
     variant = "dspark cap30 bf16 fwd+bwd" if softcap else "dspark bf16 fwd+bwd"
     return Op("dspark_loss", f"N={rows} V={vocab} d={hidden} r={rank}",
               "bf16 vocabulary pass" + (", soft cap" if softcap else ""),
@@ -866,27 +680,30 @@ NOT_MODELLED = {
 }
 
 
-def all_ops(binary: Binary) -> List[Op]:
-    """The benchmark/floor shapes of docs/semantics.md §4 (and the benchmarks' defaults)."""
+def all_ops(binary: Binary, planner: Optional[Planner] = None) -> List[Op]:
+    """The benchmark/floor shapes of docs/semantics.md §4 (and the benchmarks' defaults), each
+    op's launches planned by the real code in the emulator (``planner``: one for ``binary`` by
+    default)."""
+    p = planner or Planner(binary)
     B, G, V, R = 64, 8, 151936, 256
     return [
-        verify_op(binary, B, G, V, "greedy", alpha=1.0),
-        verify_op(binary, B, G, V, "greedy", alpha=0.7),
-        verify_op(binary, B, G, V, "sampled", alpha=0.7),
-        verify_op(binary, B, G, V, "sampled", alpha=1.0),
-        verify_op(binary, B, G, V, "sampled", alpha=0.7, filtered=True),
-        draft_op(binary, B, G, V, R, rnn=False),
-        draft_op(binary, B, 7, V, R, rnn=False),
-        draft_op(binary, B, 7, V, R, rnn=False, sampled=False),
-        draft_op(binary, B, 7, V, R, rnn=True),
-        draft_op(binary, B, G, V, R, rnn=False, filtered=True),
-        confidence_op(binary, B, 7, 2560, R),
-        attention_op(binary, B, G, 32, 8, 128, 4096),
-        attention_op(binary, B, G, 32, 8, 64, 4096),
-        attention_op(binary, B, G, 32, 8, 256, 4096),
-        append_op(binary, B, 9, 8, 128, 4096),
-        schedule_op(binary, 256, 16),
-        schedule_op(binary, 1024, 32),
-        loss_op(binary, 512 * 7, V, 2560, R),
-        loss_op(binary, 512 * 7, V, 2560, R, softcap=True),
+        verify_op(binary, p, B, G, V, "greedy", alpha=1.0),
+        verify_op(binary, p, B, G, V, "greedy", alpha=0.7),
+        verify_op(binary, p, B, G, V, "sampled", alpha=0.7),
+        verify_op(binary, p, B, G, V, "sampled", alpha=1.0),
+        verify_op(binary, p, B, G, V, "sampled", alpha=0.7, filtered=True),
+        draft_op(binary, p, B, G, V, R, rnn=False),
+        draft_op(binary, p, B, 7, V, R, rnn=False),
+        draft_op(binary, p, B, 7, V, R, rnn=False, sampled=False),
+        draft_op(binary, p, B, 7, V, R, rnn=True),
+        draft_op(binary, p, B, G, V, R, rnn=False, filtered=True),
+        confidence_op(binary, p, B, 7, 2560, V, R),
+        attention_op(binary, p, B, G, 32, 8, 128, 4096),
+        attention_op(binary, p, B, G, 32, 8, 64, 4096),
+        attention_op(binary, p, B, G, 32, 8, 256, 4096),
+        append_op(binary, p, B, 9, 8, 128, 4096),
+        schedule_op(binary, p, 256, 16),
+        schedule_op(binary, p, 1024, 32),
+        loss_op(binary, p, 512 * 7, V, 2560, R),
+        loss_op(binary, p, 512 * 7, V, 2560, R, softcap=True),
     ]

@@ -44,7 +44,20 @@ void plant(const std::string& value) {
   dspark_ops::StreamCounters::forget(at::empty({0}), c10::cuda::getCurrentCUDAStream());
 }
 std::string log() { return launch_log(); }
+std::string records() { return launch_records(); }
 void clear_log() { clear_launch_log(); }
+void plan_only(bool on) { set_plan_only(on); }
+std::string kernels() { return kernel_names(); }
+void resources(const std::string& table) {
+  const std::string problems = set_kernel_resources(table);
+  TORCH_CHECK_VALUE(problems.empty(), "dspark_sim: set_kernel_resources: ", problems);
+}
+int64_t occupancy_query(const std::string& kernel, int64_t threads, int64_t dynamic_shared) {
+  const int n = occupancy_of_kernel(kernel, static_cast<int>(threads),
+                                    static_cast<size_t>(dynamic_shared));
+  TORCH_CHECK_VALUE(n >= 0, "dspark_sim: occupancy: no registered kernel '", kernel, "'");
+  return n;
+}
 
 }  // namespace
 }  // namespace dspark_sim
@@ -57,6 +70,12 @@ TORCH_LIBRARY(dspark_ops_sim, m) {
   m.def("set_plant(str plant) -> ()", &dspark_sim::plant);
   m.def("launch_log() -> str", &dspark_sim::log);
   m.def("clear_launch_log() -> ()", &dspark_sim::clear_log);
+  m.def("launch_records() -> str", &dspark_sim::records);
+  m.def("set_plan_only(bool on) -> ()", &dspark_sim::plan_only);
+  m.def("kernel_names() -> str", &dspark_sim::kernels);
+  m.def("set_kernel_resources(str table) -> ()", &dspark_sim::resources);
+  m.def("occupancy(str kernel, int threads, int dynamic_shared) -> int",
+        &dspark_sim::occupancy_query);
   m.def("selftest(str name, Tensor x, int n) -> Tensor", &dspark_sim::selftest);
   m.def("mma(Tensor a, Tensor b, Tensor c, bool f16) -> Tensor", &dspark_sim::mma);
 }

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cuda/atomic>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -230,19 +231,49 @@ const char* kernel_name() {
   return __PRETTY_FUNCTION__;  // "... [with auto Kernel = ns::name<args>]": the instantiation
 }
 
+// The fields of a kernel's parameter struct that say how its launcher divided the work (a plan
+// reads them beside grid, block and shared memory): those of `p` among group_size, num_tiles,
+// num_chunks, chunk, splits and split_length, as "name=value" pairs separated by spaces.
+template <typename P>
+std::string plan_fields(const P& p) {
+  std::string out;
+  const auto add = [&out](const char* name, long long value) {
+    out += (out.empty() ? "" : " ") + std::string(name) + "=" + std::to_string(value);
+  };
+  if constexpr (requires { p.group_size; }) add("group_size", p.group_size);
+  if constexpr (requires { p.num_tiles; }) add("num_tiles", p.num_tiles);
+  if constexpr (requires { p.num_chunks; }) add("num_chunks", p.num_chunks);
+  if constexpr (requires { p.chunk; }) add("chunk", p.chunk);
+  if constexpr (requires { p.splits; }) add("splits", p.splits);
+  if constexpr (requires { p.split_length; }) add("split_length", p.split_length);
+  return out;
+}
+
 template <auto Kernel>
 struct Launcher {
+  // Every launched kernel's address and instantiation, registered when the library loads: the
+  // occupancy query takes the address alone, and the resources of record are per instantiation.
+  static inline const bool registered =
+      (register_kernel(kernel_name<Kernel>(), reinterpret_cast<const void*>(Kernel)), true);
+
   dim3 grid, block;
   size_t shared;
   bool dependent = false;
 
   template <typename... Params, typename... Args>
   void run(void (*)(Params...), Args&&... args) const {
+    (void)registered;
     using Closure = std::tuple<std::decay_t<Params>...>;
     Closure closure(std::forward<Args>(args)...);  // copied once, as the launch copies arguments
     const auto body = [](void* c) { std::apply(Kernel, *static_cast<Closure*>(c)); };
+    std::string fields;
+    if constexpr (sizeof...(Params) > 0) {
+      if constexpr (std::is_class_v<std::tuple_element_t<sizeof...(Params) - 1, Closure>>) {
+        fields = plan_fields(std::get<sizeof...(Params) - 1>(closure));
+      }
+    }
     launch(kernel_name<Kernel>(), reinterpret_cast<const void*>(Kernel), grid, block, shared,
-           body, &closure, dependent);
+           body, &closure, dependent, fields);
   }
 
   template <typename... Args>

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -74,6 +75,19 @@ void set_error(cudaError_t code, const std::string& message) {
 std::map<std::pair<std::string, const void*>, int> g_max_dynamic_shared;  // per device, kernel
 std::map<std::string, int> g_launch_bounds;
 std::map<std::string, int> g_launch_log;
+std::vector<std::string> g_launch_records;  // launch_records(): one JSON object each
+bool g_plan_only = false;
+// address -> instantiation (register_kernel): filled by other units' static initialisers, so
+// constructed on first use.
+std::map<const void*, std::string>& g_kernels() {
+  static std::map<const void*, std::string> kernels;
+  return kernels;
+}
+struct Resources {
+  int registers;
+  int shared;  // static + the 1 KB reserved per block
+};
+std::map<std::string, Resources> g_resources;  // instantiation -> set_kernel_resources
 
 // "const char* ...kernel_name() [with auto Kernel = &ns::kernels::name<args>]" -> "name<args>"
 // (namespace kernels:: dropped; other namespaces kept).
@@ -96,7 +110,22 @@ std::string base_name(const std::string& kernel) {
 }  // namespace
 
 const DeviceSpec& device() { return *g_device; }
-int device_ordinal() { return static_cast<int>(g_device - kDevices); }
+// With a binary's kernel resources set, the emulated device answers occupancy queries as that
+// binary's GPU: a device of its own, whose ordinal (past kernels/device_cache.cuh's kMaxDevices,
+// one per distinct resource table) keeps the launchers' per-device caches from answering with
+// what they computed without those resources, or with another table's.
+static constexpr int kDeviceCount = static_cast<int>(sizeof(kDevices) / sizeof(kDevices[0]));
+static constexpr int kResourceOrdinals = 64;
+// Ordinals stay within c10::DeviceIndex (int8_t).
+static constexpr int kResourceTables = (127 - kResourceOrdinals) / kDeviceCount;
+static std::vector<std::string> g_resource_tables;  // distinct tables set so far
+static int g_resource_table = -1;                 // the current one's index; -1: none
+
+int device_ordinal() {
+  const int index = static_cast<int>(g_device - kDevices);
+  return g_resource_table < 0 ? index
+                              : kResourceOrdinals + g_resource_table * kDeviceCount + index;
+}
 
 bool set_device(const std::string& name) {
   for (const auto& d : kDevices) {
@@ -117,7 +146,77 @@ std::string launch_log() {
   for (const auto& [name, count] : g_launch_log) out << name << "\t" << count << "\n";
   return out.str();
 }
-void clear_launch_log() { g_launch_log.clear(); }
+std::string launch_records() {
+  std::string out;
+  for (const auto& r : g_launch_records) out += r + "\n";
+  return out;
+}
+void clear_launch_log() {
+  g_launch_log.clear();
+  g_launch_records.clear();
+}
+void set_plan_only(bool on) { g_plan_only = on; }
+
+void register_kernel(const char* pretty_name, const void* func) {
+  g_kernels()[func] = instantiation(pretty_name);
+}
+
+std::string kernel_names() {
+  std::vector<std::string> names;
+  for (const auto& [func, name] : g_kernels()) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  std::string out;
+  for (const auto& n : names) out += n + "\n";
+  return out;
+}
+
+std::string set_kernel_resources(const std::string& table) {
+  std::map<std::string, Resources> parsed;
+  std::set<std::string> known;
+  for (const auto& [func, name] : g_kernels()) known.insert(name);
+  std::istringstream in(table);
+  std::string line, problems;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto tab2 = line.rfind('\t');
+    const auto tab1 = tab2 == std::string::npos || tab2 == 0 ? std::string::npos
+                                                              : line.rfind('\t', tab2 - 1);
+    if (tab1 == std::string::npos) {
+      problems += "not 'instantiation<TAB>registers<TAB>shared': '" + line + "'; ";
+      continue;
+    }
+    const std::string name = line.substr(0, tab1);
+    if (!known.count(name)) {
+      problems += "no registered kernel '" + name + "'; ";
+      continue;
+    }
+    parsed[name] = {std::atoi(line.substr(tab1 + 1, tab2 - tab1 - 1).c_str()),
+                    std::atoi(line.substr(tab2 + 1).c_str())};
+  }
+  if (!problems.empty()) return problems;
+  std::ostringstream canonical;
+  for (const auto& [name, r] : parsed) {
+    canonical << name << "\t" << r.registers << "\t" << r.shared << "\n";
+  }
+  int index = -1;
+  if (!parsed.empty()) {
+    const auto found =
+        std::find(g_resource_tables.begin(), g_resource_tables.end(), canonical.str());
+    if (found == g_resource_tables.end()) {
+      if (static_cast<int>(g_resource_tables.size()) == kResourceTables) {
+        return "more than " + std::to_string(kResourceTables) +
+               " distinct resource tables in one process (each is an emulated device)";
+      }
+      g_resource_tables.push_back(canonical.str());
+      index = static_cast<int>(g_resource_tables.size()) - 1;
+    } else {
+      index = static_cast<int>(found - g_resource_tables.begin());
+    }
+  }
+  g_resources = std::move(parsed);
+  g_resource_table = index;
+  return problems;
+}
 
 // ------------------------------------------------------------------------------------------------
 // Fibers: one per thread of the running block, on stacks from one pool. The switch saves the
@@ -706,20 +805,59 @@ cudaError_t func_set_attribute(const void* func, cudaFuncAttribute attribute, in
   return cudaSuccess;
 }
 
-cudaError_t occupancy(int* blocks, const void*, int threads, size_t dynamic_shared) {
-  // Threads, block slots and shared memory only: register use is not known on the host.
+namespace {
+
+// Resident blocks per SM by the CUDA occupancy calculator's rules for the emulated device: warps,
+// block slots, registers (allocated per warp in units of 256, from four equal partitions) and
+// shared memory (static + dynamic + the 1 KB reserved per block, in units of 128 bytes). Without
+// the kernel's resources: threads, block slots and dynamic shared memory only.
+// bench/static/model.py occupancy() is the same rule (python_tests/test_static_plans.py).
+int resident_blocks(const Resources* r, int threads, size_t dynamic_shared) {
+  const int warps = (threads + 31) / 32;
+  int n = std::min(g_device->max_threads_per_sm / 32 / warps, g_device->max_blocks_per_sm);
+  const size_t reserved = r ? static_cast<size_t>(r->shared) : 1024;  // cuobjdump counts it
+  const size_t per_block = dynamic_shared + reserved;
+  if (r) {
+    constexpr int kRegisterUnit = 256, kPartitions = 4;
+    const int per_warp =
+        (std::max(r->registers, 1) * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;
+    const int warps_by_registers =
+        g_device->registers_per_sm / kPartitions / per_warp * kPartitions;
+    n = std::min(n, warps_by_registers / warps);
+    if (per_block > 0) {
+      const size_t rounded = (per_block + 127) / 128 * 128;
+      n = std::min<int>(n, static_cast<int>(g_device->shared_per_sm / rounded));
+    }
+  } else if (dynamic_shared > 0) {
+    n = std::min<int>(n, static_cast<int>(g_device->shared_per_sm / per_block));
+  }
+  return n;
+}
+
+}  // namespace
+
+cudaError_t occupancy(int* blocks, const void* func, int threads, size_t dynamic_shared) {
   if (threads <= 0 || threads > 1024) {
     *blocks = 0;
     return cudaErrorInvalidValue;
   }
-  const int warps = (threads + 31) / 32;
-  int n = std::min(g_device->max_threads_per_sm / (warps * 32), g_device->max_blocks_per_sm);
-  if (dynamic_shared > 0) {
-    const size_t per_block = dynamic_shared + 1024;  // the runtime reserves 1 KB per block
-    n = std::min<int>(n, static_cast<int>(g_device->shared_per_sm / per_block));
+  const Resources* r = nullptr;
+  const auto kernel = g_kernels().find(func);
+  if (kernel != g_kernels().end()) {
+    const auto found = g_resources.find(kernel->second);
+    if (found != g_resources.end()) r = &found->second;
   }
-  *blocks = n;
+  *blocks = resident_blocks(r, threads, dynamic_shared);
   return cudaSuccess;
+}
+
+int occupancy_of_kernel(const std::string& kernel, int threads, size_t dynamic_shared) {
+  for (const auto& [func, name] : g_kernels()) {
+    if (name != kernel) continue;
+    int n = 0;
+    return occupancy(&n, func, threads, dynamic_shared) == cudaSuccess ? n : 0;
+  }
+  return -1;
 }
 
 cudaError_t device_attribute(int* value, cudaDeviceAttr attribute, int) {
@@ -890,7 +1028,7 @@ void run_block(BlockRun& b, dim3 block_idx, dim3 grid, dim3 block) {
 }  // namespace
 
 void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t shared,
-            KernelBody body, void* closure, bool dependent) {
+            KernelBody body, void* closure, bool dependent, const std::string& fields) {
   const std::string kernel = instantiation(name);
   if (g_running) {
     set_error(cudaErrorLaunchFailure, "dspark_sim: a launch from inside a kernel (not emulated)");
@@ -902,6 +1040,16 @@ void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t sh
     return;
   }
   g_launch_log[kernel] += 1;
+  {
+    std::ostringstream record;  // names and fields hold no quote or backslash
+    record << "{\"kernel\": \"" << kernel << "\", \"grid\": [" << grid.x << ", " << grid.y << ", "
+           << grid.z << "], \"block\": [" << block.x << ", " << block.y << ", " << block.z
+           << "], \"shared\": " << shared << ", \"dependent\": " << (dependent ? "true" : "false")
+           << ", \"fields\": \"" << fields << "\", \"ran\": " << (g_plan_only ? "false" : "true")
+           << "}";
+    g_launch_records.push_back(record.str());
+  }
+  if (g_plan_only) return;
   init_pool();
   BlockRun b;
   b.kernel = kernel;

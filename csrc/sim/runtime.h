@@ -46,6 +46,7 @@ struct DeviceSpec {
   size_t shared_per_sm;        // bytes usable by blocks of one SM
   size_t shared_optin;         // the most one block may opt in to
   size_t shared_default = 48 * 1024;  // without cudaFuncSetAttribute
+  int registers_per_sm = 64 * 1024;     // 32-bit registers, in four equal partitions
 };
 
 const DeviceSpec& device();
@@ -118,13 +119,38 @@ std::string last_error_message();  // what the last failed call or launch report
 // Launch: runs `body(block)` for every block; body runs the kernel in the current fiber.
 // dependent: launched to overlap the kernel before it (DSPARK_LAUNCH_DEPENDENT); blocks still run
 // after that kernel's, and every thread must reach wait_for_previous_grid() before it exits.
+// fields: the parameter struct's plan fields (prelude.h plan_fields), kept in the launch record.
 using KernelBody = void (*)(void* closure);
 void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t shared,
-            KernelBody body, void* closure, bool dependent = false);
+            KernelBody body, void* closure, bool dependent = false,
+            const std::string& fields = "");
 void register_launch_bounds(const char* name, int max_threads);
+// Called once per launched kernel when the library loads (prelude.h Launcher::registered).
+void register_kernel(const char* pretty_name, const void* func);
+// Every registered kernel's instantiation, one a line.
+std::string kernel_names();
+
+// Per-kernel resources of a compiled binary ("instantiation\tregisters\tshared" lines; shared as
+// cuobjdump reports it: static shared memory plus the 1 KB reserved per block). With them the
+// occupancy query applies the register and shared-memory limits of the binary's kernels; without
+// them (the default), threads, block slots and dynamic shared memory only. Each distinct table
+// makes the emulated device one of its own (device_ordinal() past the launchers' per-device
+// caches), so no plan reuses an answer computed without it. Returns an error message, empty when
+// every line named a registered kernel (the table is then in force; otherwise nothing changed).
+std::string set_kernel_resources(const std::string& table);
+// The occupancy query's answer for a registered instantiation (-1 when it is not registered).
+int occupancy_of_kernel(const std::string& kernel, int threads, size_t dynamic_shared);
+
+// Plan-only mode: launches are checked and recorded but no block runs (the glue and launchers
+// still run in full, so a plan at sizes too large to emulate costs only the host work).
+void set_plan_only(bool on);
 
 // What ran, for coverage reports: "kernel<instantiation>" -> launches.
 std::string launch_log();
+// Every launch since the last clear, in order: one JSON object a line with the instantiation,
+// grid, block, dynamic shared memory, whether it was dependent, its plan fields and whether its
+// blocks ran (false in plan-only mode).
+std::string launch_records();
 void clear_launch_log();
 
 // Accesses reported by the race flavour's instrumentation (see race.cpp), and bounds reports.
