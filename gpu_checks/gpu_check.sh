@@ -9,8 +9,9 @@
 #   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included)
 #   6. with --with-sim (about 2 more minutes; needs g++ and ninja): the SIMT emulator (csrc/sim/)
 #      against this GPU on the same inputs
-#   7. the static performance MODEL of the built kernels (python -m bench.static, seconds; no GPU
-#      needed), printed in the summary next to the measured times of step 5
+#   7. the static performance MODEL of the built kernels (python -m bench.static; no GPU needed:
+#      its launch plans come from the SIMT emulator, built in the background from step 2 on; g++
+#      and ninja), printed in the summary next to the measured times of step 5
 # and print a summary table last. Logs, the kernels' resource usage and JSON results go to OUTDIR.
 #
 # Usage: bash gpu_checks/gpu_check.sh OUTDIR [--dry-run] [--with-sim]
@@ -71,6 +72,12 @@ CUOBJDUMP=$(command -v cuobjdump || $PY -c "import os, triton; print(os.path.joi
 $PY -m dspark_ops.info >"$OUT/info.txt" 2>&1
 
 if ((build_ok == 0)); then
+  # The static model's launch plans need the SIMT emulator: built beside the next steps on half
+  # the cores (a dry run reuses the flavour its test run built).
+  if ((!DRY_RUN)); then
+    MAX_JOBS=$(( ($(nproc) + 1) / 2 )) $PY csrc/sim/build.py plain >"$OUT/sim_build.log" 2>&1 &
+    sim_pid=$!
+  fi
   if ((DRY_RUN)); then
     run_step cuda_tests 90 $PY -m pytest python_tests -m cuda -q -p no:cacheprovider
     run_step smoke_cpu 60 $PY -m gpu_checks.cuda_smoke --device cpu
@@ -97,6 +104,7 @@ if ((build_ok == 0)); then
   fi
   # 7. The static model of this build's sm_90 code (its own folder: a failed run leaves nothing).
   rm -rf "$OUT/static_model"
+  [[ -n "${sim_pid:-}" ]] && wait "$sim_pid"
   run_step static_model 120 $PY -m bench.static --results-dir "$OUT/static_model"
   # The emulator's mma.sync, shuffles and launch plans against the hardware's (tensor-core paths
   # within float32 summation order, verify tokens exactly).

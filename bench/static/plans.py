@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -27,8 +28,14 @@ from bench.static.binary import Binary, KernelInfo, demangled_names
 from bench.static.sass import StructureError
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARY = ROOT / "build" / "sim" / "plain" / "dspark_ops_sim.so"
-BUILD = [sys.executable, str(ROOT / "csrc" / "sim" / "build.py"), "plain"]
+# The flavour the tests load (DSPARK_OPS_SIM_FLAVOUR, plain by default): plan-only launches run no
+# kernel code, so any flavour plans alike, and the one a test run already built is reused. The
+# asan flavour needs the sanitizer runtimes preloaded, so it is never used here.
+FLAVOUR = os.environ.get("DSPARK_OPS_SIM_FLAVOUR", "plain")
+if FLAVOUR not in ("plain", "race"):
+    FLAVOUR = "plain"
+LIBRARY = ROOT / "build" / "sim" / FLAVOUR / "dspark_ops_sim.so"
+BUILD = [sys.executable, str(ROOT / "csrc" / "sim" / "build.py"), FLAVOUR]
 
 
 class EmulatorUnavailable(RuntimeError):
@@ -36,7 +43,7 @@ class EmulatorUnavailable(RuntimeError):
 
 
 def emulator(build: bool = True):
-    """torch.ops.dspark_ops_sim, loading build/sim/plain/dspark_ops_sim.so once. With ``build``,
+    """torch.ops.dspark_ops_sim, loading build/sim/<FLAVOUR>/dspark_ops_sim.so once. With ``build``,
     the library is brought up to date first (csrc/sim/build.py is incremental: a no-op when
     nothing changed; the first build compiles every kernel and takes minutes)."""
     if hasattr(torch.ops.dspark_ops_sim, "set_plan_only"):
@@ -49,10 +56,10 @@ def emulator(build: bool = True):
                 f"and the CUDA headers):\n{(done.stdout + done.stderr)[-2000:]}")
     if not LIBRARY.exists():
         raise EmulatorUnavailable(f"{LIBRARY} is missing: build it with "
-                                  "`python csrc/sim/build.py plain`")
+                                  f"`python csrc/sim/build.py {FLAVOUR}`")
     if hasattr(torch.ops.dspark_ops_sim, "set_device"):
         raise EmulatorUnavailable("an emulator library without plan-only mode is loaded: "
-                                  "rebuild it with `python csrc/sim/build.py plain`")
+                                  f"rebuild it with `python csrc/sim/build.py {FLAVOUR}`")
     torch.ops.load_library(str(LIBRARY))
     return torch.ops.dspark_ops_sim
 
