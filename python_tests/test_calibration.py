@@ -27,6 +27,27 @@ def test_expected_calibration_error_literal():
     assert dspark_ops.expected_calibration_error(perfect, perfect.bool()) == 0.0
 
 
+@pytest.mark.parametrize("samples", [1, 37, 2000])
+def test_grid_errors_are_the_calibration_error_of_each_temperature(samples, monkeypatch):
+    """The fit scores the whole grid at once; each score is the one-temperature ECE, bitwise,
+    also when the grid is split into blocks (a tiny block budget forces several)."""
+    from dspark_ops import calibration
+
+    gen = generator(samples)
+    before = torch.rand(samples, generator=gen, dtype=torch.float64)
+    logit = 4 * torch.randn(samples, generator=gen, dtype=torch.float64)
+    outcome = (torch.rand(samples, generator=gen) < 0.6).double()
+    grid = torch.tensor([0.05, 0.3, 1.0, 1.0, 2.5, 7.0, 20.0], dtype=torch.float64)
+    expected = torch.tensor([dspark_ops.expected_calibration_error(
+        before * torch.sigmoid(logit / t), outcome, 7) for t in grid.tolist()],
+        dtype=torch.float64)
+    errors = calibration._grid_calibration_errors(before, logit, outcome, grid, 7)
+    assert torch.equal(errors, expected)
+    monkeypatch.setattr(calibration, "_GRID_BLOCK_ELEMENTS", 3 * samples)
+    assert torch.equal(calibration._grid_calibration_errors(before, logit, outcome, grid, 7),
+                       expected)
+
+
 def test_sequential_temperatures_fix_overconfidence():
     gen = generator(121)
     train_logits, train_accepted = calibration_data(CALIB_SAMPLES, gen)
