@@ -10,7 +10,7 @@
 
 #include <algorithm>
 
-#include "../kernels/device_cache.cuh"
+#include "device_cache.h"
 
 namespace dspark_ops {
 
@@ -34,8 +34,8 @@ int device_index(const Tensor& t) {
 
 // Streaming multiprocessors of a device, queried once per device (no sync, capture-safe).
 inline int multiprocessor_count(int device) {
-  static kernels::DeviceCache cache{};
-  return kernels::once_per_device(cache, device, [device] {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [device] {
     int count = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
     return count;
@@ -44,8 +44,8 @@ inline int multiprocessor_count(int device) {
 
 // Major compute capability of a device, queried once per device.
 inline int compute_capability_major(int device) {
-  static kernels::DeviceCache cache{};
-  return kernels::once_per_device(cache, device, [device] {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [device] {
     int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     return major;

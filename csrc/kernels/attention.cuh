@@ -36,7 +36,7 @@
 
 #include "../common/exp2.h"
 #include "async_copy.cuh"
-#include "device_cache.cuh"
+#include "../common/device_cache.h"
 #include "mma.cuh"
 #include "launch.cuh"
 

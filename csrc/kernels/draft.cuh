@@ -65,7 +65,7 @@
 #include <utility>
 #include <mutex>
 
-#include "device_cache.cuh"
+#include "../common/device_cache.h"
 #include "draft_math.h"
 #include "filter.cuh"
 #include "mma.cuh"
