@@ -39,7 +39,7 @@
 #include "../common/dispatch.h"
 #include "../kernels/draft_math.h"
 #include "../kernels/filter_math.h"
-#include "../kernels/verify_math.h"
+#include "../kernels/sampling_math.h"
 #include "../ops.h"
 
 namespace dspark_ops {

@@ -5,7 +5,7 @@
 // tail is padded with -inf to a whole number of lane groups) so every later pass is a branch-free
 // vectorised loop over cached data: max and first argmax while copying, the sum of weights for the
 // acceptance test, then, for the one row that emits a token, the exponential race over
-// r = max(p - q, 0) with Philox noise. The scalar math is the shared kernels/verify_math.h, so CPU
+// r = max(p - q, 0) with Philox noise. The scalar math is the shared kernels/sampling_math.h, so CPU
 // and CUDA apply the same rule with the same random numbers.
 //
 // Every pass works block by block (kBlock elements) and keeps each block's partial result (max,
@@ -27,7 +27,7 @@
 #include "../args/verify_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/filter_math.h"
-#include "../kernels/verify_math.h"
+#include "../kernels/sampling_math.h"
 #include "../ops.h"
 #include "philox_lanes.h"
 

@@ -69,7 +69,7 @@
 #include "draft_math.h"
 #include "filter.cuh"
 #include "mma.cuh"
-#include "verify_math.h"
+#include "sampling_math.h"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {

@@ -1,6 +1,6 @@
 // CUDA kernels of verify (docs/semantics.md §3.1), torch-free.
 //
-// Math: kernels/verify_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
+// Math: kernels/sampling_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
 // the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
 // out-of-range rows and draft ids are rejected and reported, never used as addresses.
 //
@@ -66,7 +66,7 @@
 
 #include "filter.cuh"
 #include "reduce.cuh"
-#include "verify_math.h"
+#include "sampling_math.h"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
