@@ -1,6 +1,7 @@
 // Small CUDA helpers for the ATen glue in cuda/*.cu.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 
 #include "device_cache.h"
+#include "../kernels/convert.cuh"
 
 namespace dspark_ops {
 
@@ -19,6 +21,14 @@ template <typename T> struct CudaType { using type = T; };
 template <> struct CudaType<c10::BFloat16> { using type = __nv_bfloat16; };
 template <> struct CudaType<c10::Half> { using type = __half; };
 template <typename T> using cuda_type_t = typename CudaType<T>::type;
+
+// The kernels' runtime code (kernels/convert.cuh ElementType) of a float32, bfloat16 or float16
+// tensor's element type.
+inline int element_type(c10::ScalarType dtype) {
+  return dtype == c10::kBFloat16 ? kernels::kElementBFloat16
+         : dtype == c10::kHalf   ? kernels::kElementHalf
+                                 : kernels::kElementFloat;
+}
 
 // The CUDA device a tensor lives on (the SIMT emulator's CPU tensors: the emulated device), the
 // key of the per-device caches below and in the kernels' occupancy queries.

@@ -66,6 +66,7 @@
 #include <mutex>
 
 #include "../common/device_cache.h"
+#include "convert.cuh"
 #include "draft_math.h"
 #include "filter.cuh"
 #include "mma.cuh"
@@ -85,26 +86,6 @@ constexpr int kChunksInFlight = 4;           // W2 fragment loads issued before 
 constexpr int kSlotSharedReserve = 5 * 1024;
 // The group's inputs when the device cannot be queried: below the 48 KB that needs no opt-in.
 constexpr int kFallbackInputBytes = 44 * 1024;
-
-enum LogitType : int { kLogitFloat = 0, kLogitBFloat16 = 1, kLogitHalf = 2 };
-
-__device__ __forceinline__ float load_float(const void* p, int type, int64_t i) {
-  switch (type) {
-    case kLogitBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case kLogitHalf: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-template <typename W> __device__ __forceinline__ float to_float(W v);
-template <> __device__ __forceinline__ float to_float(float v) { return v; }
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-template <typename W> __device__ __forceinline__ W from_float(float v);
-template <> __device__ __forceinline__ float from_float(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 
 struct DraftParams {
   const void* w1;  // [V, r] of type W, unit stride along r
@@ -127,7 +108,7 @@ struct DraftParams {
   void* draft_logits;  // [B, G, V]: float32, or bfloat16 when logits_bf16
   bool logits_bf16;    // z rounded to bfloat16 before it is stored and sampled
   // rnn_draft only.
-  const void* hidden;  // [B, G, d], unit stride along d, LogitType hidden_type
+  const void* hidden;  // [B, G, d], unit stride along d, ElementType hidden_type
   int hidden_type;
   int64_t hidden_stride_b, hidden_stride_j;
   const void* joint_weight;  // [3r, 2r + d] of type W, unit stride along columns
@@ -958,8 +939,8 @@ __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftP
             pairs_aligned(hidden, p.hidden_stride_b, p.hidden_stride_j), ~0u, Unmasked{});
   };
   switch (p.hidden_type) {
-    case kLogitBFloat16: hidden_segment(static_cast<const __nv_bfloat16*>(p.hidden)); break;
-    case kLogitHalf: hidden_segment(static_cast<const __half*>(p.hidden)); break;
+    case kElementBFloat16: hidden_segment(static_cast<const __nv_bfloat16*>(p.hidden)); break;
+    case kElementHalf: hidden_segment(static_cast<const __half*>(p.hidden)); break;
     default: hidden_segment(static_cast<const float*>(p.hidden)); break;
   }
 #pragma unroll
@@ -1104,8 +1085,8 @@ __global__ void __launch_bounds__(kHeadMmaThreads) rnn_head_mma_kernel(const Dra
             pairs_aligned(hidden, p.hidden_stride_b, p.hidden_stride_j), true);
   };
   switch (p.hidden_type) {
-    case kLogitBFloat16: hidden_segment(static_cast<const __nv_bfloat16*>(p.hidden)); break;
-    case kLogitHalf: hidden_segment(static_cast<const __half*>(p.hidden)); break;
+    case kElementBFloat16: hidden_segment(static_cast<const __nv_bfloat16*>(p.hidden)); break;
+    case kElementHalf: hidden_segment(static_cast<const __half*>(p.hidden)); break;
     default: hidden_segment(static_cast<const float*>(p.hidden)); break;
   }
   // The warps' partial tiles, summed in warp order by warp 0 (C fragment: rows g, g + 8, requests
@@ -1319,12 +1300,12 @@ __global__ void __launch_bounds__(kConfidenceThreads, 8)
   const int64_t h_offset = b * p.hidden_stride_b + j * p.hidden_stride_j;
   float sum;
   switch (p.hidden_type) {  // uniform over the block, as staged_dot's barriers need
-    case kLogitBFloat16: {
+    case kElementBFloat16: {
       const auto* h = static_cast<const __nv_bfloat16*>(p.hidden) + h_offset;
       sum = staged_dot(active ? h : nullptr, p.hidden_size, p, 0, w_seg, lane);
       break;
     }
-    case kLogitHalf: {
+    case kElementHalf: {
       const auto* h = static_cast<const __half*>(p.hidden) + h_offset;
       sum = staged_dot(active ? h : nullptr, p.hidden_size, p, 0, w_seg, lane);
       break;
@@ -1346,11 +1327,11 @@ __global__ void __launch_bounds__(kConfidenceThreads, 8)
   if (active && !isfinite(__shfl_sync(0xffffffffu, logit, 0))) {
     double exact;
     switch (p.hidden_type) {
-      case kLogitBFloat16:
+      case kElementBFloat16:
         exact = exact_dot(static_cast<const __nv_bfloat16*>(p.hidden) + h_offset, p.hidden_size,
                           p, 0, lane);
         break;
-      case kLogitHalf:
+      case kElementHalf:
         exact = exact_dot(static_cast<const __half*>(p.hidden) + h_offset, p.hidden_size, p, 0,
                           lane);
         break;

@@ -64,6 +64,7 @@
 
 #include <cstdint>
 
+#include "convert.cuh"
 #include "filter.cuh"
 #include "reduce.cuh"
 #include "sampling_math.h"
@@ -148,10 +149,6 @@ struct VerifyParams {
   int32_t* race_arrivals;  // [B]: chunks raced
   int32_t* emit_arrivals;  // [B]: emit blocks that have read race_claims
 };
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 // A row's start past a 16-byte boundary, in bytes (a multiple of the element size).
 __device__ __forceinline__ int misalignment16(const void* p) {
