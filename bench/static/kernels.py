@@ -339,11 +339,11 @@ def verify_op(binary: Binary, batch: int, block: int, vocab: int, variant: str,
 
 
 # ------------------------------------------------------------------------------------------------
-# markov_draft / rnn_draft (csrc/kernels/draft.cuh, csrc/cuda/draft_cuda.cu)
+# markov_draft / rnn_draft (csrc/kernels/draft*.cuh, csrc/cuda/draft_cuda.cu)
 
 DRAFT_THREADS, TILE_ROWS, MAX_GROUP, K_CHUNK = 256, 128, 64, 32
 DRAFT_WARPS = DRAFT_THREADS // 32
-FILTER_THREADS = 1024  # draft.cuh kFilterThreads
+FILTER_THREADS = 1024  # draft_filter.cuh kFilterThreads
 
 
 def draft_shared(group: int, rank: int, passes: int) -> int:
@@ -352,7 +352,7 @@ def draft_shared(group: int, rank: int, passes: int) -> int:
     return passes * group * stride * BF16
 
 
-# draft.cuh draft_input_budget on the H200: half the SM's shared memory less kSlotSharedReserve.
+# draft_slot.cuh draft_input_budget on the H200: half the SM's shared memory less kSlotSharedReserve.
 DRAFT_INPUT_BUDGET = H200.smem_per_sm // 2 - 5 * 1024
 
 
@@ -363,7 +363,7 @@ def draft_group(batch: int, rank: int, passes: int) -> int:
     return min(size, max(8, (batch + 7) // 8 * 8))
 
 
-# Slack of key_bound over -log(u) (draft.cuh: within 0.06), as a factor on the chance to pass.
+# Slack of key_bound over -log(u) (draft_slot.cuh: within 0.06), as a factor on the chance to pass.
 KEY_BOUND_SLACK = math.exp(0.06)
 
 
@@ -562,7 +562,7 @@ def draft_op(binary: Binary, batch: int, block: int, vocab: int, rank: int, rnn:
                                                variant="sampled" if sampled else "greedy"))
 
 
-CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft.cuh kConfidenceThreads, kConfidenceSegment
+CONFIDENCE_THREADS, CONFIDENCE_SEGMENT = 128, 2048  # draft_confidence.cuh kConfidenceThreads, kConfidenceSegment
 
 
 def confidence_op(binary: Binary, batch: int, block: int, hidden: int, rank: int) -> Op:

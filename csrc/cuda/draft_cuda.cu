@@ -1,5 +1,5 @@
 // CUDA entry points of the drafting family: checks, device guard, group plan, workspace, dtype
-// dispatch, launch. The kernels live in kernels/draft.cuh.
+// dispatch, launch. The kernels live in kernels/draft.cuh and the draft_*.cuh files it includes.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
