@@ -29,6 +29,7 @@
 #include "../kernels/filter_math.h"
 #include "../kernels/sampling_math.h"
 #include "../ops.h"
+#include "convert.h"
 #include "philox_lanes.h"
 
 namespace dspark_ops {
@@ -265,9 +266,7 @@ struct RequestVerifier {
 
   int64_t draft_token(int64_t b, int64_t j) const {
     const auto& t = a.draft_tokens;
-    const int64_t offset = b * t.stride(0) + j * t.stride(1);
-    return t.scalar_type() == at::kInt ? t.const_data_ptr<int32_t>()[offset]
-                                       : t.const_data_ptr<int64_t>()[offset];
+    return read_id(t, b * t.stride(0) + j * t.stride(1));
   }
 
   // Applies the request's filters to the scratch target row; t.sum becomes the kept weight.
