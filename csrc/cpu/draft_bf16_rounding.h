@@ -19,7 +19,8 @@ namespace dspark_ops::draft_cpu {
 // ---- bfloat16 draft_logits ---------------------------------------------------------------
 //
 // Both heads then store and sample r = bf16(z) (round to nearest even, which is monotone): the
-// exact head r_e = bf16(z_e), the fast head r_f = bf16(z_f), with |z_f - z_e| <= Dz (step 2).
+// exact head r_e = bf16(z_e), the fast head r_f = bf16(z_f), with |z_f - z_e| <= Dz (step 2 of
+// draft_certificate.h).
 // Let lo <= hi be float32 values with lo <= z_f - Dz and hi >= z_f + Dz (rounded outwards): z_e
 // lies in [lo, hi], so if bf16(lo) == bf16(hi) then r_e = r_f exactly (the element is certain).
 // The others (z_f within Dz of a rounding midpoint, a small fraction of a row) are uncertain:
