@@ -51,6 +51,70 @@ def test_kernels_are_torch_free():
     assert not _offending_includes(kernels, r"torch/|ATen/|c10/")
 
 
+def test_kernels_folder_holds_device_code_only():
+    """csrc/kernels/ is what nvcc compiles for the device and the emulator runs: every file there
+    declares or launches device code (a __global__ or __device__ function, DSPARK_HOST_DEVICE math
+    shared with the CPU kernels, or a DSPARK_LAUNCH). Host-only helpers (such as device_cache.h)
+    live in csrc/common/."""
+    kernels = sorted((CSRC / "kernels").iterdir())
+    assert kernels
+    host_only = [p.name for p in kernels
+                 if not re.search(r"__global__|__device__|DSPARK_HOST_DEVICE|DSPARK_LAUNCH",
+                                  strip_comments(p.read_text()))]
+    assert not host_only, f"host-only files in csrc/kernels/ (move them to csrc/common/): {host_only}"
+
+
+def _family_files(csrc=CSRC):
+    """{family: the csrc files named after it}: <family>.cuh, <family>_<part>.* in every folder
+    and sim/glue/<family>.cpp."""
+    families = set(op_families().values())
+    files = {f: set() for f in families}
+    for path in csrc.rglob("*"):
+        if not path.is_file() or "include" in path.relative_to(csrc).parts:
+            continue
+        for family in families:
+            if path.stem == family or path.name.startswith(family + "_"):
+                files[family].add(path.resolve())
+    return files
+
+
+def _family_part_owners(csrc=CSRC):
+    """For every file of csrc/kernels/ and csrc/cpu/ named after a family: the files of other
+    families that include it, and whether the family's own entry points (kernels/<family>.cuh,
+    cpu/<family>_cpu.cpp and the family's other cpu/*.cpp) reach it. The map's rule: a file
+    named after a family belongs to that family alone; what several families use carries a name
+    of its own (sampling_math.h, filter.cuh, convert.cuh)."""
+    files = _family_files(csrc)
+    includers = {}
+    for path in csrc.rglob("*"):
+        if path.suffix in (".h", ".cuh", ".cpp", ".cu") and "include" not in path.relative_to(
+                csrc).parts:
+            for name in _quoted_includes(path):
+                included = (path.parent / name).resolve()
+                includers.setdefault(included, set()).add(path.resolve())
+    problems = []
+    for family, owned in sorted(files.items()):
+        entries = [p for p in owned if p.parent.name == "cpu" and p.suffix == ".cpp"]
+        entries += [p for p in owned if p.parent.name == "kernels" and p.name == f"{family}.cuh"]
+        reached = set(_included_files(entries))
+        for path in sorted(p for p in owned if p.parent.name in ("kernels", "cpu")):
+            strangers = sorted(q.name for q in includers.get(path, ()) if q not in owned)
+            if strangers:
+                problems.append(f"{path.name} (family {family}) is included by {strangers}")
+            if path not in reached:
+                problems.append(f"{path.name} (family {family}) is not reached from {family}.cuh "
+                                f"or cpu/{family}_*.cpp")
+    return problems
+
+
+def test_family_files_belong_to_their_family():
+    """A family's files in csrc/kernels/ and csrc/cpu/ (<family>.cuh, <family>_<part>.cuh,
+    <family>_<part>.h, <family>_*_cpu.cpp) are included by that family's files only, and its
+    entry points reach every one of them: the map's family columns stay complete when a family is
+    split into parts."""
+    assert not _family_part_owners()
+
+
 def test_cuda_glue_includes_light_headers_only():
     """nvcc compiles csrc/cuda/*.cu: torch/extension.h (or torch/all.h, ATen/ATen.h) there
     costs minutes per file, so the glue and what it includes take ATen/c10 headers one by one."""

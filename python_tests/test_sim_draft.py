@@ -1,5 +1,5 @@
 """The drafting family's CUDA entry points and kernels (csrc/cuda/draft_cuda.cu,
-csrc/kernels/draft.cuh) run in the SIMT emulator: markov_draft, rnn_draft and draft_confidence
+csrc/kernels/draft*.cuh) run in the SIMT emulator: markov_draft, rnn_draft and draft_confidence
 against the CPU kernel and dspark_ops.reference.
 
 The rule is the one test_draft.py applies to CUDA (float32 accumulation in another order than the
@@ -352,7 +352,7 @@ def test_several_tiles_per_block(sim):
 
 
 def key_bound(zt: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """draft.cuh key_bound in float32: fmaf(float(bits(u)), -(ln 2) 2^-23, zt + 127 ln 2) (the
+    """draft_slot.cuh key_bound in float32: fmaf(float(bits(u)), -(ln 2) 2^-23, zt + 127 ln 2) (the
     product is exact in float64, so one rounding to float32 is the fma's)."""
     ln2_ulp = float.fromhex("0x1.62e42ep-24")
     c127 = torch.tensor(float.fromhex("0x1.601e68p+6"), dtype=torch.float32)
@@ -856,7 +856,7 @@ def test_dropped_head_barrier_is_caught(sim):
     never written): wrong preactivations (and, in the race flavour, a reported race or
     uninitialised read). r = 128 and d = 128: every warp has the same 16-column steps, so which
     warp finishes first is the emulator's seeded interleaving."""
-    site = emulator.barrier_site("draft.cuh", "partial[warp][lane][e] = acc[e]")
+    site = emulator.barrier_site("draft_rnn_head.cuh", "partial[warp][lane][e] = acc[e]")
     case = make_case(16, 2, 300, 128, seed=219, weights="bf16", head="rnn", hidden_size=128)
     check_draft(sim, case)
     with emulator.planted(f"drop_barrier:{site}"):
@@ -868,7 +868,7 @@ def test_dropped_barrier_is_caught(sim, weights):
     """Without the __syncthreads after draft_slot_kernel's arrival count, threads read the
     block's `last` flag before thread 0 has set it (a stale flag from the block before): missing
     or wrong drafts (and, in the race flavour, a reported race)."""
-    site = emulator.barrier_site("draft.cuh", "last = atomicAdd(arrivals")
+    site = emulator.barrier_site("draft_slot.cuh", "last = atomicAdd(arrivals")
     case = make_case(64, 3, 1024, 20, seed=stable_seed("barrier", weights), weights=weights,
                      temperature="mixed")
     check_draft(sim, case)

@@ -308,9 +308,9 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
 
 
 # ------------------------------------------------------------------------------------------------
-# markov_draft / rnn_draft (csrc/kernels/draft.cuh, csrc/cuda/draft_cuda.cu)
+# markov_draft / rnn_draft (csrc/kernels/draft*.cuh, csrc/cuda/draft_cuda.cu)
 
-# Slack of key_bound over -log(u) (draft.cuh: within 0.06), as a factor on the chance to pass.
+# Slack of key_bound over -log(u) (draft_slot.cuh: within 0.06), as a factor on the chance to pass.
 KEY_BOUND_SLACK = math.exp(0.06)
 
 

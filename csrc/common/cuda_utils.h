@@ -1,6 +1,7 @@
 // Small CUDA helpers for the ATen glue in cuda/*.cu.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -10,7 +11,8 @@
 
 #include <algorithm>
 
-#include "../kernels/device_cache.cuh"
+#include "device_cache.h"
+#include "../kernels/convert.cuh"
 
 namespace dspark_ops {
 
@@ -19,6 +21,14 @@ template <typename T> struct CudaType { using type = T; };
 template <> struct CudaType<c10::BFloat16> { using type = __nv_bfloat16; };
 template <> struct CudaType<c10::Half> { using type = __half; };
 template <typename T> using cuda_type_t = typename CudaType<T>::type;
+
+// The kernels' runtime code (kernels/convert.cuh ElementType) of a float32, bfloat16 or float16
+// tensor's element type.
+inline int element_type(c10::ScalarType dtype) {
+  return dtype == c10::kBFloat16 ? kernels::kElementBFloat16
+         : dtype == c10::kHalf   ? kernels::kElementHalf
+                                 : kernels::kElementFloat;
+}
 
 // The CUDA device a tensor lives on (the SIMT emulator's CPU tensors: the emulated device), the
 // key of the per-device caches below and in the kernels' occupancy queries.
@@ -34,8 +44,8 @@ int device_index(const Tensor& t) {
 
 // Streaming multiprocessors of a device, queried once per device (no sync, capture-safe).
 inline int multiprocessor_count(int device) {
-  static kernels::DeviceCache cache{};
-  return kernels::once_per_device(cache, device, [device] {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [device] {
     int count = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
     return count;
@@ -44,8 +54,8 @@ inline int multiprocessor_count(int device) {
 
 // Major compute capability of a device, queried once per device.
 inline int compute_capability_major(int device) {
-  static kernels::DeviceCache cache{};
-  return kernels::once_per_device(cache, device, [device] {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [device] {
     int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     return major;

@@ -2,7 +2,7 @@
 // (device, stream) for the ATen glue in cuda/*.cu.
 //
 // Every counter is zero when a call starts and back to zero when it ends, since each counter's
-// last user resets it (kernels/verify.cuh, kernels/draft.cuh). So instead of a zero fill before
+// last user resets it (kernels/verify.cuh, kernels/draft_slot.cuh). So instead of a zero fill before
 // every call (one more kernel on the stream), each (device, stream) keeps one buffer, filled once
 // when made or grown; calls on one stream run in order, whatever op they are, so they take turns
 // on it. While the stream is being captured into a CUDA graph a call gets a fresh buffer, filled

@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "to_float.h"
+#include "convert.h"
 #include "../args/attention_args.h"
 #include "../common/dispatch.h"
 #include "../ops.h"

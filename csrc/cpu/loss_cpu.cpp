@@ -22,7 +22,7 @@
 #include "../common/dispatch.h"
 #include "../kernels/loss_math.h"
 #include "../ops.h"
-#include "to_float.h"
+#include "convert.h"
 
 namespace dspark_ops {
 namespace {
@@ -40,7 +40,7 @@ F reduce_lanes(const at::vec::Vectorized<F>& v) {
   return out;
 }
 
-// dst = src as F: float64 rows as they are, the others through to_float.h.
+// dst = src as F: float64 rows as they are, the others through convert.h to_float.
 template <typename T, typename F>
 void load_row(const T* src, int64_t n, F* dst) {
   if constexpr (std::is_same_v<T, double>) {

@@ -5,7 +5,7 @@
 // tail is padded with -inf to a whole number of lane groups) so every later pass is a branch-free
 // vectorised loop over cached data: max and first argmax while copying, the sum of weights for the
 // acceptance test, then, for the one row that emits a token, the exponential race over
-// r = max(p - q, 0) with Philox noise. The scalar math is the shared kernels/verify_math.h, so CPU
+// r = max(p - q, 0) with Philox noise. The scalar math is the shared kernels/sampling_math.h, so CPU
 // and CUDA apply the same rule with the same random numbers.
 //
 // Every pass works block by block (kBlock elements) and keeps each block's partial result (max,
@@ -27,8 +27,9 @@
 #include "../args/verify_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/filter_math.h"
-#include "../kernels/verify_math.h"
+#include "../kernels/sampling_math.h"
 #include "../ops.h"
+#include "convert.h"
 #include "philox_lanes.h"
 
 namespace dspark_ops {
@@ -265,9 +266,7 @@ struct RequestVerifier {
 
   int64_t draft_token(int64_t b, int64_t j) const {
     const auto& t = a.draft_tokens;
-    const int64_t offset = b * t.stride(0) + j * t.stride(1);
-    return t.scalar_type() == at::kInt ? t.const_data_ptr<int32_t>()[offset]
-                                       : t.const_data_ptr<int64_t>()[offset];
+    return read_id(t, b * t.stride(0) + j * t.stride(1));
   }
 
   // Applies the request's filters to the scratch target row; t.sum becomes the kept weight.

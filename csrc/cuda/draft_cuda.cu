@@ -1,5 +1,5 @@
 // CUDA entry points of the drafting family: checks, device guard, group plan, workspace, dtype
-// dispatch, launch. The kernels live in kernels/draft.cuh.
+// dispatch, launch. The kernels live in kernels/draft.cuh and the draft_*.cuh files it includes.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -18,12 +18,6 @@
 
 namespace dspark_ops {
 namespace {
-
-int logit_type(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? kernels::kLogitBFloat16
-         : dtype == at::kHalf   ? kernels::kLogitHalf
-                                : kernels::kLogitFloat;
-}
 
 bool rows_aligned(const at::Tensor& w) {
   const int64_t per16 = 16 / static_cast<int64_t>(w.element_size());
@@ -156,7 +150,7 @@ DraftResult rnn_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anch
   if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
   auto p = draft_params(a, tokens, draft_logits);
   p.hidden = a.hidden.const_data_ptr();
-  p.hidden_type = logit_type(a.hidden.scalar_type());
+  p.hidden_type = element_type(a.hidden.scalar_type());
   p.hidden_stride_b = a.hidden.stride(0);
   p.hidden_stride_j = a.hidden.stride(1);
   p.hidden_size = static_cast<int>(a.hidden_size);
@@ -176,7 +170,7 @@ at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& pre
   auto out = at::empty({a.batch, a.block}, a.hidden.options().dtype(at::kFloat));
   kernels::ConfidenceParams p{};
   p.hidden = a.hidden.const_data_ptr();
-  p.hidden_type = logit_type(a.hidden.scalar_type());
+  p.hidden_type = element_type(a.hidden.scalar_type());
   p.hidden_stride_b = a.hidden.stride(0);
   p.hidden_stride_j = a.hidden.stride(1);
   p.prev_tokens = a.prev_tokens.const_data_ptr();
@@ -186,9 +180,9 @@ at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& pre
   p.w1 = a.w1.const_data_ptr();
   p.w1_stride = a.w1.stride(0);
   p.weight = a.weight.const_data_ptr();
-  p.weight_type = logit_type(a.weight.scalar_type());
+  p.weight_type = element_type(a.weight.scalar_type());
   p.bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
-  p.bias_type = a.bias.defined() ? logit_type(a.bias.scalar_type()) : kernels::kLogitFloat;
+  p.bias_type = a.bias.defined() ? element_type(a.bias.scalar_type()) : kernels::kElementFloat;
   p.calib_temperature =
       a.calib_temperature.defined() ? a.calib_temperature.const_data_ptr<float>() : nullptr;
   p.out = out.data_ptr<float>();

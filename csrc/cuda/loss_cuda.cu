@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "../args/loss_args.h"
+#include "../common/cuda_utils.h"
 #include "../kernels/loss.cuh"
 #include "../ops.h"
 
@@ -14,10 +15,7 @@ namespace dspark_ops {
 namespace {
 
 void loss_rows_cuda(const LossChunk& c) {
-  const auto dtype = c.z.scalar_type();
-  const int code = dtype == at::kBFloat16 ? kernels::kLossBFloat16
-                   : dtype == at::kHalf   ? kernels::kLossHalf
-                                          : kernels::kLossFloat;
+  const int code = element_type(c.z.scalar_type());
   kernels::LossRowParams params{c.z.size(1),
                                 static_cast<float>(c.softcap),
                                 c.softcap > 0 ? soft_cap_inverse<float>(c.softcap) : 0.f,

@@ -36,7 +36,8 @@
 
 #include "../common/exp2.h"
 #include "async_copy.cuh"
-#include "device_cache.cuh"
+#include "convert.cuh"
+#include "../common/device_cache.h"
 #include "mma.cuh"
 #include "launch.cuh"
 
@@ -73,13 +74,6 @@ struct AttentionParams {
   int splits, split_length;  // context rows per split, a multiple of kAttnKeys
 };
 
-__device__ __forceinline__ float attn_load(const float* p) { return *p; }
-__device__ __forceinline__ float attn_load(const __half* p) { return __half2float(*p); }
-__device__ __forceinline__ float attn_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void attn_store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void attn_store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void attn_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-
 // Cache row and visible context [begin, end) of request b. Values are not trusted: a slot
 // outside [0, N) sees no context rather than being used as an address.
 __device__ __forceinline__ int context_range(const AttentionParams& p, int b, int& begin, int& end) {
@@ -107,13 +101,6 @@ __device__ __forceinline__ uint16_t attn_bits(__nv_bfloat16 v) { return __bfloat
 template <typename T>  // the lower-index element in the low half, as the MMA reads a pair
 __device__ __forceinline__ uint32_t attn_pack(T lo, T hi) {
   return static_cast<uint32_t>(attn_bits(lo)) | (static_cast<uint32_t>(attn_bits(hi)) << 16);
-}
-
-template <typename T>
-__device__ __forceinline__ T attn_round(float v) {
-  T out;
-  attn_store(&out, v);
-  return out;
 }
 
 // Issues the copies of one K or V tile (kAttnKeys context rows of D from row k0) to shared memory
@@ -153,7 +140,7 @@ __device__ __forceinline__ void fetch_kv_tile(const T* base, int64_t row_stride,
         const T* at = src + (first + i) * src_step;
         T* e = reinterpret_cast<T*>(&chunk[i]);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) e[k] = valid ? at[k] : attn_round<T>(0.f);
+        for (int k = 0; k < 8; ++k) e[k] = valid ? at[k] : from_float<T>(0.f);
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
@@ -185,7 +172,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
   // Query rows g * ratio + i (head h * ratio + i of slot g); missing rows are 0.
   for (int idx = threadIdx.x; idx < kAttnRows * D; idx += kAttnThreads) {
     const int r = idx / D, d = idx % D, row = row0 + r;
-    T v = attn_round<T>(0.f);
+    T v = from_float<T>(0.f);
     if (row < rows) {
       const int slot_g = row / ratio, head = h * ratio + row % ratio;
       v = static_cast<const T*>(p.q)[b * p.q_stride_b + slot_g * p.q_stride_g +
@@ -262,7 +249,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float weight = exp2_ftz(s[nt][e] - base[e >> 1]);
-          prob[nt][e] = attn_round<T>(weight);
+          prob[nt][e] = from_float<T>(weight);
           tile_sum[e >> 1] += weight;
         }
       }
@@ -359,8 +346,8 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
   float q[kPerLane], acc[kPerLane];
 #pragma unroll
   for (int c = 0; c < kPerLane; ++c) {
-    q[c] = attn_load(static_cast<const T*>(p.q) + b * p.q_stride_b + g * p.q_stride_g +
-                     head * p.q_stride_h + lane + 32 * c) * p.scale_log2;
+    q[c] = to_float(*(static_cast<const T*>(p.q) + b * p.q_stride_b + g * p.q_stride_g +
+                      head * p.q_stride_h + lane + 32 * c)) * p.scale_log2;
     acc[c] = 0.f;
   }
   // The block keys' scores (lane n keeps key n's; G <= 32), their loads independent of each other.
@@ -371,7 +358,7 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
                      h * p.kb_stride_h;
     float dot = 0.f;
 #pragma unroll
-    for (int c = 0; c < kPerLane; ++c) dot += q[c] * attn_load(k_row + lane + 32 * c);
+    for (int c = 0; c < kPerLane; ++c) dot += q[c] * to_float(*(k_row + lane + 32 * c));
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
     my_score = lane == n ? dot : my_score;
@@ -405,12 +392,12 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
     const T* v_row = static_cast<const T*>(p.v_block) + b * p.vb_stride_b + n * p.vb_stride_g +
                      h * p.vb_stride_h;
 #pragma unroll
-    for (int c = 0; c < kPerLane; ++c) acc[c] = fmaf(attn_load(v_row + lane + 32 * c), weight, acc[c]);
+    for (int c = 0; c < kPerLane; ++c) acc[c] = fmaf(to_float(*(v_row + lane + 32 * c)), weight, acc[c]);
   }
   T* out = static_cast<T*>(p.out) + out_row * D;
   const float inv = 1.f / row_sum;
 #pragma unroll
-  for (int c = 0; c < kPerLane; ++c) attn_store(out + lane + 32 * c, acc[c] * inv);
+  for (int c = 0; c < kPerLane; ++c) *(out + lane + 32 * c) = from_float<T>(acc[c] * inv);
   // Back to base e: lse = (max + log2(sum)) / log2(e).
   if (p.lse && lane == 0) p.lse[out_row] = (row_max + log2f(row_sum)) / kLog2e;
 }

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "../common/float_bits.h"
-#include "verify_math.h"  // softmax_weight
+#include "sampling_math.h"  // softmax_weight
 
 namespace dspark_ops {
 

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 
+#include "convert.cuh"
 #include "launch.cuh"
 #include "loss_math.h"
 #include "reduce.cuh"
@@ -49,15 +50,6 @@ __device__ __forceinline__ L1Sums shfl_down(L1Sums s, int offset) {
 namespace kernels {
 
 constexpr int kLossThreads = 256;
-
-enum LossDtype : int { kLossFloat = 0, kLossBFloat16 = 1, kLossHalf = 2 };
-
-__device__ __forceinline__ float loss_load(float v) { return v; }
-__device__ __forceinline__ float loss_load(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float loss_load(__half v) { return __half2float(v); }
-__device__ __forceinline__ void loss_store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void loss_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-__device__ __forceinline__ void loss_store(__half* p, float v) { *p = __float2half(v); }
 
 struct LossRowParams {
   int64_t vocab;
@@ -93,13 +85,13 @@ __device__ __forceinline__ void for_each_element(const T* z, const T* m, const T
       if (t != nullptr) tp.raw = *reinterpret_cast<const uint4*>(t + base);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        f(base + e, loss_load(zp.x[e]), has_m ? loss_load(mp.x[e]) : 0.f,
-          t != nullptr ? loss_load(tp.x[e]) : 0.f);
+        f(base + e, to_float(zp.x[e]), has_m ? to_float(mp.x[e]) : 0.f,
+          t != nullptr ? to_float(tp.x[e]) : 0.f);
       }
     }
   } else {
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-      f(v, loss_load(z[v]), has_m ? loss_load(m[v]) : 0.f, t != nullptr ? loss_load(t[v]) : 0.f);
+      f(v, to_float(z[v]), has_m ? to_float(m[v]) : 0.f, t != nullptr ? to_float(t[v]) : 0.f);
     }
   }
 }
@@ -139,7 +131,7 @@ __global__ void __launch_bounds__(kLossThreads)
   const bool label_ok = y >= 0 && y < vocab;
   // Read before the block's first barrier, so before pass 3 overwrites the row.
   const float z_y = threadIdx.x == 0 && label_ok
-                        ? draft_logit<kCap>(loss_load(z[y]), m != nullptr ? loss_load(m[y]) : 0.f,
+                        ? draft_logit<kCap>(to_float(z[y]), m != nullptr ? to_float(m[y]) : 0.f,
                                             cap, inv_cap)
                         : 0.f;
 
@@ -184,9 +176,9 @@ __global__ void __launch_bounds__(kLossThreads)
         s = l1_sign(pv, qv);
       }
       const float gz = draft_logit_grad(pv, s, v == y, a, b, sums.sp);
-      if (m != nullptr) loss_store(m + v, gz);
-      loss_store(z + v, gz * cz.slope);
-      if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq) * ct.slope);
+      if (m != nullptr) *(m + v) = from_float<T>(gz);
+      *(z + v) = from_float<T>(gz * cz.slope);
+      if (p.t_grad) *(t + v) = from_float<T>(target_logit_grad(qv, s, b, sums.sq) * ct.slope);
     } else {
       const float pv = loss_exp(zv - lse_z);
       float s = 0.f, qv = 0.f;
@@ -194,8 +186,8 @@ __global__ void __launch_bounds__(kLossThreads)
         qv = loss_exp(tv - lse_t);
         s = l1_sign(pv, qv);
       }
-      loss_store(z + v, draft_logit_grad(pv, s, v == y, a, b, sums.sp));
-      if (p.t_grad) loss_store(t + v, target_logit_grad(qv, s, b, sums.sq));
+      *(z + v) = from_float<T>(draft_logit_grad(pv, s, v == y, a, b, sums.sp));
+      if (p.t_grad) *(t + v) = from_float<T>(target_logit_grad(qv, s, b, sums.sq));
     }
   });
 }
@@ -212,17 +204,17 @@ inline void launch_dspark_loss_typed(void* z, void* bias, void* t, unsigned grid
   }
 }
 
-// z, bias and t: contiguous [rows, V] of `dtype` (t may be nullptr; bias is read with a cap,
-// params.softcap > 0, and may be nullptr).
+// z, bias and t: contiguous [rows, V] of `dtype`, an ElementType (t may be nullptr; bias is read
+// with a cap, params.softcap > 0, and may be nullptr).
 inline cudaError_t launch_dspark_loss(int dtype, void* z, void* bias, void* t, int64_t rows,
                                       const LossRowParams& params, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(rows);
   switch (dtype) {
-    case kLossBFloat16:
+    case kElementBFloat16:
       launch_dspark_loss_typed<__nv_bfloat16>(z, bias, t, grid, params, stream);
       break;
-    case kLossHalf:
+    case kElementHalf:
       launch_dspark_loss_typed<__half>(z, bias, t, grid, params, stream);
       break;
     default:

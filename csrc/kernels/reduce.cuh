@@ -1,9 +1,9 @@
-// Warp and block reductions over the small records of verify_math.h (torch-free).
+// Warp and block reductions over the small records of sampling_math.h (torch-free).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "verify_math.h"
+#include "sampling_math.h"
 
 namespace dspark_ops::kernels {
 

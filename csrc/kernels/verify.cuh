@@ -1,6 +1,6 @@
 // CUDA kernels of verify (docs/semantics.md §3.1), torch-free.
 //
-// Math: kernels/verify_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
+// Math: kernels/sampling_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
 // the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
 // out-of-range rows and draft ids are rejected and reported, never used as addresses.
 //
@@ -64,9 +64,10 @@
 
 #include <cstdint>
 
+#include "convert.cuh"
 #include "filter.cuh"
 #include "reduce.cuh"
-#include "verify_math.h"
+#include "sampling_math.h"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
@@ -148,10 +149,6 @@ struct VerifyParams {
   int32_t* race_arrivals;  // [B]: chunks raced
   int32_t* emit_arrivals;  // [B]: emit blocks that have read race_claims
 };
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 // A row's start past a 16-byte boundary, in bytes (a multiple of the element size).
 __device__ __forceinline__ int misalignment16(const void* p) {

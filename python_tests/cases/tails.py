@@ -109,9 +109,9 @@ def verify_tail_case(vocab: int, kind: str, seed: int = 0) -> tuple[dict, torch.
 
 # ---- drafting ----------------------------------------------------------------------------------
 # csrc/cpu/draft_cpu.cpp: a slot's pass over the vocabulary in chunks of kChunk = 2048 ids.
-# csrc/kernels/draft.cuh: 16-row warp tiles, 128-row block tiles (kTileRows), 8 values a thread
-# per load in the filter kernel (kFilterValues); all divide 2048, so one id past a multiple of
-# 2048 is alone in the last chunk and tile of every kind.
+# csrc/kernels/draft_slot.cuh: 16-row warp tiles, 128-row block tiles (kTileRows); 8 values a
+# thread per load in the filter kernel (kFilterValues, filter.cuh); all divide 2048, so one id
+# past a multiple of 2048 is alone in the last chunk and tile of every kind.
 DRAFT_CHUNK = 2048
 DRAFT_WARP_TILE = 16
 DRAFT_BLOCK_TILE = 8 * DRAFT_WARP_TILE

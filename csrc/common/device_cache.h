@@ -1,12 +1,13 @@
 // Host-side answers that depend on the GPU model (occupancy, SM count), computed once per device:
 // a process may drive GPUs of different models, so one answer per kernel instantiation would give
-// every device the first one's grid plan.
+// every device the first one's grid plan. Host code only, torch-free: the kernels' launchers
+// (csrc/kernels/) and the CUDA glue's helpers (cuda_utils.h) both use it.
 #pragma once
 
 #include <array>
 #include <atomic>
 
-namespace dspark_ops::kernels {
+namespace dspark_ops {
 
 constexpr int kMaxDevices = 64;
 using DeviceCache = std::array<std::atomic<int>, kMaxDevices>;  // 0: not known yet
@@ -23,4 +24,4 @@ int once_per_device(DeviceCache& cache, int device, F&& compute) {
   return value;
 }
 
-}  // namespace dspark_ops::kernels
+}  // namespace dspark_ops

@@ -1,4 +1,7 @@
-// Scalar math of the verification rule, shared by the CPU and CUDA kernels (torch-free).
+// Scalar sampling math shared by the sampling kernels of every family and their CPU twins
+// (torch-free): the greedy rule, the softmax weights (exp2), the acceptance test, the exponential
+// race and the records their reductions merge (reduce.cuh). verify uses all of it; the drafting
+// ops the greedy rule and the race's candidates; the sampling filters (filter_math.h) the weights.
 //
 // One function per step of docs/semantics.md §3.1 so both backends (and dspark_ops/reference.py,
 // which spells the same formulas in PyTorch) round identically wherever they can:
