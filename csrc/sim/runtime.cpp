@@ -111,7 +111,7 @@ std::string base_name(const std::string& kernel) {
 
 const DeviceSpec& device() { return *g_device; }
 // With a binary's kernel resources set, the emulated device answers occupancy queries as that
-// binary's GPU: a device of its own, whose ordinal (past kernels/device_cache.cuh's kMaxDevices,
+// binary's GPU: a device of its own, whose ordinal (past common/device_cache.h's kMaxDevices,
 // one per distinct resource table) keeps the launchers' per-device caches from answering with
 // what they computed without those resources, or with another table's.
 static constexpr int kDeviceCount = static_cast<int>(sizeof(kDevices) / sizeof(kDevices[0]));
