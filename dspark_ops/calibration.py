@@ -19,9 +19,7 @@ def expected_calibration_error(
     y = outcome.double().flatten()
     if p.numel() == 0:
         return 0.0
-    bins = (p * num_bins).long().clamp(0, num_bins - 1)
-    gap = torch.zeros(num_bins, dtype=torch.float64, device=p.device).index_add_(0, bins, p - y)
-    return float(gap.abs().sum() / p.numel())
+    return float(_binned_errors(p[None], y, num_bins)[0])
 
 
 def fit_sequential_temperatures(
@@ -92,15 +90,21 @@ def _grid_calibration_errors(before: torch.Tensor, logit: torch.Tensor, outcome:
     """``expected_calibration_error(before * sigmoid(logit / t), outcome)`` for every ``t`` of
     ``grid`` at once: one binned scatter per block of temperatures (at most ~16M probabilities
     in memory), each row summed in the same order as the one-temperature function."""
-    n = before.numel()
     errors = torch.empty(grid.numel(), dtype=torch.float64, device=grid.device)
-    step = max(1, _GRID_BLOCK_ELEMENTS // max(n, 1))
+    step = max(1, _GRID_BLOCK_ELEMENTS // max(before.numel(), 1))
     for first in range(0, grid.numel(), step):
         t = grid[first:first + step, None]
-        p = before[None] * torch.sigmoid(logit[None] / t)                       # [T, n]
-        bins = (p * num_bins).long().clamp_(0, num_bins - 1)
-        bins += torch.arange(t.shape[0], device=grid.device)[:, None] * num_bins
-        gap = torch.zeros(t.shape[0] * num_bins, dtype=torch.float64, device=grid.device)
-        gap.index_add_(0, bins.flatten(), (p - outcome[None]).flatten())
-        errors[first:first + step] = gap.view(-1, num_bins).abs().sum(1) / n
+        errors[first:first + step] = _binned_errors(
+            before[None] * torch.sigmoid(logit[None] / t), outcome, num_bins)
     return errors
+
+
+def _binned_errors(p: torch.Tensor, outcome: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """The ECE of each row of float64 ``p`` ``[T, n]`` against float64 ``outcome`` ``[n]``: one
+    scatter into ``T * num_bins`` bins, each row's elements added in order."""
+    rows, n = p.shape
+    bins = (p * num_bins).long().clamp_(0, num_bins - 1)
+    bins += torch.arange(rows, device=p.device)[:, None] * num_bins
+    gap = torch.zeros(rows * num_bins, dtype=torch.float64, device=p.device)
+    gap.index_add_(0, bins.flatten(), (p - outcome[None]).flatten())
+    return gap.view(rows, num_bins).abs().sum(1) / n
