@@ -299,8 +299,9 @@ def test_correct_kernels_have_no_race(sim, kernel):
 )
 def test_out_of_bounds_is_reported(sim, kernel, n):
     """One past a global buffer (x has exactly n elements; for cp.async, a 16-byte copy read at
-    its wait), one past a static __shared__ array, and before the start of the dynamic shared
-    buffer (32 floats for 64 threads)."""
+    its wait), one past a static __shared__ array, and up to 128 bytes before the start of the
+    dynamic shared buffer (32 floats for 64 threads): past the allocator's own redzone, inside
+    the emulator's guard band, so the stray writes are reported and corrupt nothing."""
     x = torch.randn(n if kernel in ("sum_tail", "async_copy_tail") else max(n, 64))
     with pytest.raises(RuntimeError, match="out of bounds"):
         sim.selftest(kernel, x, n)

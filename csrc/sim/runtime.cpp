@@ -379,6 +379,38 @@ void add_report(const std::string& kind, const std::string& detail, bool fatal) 
   if (fatal) g_block->fatal = true;
 }
 
+// A launch's dynamic shared memory, exactly `bytes` long. In the bounds flavour it sits between
+// two poisoned guard bands as long as itself (at least 256 bytes): an index up to a whole buffer
+// before or past it is reported, and, since the launch goes on after a report, the stray write
+// lands in the guard instead of corrupting a neighbouring heap block.
+class DynamicShared {
+ public:
+  explicit DynamicShared(size_t bytes) : bytes_(bytes) {
+    if (bytes == 0) return;
+#if defined(DSPARK_SIM_ASAN)
+    guard_ = (std::max<size_t>(bytes, 256) + 63) / 64 * 64;
+#endif
+    storage_.reset(new unsigned char[guard_ + bytes + guard_]);
+#if defined(DSPARK_SIM_ASAN)
+    __asan_poison_memory_region(storage_.get(), guard_);
+    __asan_poison_memory_region(data() + bytes, guard_);
+#endif
+  }
+  DynamicShared(const DynamicShared&) = delete;
+  DynamicShared& operator=(const DynamicShared&) = delete;
+  ~DynamicShared() {
+#if defined(DSPARK_SIM_ASAN)
+    if (storage_) __asan_unpoison_memory_region(storage_.get(), guard_ + bytes_ + guard_);
+#endif
+  }
+  unsigned char* data() { return storage_ ? storage_.get() + guard_ : nullptr; }
+
+ private:
+  size_t bytes_;
+  size_t guard_ = 0;
+  std::unique_ptr<unsigned char[]> storage_;
+};
+
 // Switches from the running fiber back to the scheduler.
 void to_scheduler() {
   Fiber* self = g_running;
@@ -1059,9 +1091,8 @@ void launch(const char* name, const void* func, dim3 grid, dim3 block, size_t sh
   b.body = body;
   b.closure = closure;
   b.dependent = dependent;
-  // Exactly sized, so the bounds flavour reports any access past it.
-  std::unique_ptr<unsigned char[]> dynamic(shared ? new unsigned char[shared] : nullptr);
-  b.dynamic_shared = dynamic.get();
+  DynamicShared dynamic(shared);
+  b.dynamic_shared = dynamic.data();
   b.dynamic_bytes = shared;
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
   std::vector<uint64_t> order(blocks);
