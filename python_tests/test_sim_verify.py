@@ -576,19 +576,26 @@ def test_single_finite_logit_in_one_chunk(sim):
 def test_grid_plan_depends_on_vocab_only(sim):
     """The same V gets the same chunks on every emulated device and at every B (seen in the
     workspace the glue sizes): B = 1 and B = 175 at V = 1025 (2 chunks) and V = 8193 (9) on the
-    H200, the A100 and the L4, where a plan sized to one resident wave would vary with both."""
+    H200, the A100 and the L4, where a plan sized to one resident wave would vary with both.
+    The emulator plans the launches without running them: the plan is all this looks at (the
+    outputs' batch invariance: test_request_outputs_are_bitwise_batch_invariant)."""
     assert [expected_chunks(v) for v in (1, 1024, 1025, 8193, 16384, 50257, 151936)] == \
         [1, 1, 2, 9, 16, 16, 16]
     gen = generator(381)
-    for vocab in (1025, 8193):
-        for batch in (1, 175):
-            case = Case(torch.randn(batch, vocab, generator=gen), torch.zeros(batch, 0, dtype=I64),
-                        torch.zeros(batch, dtype=I32), torch.zeros(batch), *randoms(batch, gen))
-            for device in ("h200", "a100", "l4"):
-                with emulator.emulated_device(device):
-                    seen = observed_workspace(lambda: case.call(_positional(sim.verify)))
-                assert seen == workspace_bytes(batch, 0, expected_chunks(vocab)), \
-                    (vocab, batch, device)
+    sim.set_plan_only(True)
+    try:
+        for vocab in (1025, 8193):
+            for batch in (1, 175):
+                case = Case(torch.randn(batch, vocab, generator=gen),
+                            torch.zeros(batch, 0, dtype=I64), torch.zeros(batch, dtype=I32),
+                            torch.zeros(batch), *randoms(batch, gen))
+                for device in ("h200", "a100", "l4"):
+                    with emulator.emulated_device(device):
+                        seen = observed_workspace(lambda: case.call(_positional(sim.verify)))
+                    assert seen == workspace_bytes(batch, 0, expected_chunks(vocab)), \
+                        (vocab, batch, device)
+    finally:
+        sim.set_plan_only(False)
 
 
 def _joined(case: Case, others: Case, order: torch.Tensor) -> Case:
@@ -601,31 +608,31 @@ def _joined(case: Case, others: Case, order: torch.Tensor) -> Case:
     return both.select(order)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_request_outputs_are_bitwise_batch_invariant(sim, dtype):
+@pytest.mark.parametrize("dtype, draft", [(F32, "logits"), (BF16, "onehot")])
+def test_request_outputs_are_bitwise_batch_invariant(sim, dtype, draft):
     """A request verified alone and inside a batch of 200 (at V = 8193: 9 chunks either way; a
     plan sized to the batch would split its rows into 9 chunks alone and 5 in the batch) gets
     bitwise the same tokens, num_accepted, valid and logprobs (float sums merged in the same
-    order), sampled and greedy, with draft logits and one-hot drafts."""
+    order), sampled and greedy: float32 targets with draft logits, bfloat16 with one-hot drafts
+    (each 200-request batch is a long emulation; the plan is shared by both dtypes and kinds)."""
     block, vocab = 2, 8193
     call = lambda c, fn: c.call(_filtered(fn), return_logprobs=True)  # noqa: E731
-    for draft in ("logits", "onehot"):
-        case = make_case(4, block, vocab, seed=stable_seed("invariant", draft, dtype),
-                         temperature="mixed", draft=draft, dtype=dtype)
-        others = make_case(196, block, vocab, seed=stable_seed("others", draft, dtype),
-                           temperature="mixed", draft=draft, dtype=dtype)
-        order = torch.randperm(200, generator=generator(383))
-        big = call(_joined(case, others, order), sim.verify)
-        where = {int(b): i for i, b in enumerate(order.tolist()) if b < 4}
-        for b in range(4):
-            alone = call(case.select(torch.tensor([b])), sim.verify)
-            i = where[b]
-            assert torch.equal(alone.tokens[0], big.tokens[i]), (draft, b)
-            assert int(alone.num_accepted[0]) == int(big.num_accepted[i]), (draft, b)
-            assert bool(alone.valid[0]) == bool(big.valid[i]), (draft, b)
-            assert torch.equal(alone.logprobs[0], big.logprobs[i]), (draft, b, alone.logprobs,
-                                                                     big.logprobs[i])
-        check(sim, case)
+    case = make_case(4, block, vocab, seed=stable_seed("invariant", draft, dtype),
+                     temperature="mixed", draft=draft, dtype=dtype)
+    others = make_case(196, block, vocab, seed=stable_seed("others", draft, dtype),
+                       temperature="mixed", draft=draft, dtype=dtype)
+    order = torch.randperm(200, generator=generator(383))
+    big = call(_joined(case, others, order), sim.verify)
+    where = {int(b): i for i, b in enumerate(order.tolist()) if b < 4}
+    for b in range(4):
+        alone = call(case.select(torch.tensor([b])), sim.verify)
+        i = where[b]
+        assert torch.equal(alone.tokens[0], big.tokens[i]), (draft, b)
+        assert int(alone.num_accepted[0]) == int(big.num_accepted[i]), (draft, b)
+        assert bool(alone.valid[0]) == bool(big.valid[i]), (draft, b)
+        assert torch.equal(alone.logprobs[0], big.logprobs[i]), (draft, b, alone.logprobs,
+                                                                 big.logprobs[i])
+    check(sim, case)
 
 
 def _all_accepted(batch: int, block: int, vocab: int, gen: torch.Generator) -> Case:
