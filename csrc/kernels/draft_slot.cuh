@@ -190,10 +190,6 @@ __device__ __forceinline__ void tile_products<float, 1>(const DraftParams& p, in
 // then keep the warp converged, and the epilogue's shuffles need no divergence handling).
 __device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0); }
 
-__device__ __forceinline__ uint32_t select_word(const Philox4& x, int i) {
-  return i == 0 ? x.x[0] : i == 1 ? x.x[1] : i == 2 ? x.x[2] : x.x[3];
-}
-
 // The key of an ordered word (pack_candidate's high half); -inf for 0, "no candidate".
 __device__ __forceinline__ float ordered_key(uint32_t ordered) {
   if (ordered == 0) return -INFINITY;
