@@ -165,22 +165,6 @@ class BuildExt(BuildExtension):
     build after ``python setup.py build_ext --inplace`` (``make build``). With the objects where
     the in-place build keeps them, ninja recompiles only what changed and the install relinks."""
 
-    def build_extension(self, ext):
-        # setuptools sorts the sources, which puts the CUDA ones last; ninja starts jobs in the
-        # order it is given, so the drafting family's nvcc run, the longest, would begin after
-        # every C++ file instead of overlapping them.
-        compile_sources = self.compiler.compile
-
-        def cuda_first(sources, *args, **kwargs):
-            ordered = sorted(sources, key=lambda s: not s.endswith(".cu"))
-            return compile_sources(ordered, *args, **kwargs)
-
-        self.compiler.compile = cuda_first
-        try:
-            super().build_extension(ext)
-        finally:
-            self.compiler.compile = compile_sources
-
     def finalize_options(self):
         super().finalize_options()
         if getattr(self, "editable_mode", False):
