@@ -8,8 +8,9 @@
 #if !defined(DSPARK_OPS_SIM)
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <utility>
+
+#include "../common/device_cache.h"
 
 // DSPARK_LAUNCH(grid, block, dynamic shared bytes, stream, kernel)(arguments...)
 #define DSPARK_LAUNCH(grid, block, shared, stream, ...) __VA_ARGS__<<<grid, block, shared, stream>>>
@@ -31,18 +32,14 @@ namespace dspark_ops::kernels {
 // Whether the current device supports programmatic dependent launch (compute capability 9.0+),
 // asked of the runtime once per device.
 inline bool dependent_launch_supported() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> major[kDevices] = {};  // 0: not asked yet
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
-  int known = major[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    if (cudaDeviceGetAttribute(&known, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-      return false;
-    }
-    major[device].store(known, std::memory_order_relaxed);
-  }
-  return known >= 9;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  static DeviceCache major{};
+  return once_per_device(major, device, [device] {
+           int value = 0;  // on an error: 0, asked again next time
+           (void)cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device);
+           return value;
+         }) >= 9;
 }
 
 template <typename Kernel>
