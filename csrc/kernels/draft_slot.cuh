@@ -23,8 +23,9 @@
 // keys once per tile. The last block of the group to arrive (threadfence + arrival counter)
 // writes the tokens, which the next slot's launch reads, and returns the group's keys and counter
 // to zero (they live in a buffer kept per stream, not filled per call: common/stream_counters.h).
-// For rnn_draft the blocks then advance the state. A persistent kernel with a grid barrier per
-// slot would save G - 1 launch gaps (~2-4 us each) but needs co-residency of the whole grid.
+// For rnn_draft the blocks then advance the state. One launch per slot rather than a persistent
+// kernel with a grid barrier per slot, which would need the whole grid co-resident
+// (docs/performance-model.md, "Why the launch constants are what they are").
 #pragma once
 
 #include <cuda_runtime.h>

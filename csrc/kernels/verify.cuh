@@ -605,11 +605,10 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
 }
 
 // Resident blocks per SM the statistics kernel is compiled for: the decider's filter code and the
-// race must not cost the streaming loop its occupancy. Three on sm_90 (registers capped at 80:
-// 48 KB of loads in flight per SM against the ~25 KB an H200 SM needs); two before (capped at
-// 128, so the race does not spill: 32 KB in flight, where an A100 SM needs ~13 KB at 2 TB/s).
-// float32 target and draft rows keep twice the bytes in flight per thread (128), so two blocks
-// cover the latency there too, and give the wider loads the registers they need.
+// race must not cost the streaming loop its occupancy. Three on sm_90, two before (where three
+// would make the race spill); two for float32 target and draft rows, whose wider loads keep twice
+// the bytes in flight per thread and need the registers. The bytes-in-flight arithmetic behind
+// each count: docs/performance-model.md, "Why the launch constants are what they are".
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kStatsBlocksPerSM = 2;
 #else
@@ -854,9 +853,9 @@ inline int verify_shared_bytes(bool filters) { return filters ? int{sizeof(Filte
 
 // The vocabulary split: C = min(16, ceil(V / 1024)) chunks, a multiple of 16 elements long (whole
 // vector loads, whole Philox blocks). It depends on V alone, never on B or the GPU, so a request's
-// partial sums, their merge order and hence its outputs are the same in any batch. 16 chunks fill
-// an H200 (3 blocks on each of 132 SMs) from B = 25 on; B >= 199 no longer gets one block per
-// request (a row walked by one block, 50-65 % of the slots busy).
+// partial sums, their merge order and hence its outputs are the same in any batch. How full
+// that leaves the GPU at each batch size: docs/performance-model.md, "Why the launch constants
+// are what they are".
 constexpr int64_t kVerifyMaxChunks = 16;
 
 inline int64_t verify_chunk(int64_t vocab) {
