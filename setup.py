@@ -148,9 +148,11 @@ def extension():
     nvcc = ["-O3", "--fmad=false", "-lineinfo"] + ptxas_split_flags()
     if os.environ.get("DSPARK_OPS_PTXAS_VERBOSE") == "1":
         nvcc.append("-Xptxas=-v")
+    # csrc/cuda/: the ATen glue (*_cuda.cpp, the C++ compiler) and the torch-free launchers and
+    # kernels (*_launch.cu, nvcc: torch's headers would cost each nvcc run half a minute).
     return CUDAExtension(
         "dspark_ops._C",
-        sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        sources + sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")),
         include_dirs=nvidia_wheel_includes(),
         define_macros=[("DSPARK_OPS_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},

@@ -1,5 +1,5 @@
 // The dspark_ops operator library: every schema (schemas.h), defined once. Backends register their
-// kernels with TORCH_LIBRARY_IMPL in cpu/<family>_cpu.cpp and cuda/<family>_cuda.cu; fake (meta)
+// kernels with TORCH_LIBRARY_IMPL in cpu/<family>_cpu.cpp and cuda/<family>_cuda.cpp; fake (meta)
 // kernels for torch.compile live in dspark_ops/ops/<family>.py.
 #include <torch/library.h>
 

@@ -1,4 +1,4 @@
-// Entry points of every op on every backend (registered in cpu/*.cpp and cuda/*.cu), one
+// Entry points of every op on every backend (registered in cpu/*.cpp and cuda/*_cuda.cpp), one
 // declaration each, in the order of schemas.h. C++ users can also call the ops through the
 // dispatcher: c10::Dispatcher::singleton().findSchemaOrThrow("dspark_ops::verify", "").
 #pragma once
@@ -10,7 +10,7 @@
 
 namespace dspark_ops {
 
-// verify (cpu/verify_cpu.cpp, cuda/verify_cuda.cu): tokens, num_accepted, valid, logprobs.
+// verify (cpu/verify_cpu.cpp, cuda/verify_cuda.cpp): tokens, num_accepted, valid, logprobs.
 using VerifyResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 VerifyResult verify_cpu(
@@ -28,7 +28,7 @@ VerifyResult verify_cuda(
     const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& allowed_token_mask, bool return_logprobs);
 
-// Drafting (cpu/draft_cpu.cpp, cuda/draft_cuda.cu): tokens, draft_logits.
+// Drafting (cpu/draft_cpu.cpp, cuda/draft_cuda.cpp): tokens, draft_logits.
 using DraftResult = std::tuple<at::Tensor, at::Tensor>;
 
 DraftResult markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor,
@@ -70,7 +70,7 @@ at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& pre
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& calib_temperature);
 
-// Scheduling (cpu/schedule_cpu.cpp, cuda/schedule_cuda.cu).
+// Scheduling (cpu/schedule_cpu.cpp, cuda/schedule_cuda.cpp).
 at::Tensor schedule_verify_cpu(const at::Tensor& confidence, const at::Tensor& step_rate,
                                const std::optional<at::Tensor>& max_verify);
 at::Tensor schedule_verify_cuda(const at::Tensor& confidence, const at::Tensor& step_rate,
@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cuda(
     const at::Tensor& anchor, const at::Tensor& draft_tokens, const at::Tensor& num_verify,
     const at::Tensor& position);
 
-// Attention (cpu/attention_cpu.cpp, cuda/attention_cuda.cu).
+// Attention (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp).
 std::tuple<at::Tensor, at::Tensor> block_draft_attention_cpu(
     const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
@@ -108,13 +108,13 @@ void append_context_kv_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache
                             const at::Tensor& num_new, const at::Tensor& cache_seqlens,
                             const std::optional<at::Tensor>& cache_slot);
 
-// Random numbers (cpu/random_cpu.cpp, cuda/random_cuda.cu).
+// Random numbers (cpu/random_cpu.cpp, cuda/random_cuda.cpp).
 at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& position, int64_t purpose,
                               int64_t count);
 at::Tensor philox_uniform_cuda(const at::Tensor& seed, const at::Tensor& position,
                                int64_t purpose, int64_t count);
 
-// Training loss (cpu/loss_cpu.cpp, cuda/loss_cuda.cu): loss, ce, l1, then the gradients of hidden,
+// Training loss (cpu/loss_cpu.cpp, cuda/loss_cuda.cpp): loss, ce, l1, then the gradients of hidden,
 // markov_latent, markov_w2 and lm_head_weight.
 using LossResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -61,7 +61,7 @@ def registrations(folder: str, backend: str) -> dict:
 
 
 def family_of_file(path: Path, suffix: str) -> str:
-    """'verify' for csrc/cpu/verify_cpu.cpp (suffix '_cpu') or csrc/cuda/verify_cuda.cu."""
+    """'verify' for csrc/cpu/verify_cpu.cpp (suffix '_cpu') or csrc/cuda/verify_cuda.cpp."""
     assert path.stem.endswith(suffix), path
     return path.stem[: -len(suffix)]
 

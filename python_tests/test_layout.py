@@ -54,14 +54,22 @@ def test_kernels_are_torch_free():
 def test_kernels_folder_holds_device_code_only():
     """csrc/kernels/ is what nvcc compiles for the device and the emulator runs: every file there
     declares or launches device code (a __global__ or __device__ function, DSPARK_HOST_DEVICE math
-    shared with the CPU kernels, or a DSPARK_LAUNCH). Host-only helpers (such as device_cache.h)
-    live in csrc/common/."""
+    shared with the CPU kernels, or a DSPARK_LAUNCH), or is a family's launch interface
+    (<family>_launch.h: the kernels' arguments and the launchers the ATen glue calls). Host-only
+    helpers (such as device_cache.h) live in csrc/common/."""
     kernels = sorted((CSRC / "kernels").iterdir())
     assert kernels
-    host_only = [p.name for p in kernels
-                 if not re.search(r"__global__|__device__|DSPARK_HOST_DEVICE|DSPARK_LAUNCH",
-                                  strip_comments(p.read_text()))]
+    families = set(op_families().values())
+    interfaces = {f"{family}_launch.h" for family in families}
+    host_only = [p.name for p in kernels if p.name not in interfaces
+                 and not re.search(r"__global__|__device__|DSPARK_HOST_DEVICE|DSPARK_LAUNCH",
+                                   strip_comments(p.read_text()))]
     assert not host_only, f"host-only files in csrc/kernels/ (move them to csrc/common/): {host_only}"
+    for name in sorted(interfaces):
+        text = strip_comments((CSRC / "kernels" / name).read_text())
+        assert re.search(r"\bcudaError_t launch_\w+\(", text), f"{name} declares no launcher"
+        assert not re.search(r"__global__|__device__|DSPARK_LAUNCH|\{\s*DSPARK", text), (
+            f"{name}: device code belongs in the family's .cuh, not its launch interface")
 
 
 def _family_files(csrc=CSRC):
@@ -115,10 +123,19 @@ def test_family_files_belong_to_their_family():
     assert not _family_part_owners()
 
 
+def test_cuda_launchers_are_torch_free():
+    """nvcc compiles csrc/cuda/*.cu, the launchers and the kernels they instantiate: neither they
+    nor any header they include may include torch, ATen or c10 (their headers would cost every
+    nvcc run half a minute). The ATen glue is csrc/cuda/*_cuda.cpp, compiled by the C++ compiler."""
+    launchers = sorted((CSRC / "cuda").glob("*.cu"))
+    assert launchers and all(p.stem.endswith("_launch") for p in launchers), launchers
+    assert not _offending_includes(launchers, r"torch/|ATen/|c10/")
+
+
 def test_cuda_glue_includes_light_headers_only():
-    """nvcc compiles csrc/cuda/*.cu: torch/extension.h (or torch/all.h, ATen/ATen.h) there
-    costs minutes per file, so the glue and what it includes take ATen/c10 headers one by one."""
-    glue = sorted((CSRC / "cuda").glob("*.cu"))
+    """The ATen glue (csrc/cuda/*_cuda.cpp) and what it includes take ATen/c10 headers one by
+    one: torch/extension.h (or torch/all.h, ATen/ATen.h) costs tens of seconds per file."""
+    glue = sorted((CSRC / "cuda").glob("*_cuda.cpp"))
     assert glue
     assert not _offending_includes(
         glue, r"torch/extension\.h|torch/all\.h|torch/torch\.h|ATen/ATen\.h")
@@ -129,7 +146,7 @@ def test_glue_fills_nothing_per_call():
     would be one more PyTorch kernel on the stream per call, which the static model does not
     charge: counters live in common/stream_counters.h's buffer per stream (filled when made or
     grown, and per call only under CUDA-graph capture), which the kernels return to zero."""
-    glue = sorted((CSRC / "cuda").glob("*.cu"))
+    glue = sorted((CSRC / "cuda").glob("*_cuda.cpp")) + sorted((CSRC / "cuda").glob("*.cu"))
     assert glue
     for path in glue:
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -139,18 +156,24 @@ def test_glue_fills_nothing_per_call():
 
 
 def test_every_cuda_glue_has_an_emulator_glue():
-    """The emulated tests run the CUDA glue itself: csrc/sim/glue/<family>.cpp includes
-    csrc/cuda/<family>_cuda.cu (build.py compiles every glue/*.cpp)."""
-    cuda = {family_of_file(p, "_cuda"): p for p in sorted((CSRC / "cuda").glob("*_cuda.cu"))}
+    """The emulated tests run the CUDA glue and launchers themselves: csrc/sim/glue/<family>.cpp
+    includes csrc/cuda/<family>_launch.cu and csrc/cuda/<family>_cuda.cpp (build.py compiles every
+    glue/*.cpp), and csrc/cuda/ holds nothing else."""
+    cuda = {family_of_file(p, "_cuda"): p for p in sorted((CSRC / "cuda").glob("*_cuda.cpp"))}
+    launch = {family_of_file(p, "_launch"): p for p in sorted((CSRC / "cuda").glob("*_launch.cu"))}
     glue = {p.stem: p for p in sorted((CSRC / "sim" / "glue").glob("*.cpp"))}
-    assert cuda and set(cuda) == set(glue), (sorted(cuda), sorted(glue))
+    assert cuda and set(cuda) == set(glue) == set(launch), (sorted(cuda), sorted(launch),
+                                                            sorted(glue))
+    assert sorted((CSRC / "cuda").iterdir()) == sorted([*cuda.values(), *launch.values()])
     for family, path in glue.items():
-        assert f"../../cuda/{family}_cuda.cu" in _quoted_includes(path), path.name
+        includes = _quoted_includes(path)
+        assert f"../../cuda/{family}_launch.cu" in includes, path.name
+        assert f"../../cuda/{family}_cuda.cpp" in includes, path.name
 
 
 def test_every_op_has_cpu_and_cuda_registrations():
     """Each op of csrc/schemas.h has exactly one CPU and one CUDA kernel, registered by the
-    files of one family (cpu/<family>_cpu.cpp, cuda/<family>_cuda.cu), and nothing else is."""
+    files of one family (cpu/<family>_cpu.cpp, cuda/<family>_cuda.cpp), and nothing else is."""
     ops = header_ops()
     assert ops and len(set(ops)) == len(ops), ops
     cpu = registrations("cpu", "CPU")
@@ -176,7 +199,9 @@ def test_every_family_has_its_layer_files():
             f"csrc/args/{family}_args.h",
             f"csrc/cpu/{family}_cpu.cpp",
             f"csrc/kernels/{family}.cuh",
-            f"csrc/cuda/{family}_cuda.cu",
+            f"csrc/kernels/{family}_launch.h",
+            f"csrc/cuda/{family}_launch.cu",
+            f"csrc/cuda/{family}_cuda.cpp",
             f"csrc/sim/glue/{family}.cpp",
             f"dspark_ops/ops/{family}.py",
             f"python_tests/test_{family}.py",

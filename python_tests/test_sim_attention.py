@@ -1,6 +1,6 @@
-"""The attention family's CUDA entry points and kernels (csrc/cuda/attention_cuda.cu,
-csrc/kernels/attention.cuh) run in the SIMT emulator: block_draft_attention and append_context_kv
-against the CPU kernel and dspark_ops.reference.
+"""The attention family's CUDA entry points, launchers and kernels (csrc/cuda/attention_cuda.cpp,
+attention_launch.cu, csrc/kernels/attention.cuh) run in the SIMT emulator: block_draft_attention
+and append_context_kv against the CPU kernel and dspark_ops.reference.
 
 The rule is the one test_attention.py applies to CUDA: the output within OUT_TOL of the float32
 reference (the emulated mma.sync sums exactly but P enters the second product rounded to the input
@@ -286,7 +286,7 @@ LAYOUTS = {
 
 
 def kv_aligned(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """What attention_cuda.cu computes: both bases and every non-D stride 16-byte multiples."""
+    """What attention_cuda.cpp computes: both bases and every non-D stride 16-byte multiples."""
     return all(c.data_ptr() % 16 == 0 and all(c.stride(d) * c.element_size() % 16 == 0
                                               for d in range(3)) for c in (k, v))
 

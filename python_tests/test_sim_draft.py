@@ -1,6 +1,6 @@
-"""The drafting family's CUDA entry points and kernels (csrc/cuda/draft_cuda.cu,
-csrc/kernels/draft*.cuh) run in the SIMT emulator: markov_draft, rnn_draft and draft_confidence
-against the CPU kernel and dspark_ops.reference.
+"""The drafting family's CUDA entry points, launchers and kernels (csrc/cuda/draft_cuda.cpp,
+draft_launch.cu, csrc/kernels/draft*.cuh) run in the SIMT emulator: markov_draft, rnn_draft and
+draft_confidence against the CPU kernel and dspark_ops.reference.
 
 The rule is the one test_draft.py applies to CUDA (float32 accumulation in another order than the
 CPU kernel's float64): draft_logits within ``cuda_tolerance`` of the z the reference computes for
@@ -129,7 +129,7 @@ def check_draft(sim, case: DraftCase, *, cpu: bool = True):
 
 
 # --------------------------------------------------------------------------------------------
-# Layouts of W1 / W2 rows (draft_cuda.cu rows_aligned: 16-byte aligned start and row stride)
+# Layouts of W1 / W2 rows (draft_cuda.cpp rows_aligned: 16-byte aligned start and row stride)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,10 +1,10 @@
-"""The scheduling family's CUDA code (csrc/cuda/schedule_cuda.cu, csrc/kernels/schedule.cuh) run in
-the SIMT emulator: schedule_verify, plan_verify_budget, allocate_verify and pack_verify_inputs equal
-the CPU kernel and dspark_ops.reference exactly (lengths and budgets are decided on fixed-point sums,
-so CPU and CUDA make identical decisions), on every mode and both merge paths of schedule_kernel
-(keys in dynamic shared memory up to kSharedKeys, else in a global workspace), on emulated GPUs
-whose opt-in shared memory per block differs (h200 227 KB, a100 163 KB, l4 99 KB), and with planted
-faults that the comparison must catch.
+"""The scheduling family's CUDA code (csrc/cuda/schedule_cuda.cpp, schedule_launch.cu,
+csrc/kernels/schedule.cuh) run in the SIMT emulator: schedule_verify, plan_verify_budget,
+allocate_verify and pack_verify_inputs equal the CPU kernel and dspark_ops.reference exactly
+(lengths and budgets are decided on fixed-point sums, so CPU and CUDA make identical decisions), on
+every mode and both merge paths of schedule_kernel (keys in dynamic shared memory up to kSharedKeys,
+else in a global workspace), on emulated GPUs whose opt-in shared memory per block differs
+(h200 227 KB, a100 163 KB, l4 99 KB), and with planted faults that the comparison must catch.
 
 ``step_rate[n]`` is the rate of an n-token verify batch including the anchors (see
 test_schedule.py). The emulator runs on CPU tensors, so the value checks of the CPU front end are on:
@@ -24,9 +24,9 @@ from cases.schedule import make_capacity, make_confidence, make_step_rate, rando
 pytestmark = pytest.mark.sim
 
 INT32_MAX = 2**31 - 1
-SHARED_KEYS = 32768  # kSharedKeys in schedule.cuh: 32-bit keys
+SHARED_KEYS = 32768  # kSharedKeys in schedule_launch.h: 32-bit keys
 SHARED_OPTIN = {"h200": 227 * 1024, "a100": 163 * 1024, "l4": 99 * 1024}  # csrc/sim/runtime.cpp
-STATIC_SHARED_MARGIN = 2048  # kScheduleStaticSharedMargin in schedule.cuh
+STATIC_SHARED_MARGIN = 2048  # kScheduleStaticSharedMargin in schedule_launch.h
 MODES = {"schedule_verify": 0, "plan_verify_budget": 1, "allocate_verify": 2}
 CPU = torch.ops.dspark_ops
 

@@ -1,6 +1,6 @@
-"""The verify family's CUDA entry point and kernels (csrc/cuda/verify_cuda.cu,
-csrc/kernels/verify.cuh, reduce.cuh) run in the SIMT emulator, against the CPU kernel and
-dspark_ops.reference.
+"""The verify family's CUDA entry point, launchers and kernels (csrc/cuda/verify_cuda.cpp,
+verify_launch.cu, csrc/kernels/verify.cuh, reduce.cuh) run in the SIMT emulator, against the CPU
+kernel and dspark_ops.reference.
 
 The rule is the one test_verify.py applies to CUDA: tokens, num_accepted and valid equal the CPU
 kernel's and the reference's exactly (the sums are merged in another order, but every case here is

@@ -218,7 +218,7 @@ def planned(launch: PlanLaunch, label: str, terms: List[Term], dram_bytes: float
 
 
 # ------------------------------------------------------------------------------------------------
-# verify (csrc/kernels/verify.cuh, csrc/cuda/verify_cuda.cu)
+# verify (csrc/kernels/verify.cuh, csrc/cuda/verify_launch.cu)
 
 
 def one_block_pass_s(t: Term, threads: int) -> float:
@@ -308,7 +308,7 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
 
 
 # ------------------------------------------------------------------------------------------------
-# markov_draft / rnn_draft (csrc/kernels/draft*.cuh, csrc/cuda/draft_cuda.cu)
+# markov_draft / rnn_draft (csrc/kernels/draft*.cuh, csrc/cuda/draft_launch.cu)
 
 # Slack of key_bound over -log(u) (draft_slot.cuh: within 0.06), as a factor on the chance to pass.
 KEY_BOUND_SLACK = math.exp(0.06)
@@ -482,7 +482,7 @@ def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidd
 
 
 # ------------------------------------------------------------------------------------------------
-# block_draft_attention, append_context_kv (csrc/kernels/attention.cuh, cuda/attention_cuda.cu)
+# block_draft_attention, append_context_kv (csrc/kernels/attention.cuh, cuda/attention_launch.cu)
 
 
 def attention_op(binary: Binary, planner: Planner, batch: int, block: int, heads: int,
@@ -557,7 +557,7 @@ def append_op(binary: Binary, planner: Planner, batch: int, rows: int, kv_heads:
 
 
 # ------------------------------------------------------------------------------------------------
-# scheduling (csrc/kernels/schedule.cuh, csrc/cuda/schedule_cuda.cu)
+# scheduling (csrc/kernels/schedule.cuh, csrc/cuda/schedule_launch.cu)
 
 SMEM_LATENCY_S = 33 / H200.clock_hz  # ASSUMPTION: one dependent shared-memory load, ~33 clocks
 

@@ -1,28 +1,18 @@
-// Small CUDA helpers for the ATen glue in cuda/*.cu.
+// Small CUDA helpers for the ATen glue in cuda/*_cuda.cpp.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "device_cache.h"
-#include "../kernels/convert.cuh"
+#include "element_type.h"
 
 namespace dspark_ops {
 
-// The CUDA type with the same bits as a c10 logit type.
-template <typename T> struct CudaType { using type = T; };
-template <> struct CudaType<c10::BFloat16> { using type = __nv_bfloat16; };
-template <> struct CudaType<c10::Half> { using type = __half; };
-template <typename T> using cuda_type_t = typename CudaType<T>::type;
-
-// The kernels' runtime code (kernels/convert.cuh ElementType) of a float32, bfloat16 or float16
+// The kernels' runtime code (common/element_type.h) of a float32, bfloat16 or float16
 // tensor's element type.
 inline int element_type(c10::ScalarType dtype) {
   return dtype == c10::kBFloat16 ? kernels::kElementBFloat16

@@ -1,5 +1,5 @@
 // The kernels' counters (arrivals, rejection marks, claims, best keys) in a buffer kept per
-// (device, stream) for the ATen glue in cuda/*.cu.
+// (device, stream) for the ATen glue in cuda/*_cuda.cpp.
 //
 // Every counter is zero when a call starts and back to zero when it ends, since each counter's
 // last user resets it (kernels/verify.cuh, kernels/draft_slot.cuh). So instead of a zero fill before

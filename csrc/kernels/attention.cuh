@@ -37,42 +37,11 @@
 #include "../common/exp2.h"
 #include "async_copy.cuh"
 #include "convert.cuh"
-#include "../common/device_cache.h"
 #include "mma.cuh"
+#include "attention_launch.h"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
-
-constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kAttnRows = 16;                // query rows per block of the split kernel: one MMA tile
-constexpr int kAttnKeys = 16 * kAttnWarps;   // context rows per K/V tile: 16 per warp
-
-struct AttentionParams {
-  const void* q;  // [B, G, Hq, D]
-  int64_t q_stride_b, q_stride_g, q_stride_h;
-  const void* k_block;  // [B, G, Hkv, D]
-  const void* v_block;
-  int64_t kb_stride_b, kb_stride_g, kb_stride_h;
-  int64_t vb_stride_b, vb_stride_g, vb_stride_h;
-  const void* k_cache;  // [N, L, Hkv, D]
-  const void* v_cache;
-  int64_t kc_stride_n, kc_stride_l, kc_stride_h;
-  int64_t vc_stride_n, vc_stride_l, vc_stride_h;
-  const int32_t* cache_seqlens;  // [B]
-  const int32_t* cache_slot;     // [B] or null
-  void* out;                     // [B, G, Hq, D], contiguous
-  float* lse;                    // [B, G, Hq] or null
-  bool kv_aligned;                // cache rows start 16-byte aligned: vector tile loads
-  float* partial_out;            // [B, Hkv, rows, splits, D]
-  float* partial_stats;          // [B, Hkv, rows, splits, 2]: running max, sum
-  int batch, block, heads, kv_heads, length, num_slots;
-  int window;  // -1: none
-  // The softmax scale times log2(e): scores are kept in base 2 (running maxima, the partials'
-  // maxima), so every weight is one exp2_ftz (common/exp2.h).
-  float scale_log2;
-  int splits, split_length;  // context rows per split, a multiple of kAttnKeys
-};
 
 // Cache row and visible context [begin, end) of request b. Values are not trusted: a slot
 // outside [0, N) sees no context rather than being used as an address.
@@ -407,64 +376,9 @@ size_t split_shared_bytes() {
   return sizeof(T) * (kAttnRows + 2 * kAttnKeys) * (D + 8);
 }
 
-// Resident blocks per SM of the split kernel on the current device (a host query, once per
-// instantiation and device): the split plan aims at one full wave.
-template <typename T, int D>
-int attention_blocks_per_sm(int device) {
-  static DeviceCache cache{};
-  return once_per_device(cache, device, [] {
-    const int shared = static_cast<int>(split_shared_bytes<T, D>());
-    int n = 0;
-    if (cudaFuncSetAttribute(block_attention_split_kernel<T, D>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, shared) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, block_attention_split_kernel<T, D>,
-                                                      kAttnThreads, shared) != cudaSuccess) {
-      (void)cudaGetLastError();  // the query's own error
-      n = 2;
-    }
-    return n > 0 ? n : 1;
-  });
-}
-
-template <typename T, int D>
-cudaError_t launch_block_attention(const AttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.block == 0 || p.heads == 0) return cudaSuccess;
-  const size_t shared = split_shared_bytes<T, D>();
-  // D = 256 needs more than the default 48 KB; the opt-in is per device, so it is set every time.
-  const cudaError_t opted_in = cudaFuncSetAttribute(block_attention_split_kernel<T, D>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    static_cast<int>(shared));
-  if (opted_in != cudaSuccess) return opted_in;
-  const int rows = p.block * (p.heads / p.kv_heads);
-  const int groups = (rows + kAttnRows - 1) / kAttnRows;
-  DSPARK_LAUNCH(dim3(p.splits, p.kv_heads * groups, p.batch), kAttnThreads, shared, stream,
-                block_attention_split_kernel<T, D>)(p);
-  cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) return error;
-  const int64_t out_rows = int64_t{p.batch} * p.block * p.heads;
-  const int warps = kAttnThreads / 32;
-  DSPARK_LAUNCH(static_cast<unsigned>((out_rows + warps - 1) / warps), kAttnThreads, 0, stream,
-                block_attention_merge_kernel<T, D>)(p);
-  return cudaGetLastError();
-}
 
 // append_context_kv: block b copies rows [0, kept) of k_new[b] / v_new[b] to its cache row, then
 // thread 0 advances cache_seqlens[b]. Unit is an unsigned type of the element's size.
-struct AppendParams {
-  void* k_cache;
-  void* v_cache;
-  int64_t kc_stride_n, kc_stride_l, kc_stride_h;
-  int64_t vc_stride_n, vc_stride_l, vc_stride_h;
-  const void* k_new;
-  const void* v_new;
-  int64_t kn_stride_b, kn_stride_r, kn_stride_h;
-  int64_t vn_stride_b, vn_stride_r, vn_stride_h;
-  const int32_t* num_new;
-  int32_t* cache_seqlens;
-  const int32_t* cache_slot;
-  int batch, rows, kv_heads, dim, length, num_slots;
-};
-
 constexpr int kAppendThreads = 256;
 
 // Copies one 16-byte chunk of a row (`count` <= 16 / sizeof(Unit) units), as one vector access when
@@ -569,13 +483,6 @@ __global__ void __launch_bounds__(kAppendThreads) append_context_kv_kernel(const
   }
   __syncthreads();  // every thread has read cache_seqlens[b] before it changes
   if (threadIdx.x == 0) p.cache_seqlens[b] = start + min(count, p.length - start);  // no overflow
-}
-
-template <typename Unit>
-cudaError_t launch_append_context_kv(const AppendParams& p, cudaStream_t stream) {
-  if (p.batch == 0) return cudaSuccess;
-  DSPARK_LAUNCH(p.batch, kAppendThreads, 0, stream, append_context_kv_kernel<Unit>)(p);
-  return cudaGetLastError();
 }
 
 }  // namespace dspark_ops::kernels

@@ -12,11 +12,9 @@
 
 #include <cstdint>
 
-namespace dspark_ops::kernels {
+#include "../common/element_type.h"
 
-// A tensor's element type as a runtime code, for arguments whose type is not a template
-// parameter of the kernel (the glue maps at::ScalarType to it: cuda_utils.h element_type).
-enum ElementType : int { kElementFloat = 0, kElementBFloat16 = 1, kElementHalf = 2 };
+namespace dspark_ops::kernels {
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -33,6 +31,16 @@ __device__ __forceinline__ float load_float(const void* p, int type, int64_t i) 
     case kElementBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
     case kElementHalf: return __half2float(static_cast<const __half*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// Calls f(T{}) with T the CUDA type of an ElementType code: the launchers' type dispatch.
+template <typename F>
+auto with_element_type(int type, F&& f) {
+  switch (type) {
+    case kElementBFloat16: return f(__nv_bfloat16{});
+    case kElementHalf: return f(__half{});
+    default: return f(float{});
   }
 }
 

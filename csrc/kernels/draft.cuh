@@ -7,7 +7,7 @@
 //   draft_rnn_head.cuh    rnn_head_kernel, rnn_head_mma_kernel: the RNN head (rnn_draft)
 //   draft_confidence.cuh  draft_confidence_kernel and ConfidenceParams (draft_confidence)
 //
-// Math: kernels/draft_math.h (shared with the CPU kernel). The ATen glue in cuda/draft_cuda.cu
+// Math: kernels/draft_math.h (shared with the CPU kernel). The ATen glue in cuda/draft_cuda.cpp
 // checks shapes, dtypes and devices. Ids are not trusted: an id outside [0, V) embeds as a zero
 // row and is never used as an address.
 //

@@ -2,7 +2,8 @@
 // slot) row; the block stages the weight vector in shared memory as float32, each lane reads its
 // share of [h_j; W1[x_j]] with 16-byte loads (eight in flight), float32 dot product, warp
 // reduction. A row whose float32 sum is not finite is summed again in float64 (exact_dot).
-// Input contract: ConfidenceParams below, filled and checked by cuda/draft_cuda.cu.
+// Input contract: ConfidenceParams (kernels/draft_launch.h), filled and checked by
+// cuda/draft_cuda.cpp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,28 +12,10 @@
 
 #include "convert.cuh"
 #include "draft_math.h"
+#include "draft_launch.h"
 #include "launch.cuh"
 
 namespace dspark_ops::kernels {
-
-struct ConfidenceParams {
-  const void* hidden;  // [B, G, d], unit stride along d
-  int hidden_type;
-  int64_t hidden_stride_b, hidden_stride_j;
-  const void* prev_tokens;  // int32/int64 [B, G]
-  bool ids_int32;
-  int64_t id_stride_b, id_stride_j;
-  const void* w1;  // [V, r] of type W
-  int64_t w1_stride;
-  const void* weight;  // [d + r]
-  int weight_type;
-  const void* bias;  // one element or null
-  int bias_type;
-  const float* calib_temperature;  // [G] or null
-  float* out;                      // [B, G]
-  int batch, block, rank, hidden_size;
-  int64_t vocab;
-};
 
 constexpr int kConfidenceThreads = 128;   // one warp per (request, slot) row
 constexpr int kConfidenceSegment = 2048;  // weights staged in shared memory at a time (float32)

@@ -24,7 +24,6 @@ namespace dspark_ops::kernels {
 // per request where the segment's rows are pair-aligned) per 64 multiply-adds, no branch in the
 // loop. Rows past 3r and requests past B read the last valid one and are not stored.
 constexpr int kHeadRowsPerWarp = 4;
-constexpr int kHeadRequests = 8;
 
 // Whether pairs (2i, 2i + 1) of rows base + m * stride_a + n * stride_b are 2-element aligned.
 template <typename T>

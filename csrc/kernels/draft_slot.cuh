@@ -38,7 +38,6 @@
 #include <type_traits>
 #include <utility>
 
-#include "../common/device_cache.h"
 #include "convert.cuh"
 #include "draft_math.h"
 #include "draft_params.cuh"
@@ -48,8 +47,6 @@
 
 namespace dspark_ops::kernels {
 
-constexpr int kTileRows = 16 * kDraftWarps;  // vocabulary rows per block tile: 16 per warp
-constexpr int kMaxGroup = 64;                // requests per block: 8 MMA column tiles of 8
 constexpr int kKChunk = 32;                  // k per fragment load (two m16n8k16 steps)
 constexpr int kChunksInFlight = 4;           // W2 fragment loads issued before the first MMA
 // Shared memory a slot block keeps besides its group's inputs: the static GroupSampling and the
@@ -223,25 +220,6 @@ struct GroupSampling {
   bool any_sampled;
 };
 static_assert(sizeof(GroupSampling) + 1024 <= kSlotSharedReserve, "kSlotSharedReserve too small");
-
-// Dynamic shared memory a slot block may take for its group's inputs on `device` (a host query,
-// once per device): __launch_bounds__ lets two blocks share an SM by registers, so half the SM's
-// shared memory, less kSlotSharedReserve, and no more than one block may opt in to.
-__host__ inline int draft_input_budget(int device) {
-  static DeviceCache cache{};
-  return once_per_device(cache, device, [device] {
-    int per_sm = 0, per_block = 0;
-    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
-            cudaSuccess ||
-        cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-            cudaSuccess) {
-      (void)cudaGetLastError();  // the query's own error
-      return kFallbackInputBytes;
-    }
-    return std::max(kFallbackInputBytes,
-                    std::min(per_sm / 2, per_block) - kSlotSharedReserve);
-  });
-}
 
 // Fills the group's bias inputs (kPasses planes of [group, stride] W values) and sampling state.
 // Each thread resolves one request's source first, then all loads of the rows are independent:

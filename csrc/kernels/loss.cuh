@@ -19,7 +19,8 @@
 // row's ce is NaN and no logit gets the label term). Reductions run in a fixed order: a row's
 // results do not depend on the rest of the chunk.
 //
-// Launch: grid = rows of the chunk, kLossThreads threads, static shared memory only.
+// Launch (cuda/loss_launch.cu): grid = rows of the chunk, kLossThreads threads, static shared
+// memory only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,7 +30,7 @@
 #include <cstdint>
 
 #include "convert.cuh"
-#include "launch.cuh"
+#include "loss_launch.h"
 #include "loss_math.h"
 #include "reduce.cuh"
 
@@ -51,17 +52,6 @@ namespace kernels {
 
 constexpr int kLossThreads = 256;
 
-struct LossRowParams {
-  int64_t vocab;
-  float softcap;             // s, read by the kCap instantiation only
-  float inv_softcap;         // 1 / s (soft_cap_inverse), likewise
-  const int64_t* labels;     // [rows]
-  const float* weights;      // [rows]
-  const float* term_scale;   // [2]: ce and l1 coefficients per unit weight
-  float* ce;                 // [rows]
-  float* l1;                 // [rows], or nullptr without target logits
-  bool grad, t_grad;
-};
 
 // Calls f(v, z[v], m[v], t[v]) (m[v] = 0 without m or without kBias, t[v] = 0 without t) for the
 // elements v of the row this thread owns. Rows whose byte length is a multiple of 16 (so every row
@@ -190,37 +180,6 @@ __global__ void __launch_bounds__(kLossThreads)
       if (p.t_grad) *(t + v) = from_float<T>(target_logit_grad(qv, s, b, sums.sq));
     }
   });
-}
-
-template <typename T>
-inline void launch_dspark_loss_typed(void* z, void* bias, void* t, unsigned grid,
-                                     const LossRowParams& params, cudaStream_t stream) {
-  if (params.softcap > 0.f) {
-    DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<T, true>)(
-        static_cast<T*>(z), static_cast<T*>(bias), static_cast<T*>(t), params);
-  } else {
-    DSPARK_LAUNCH(grid, kLossThreads, 0, stream, dspark_loss_kernel<T, false>)(
-        static_cast<T*>(z), nullptr, static_cast<T*>(t), params);
-  }
-}
-
-// z, bias and t: contiguous [rows, V] of `dtype`, an ElementType (t may be nullptr; bias is read
-// with a cap, params.softcap > 0, and may be nullptr).
-inline cudaError_t launch_dspark_loss(int dtype, void* z, void* bias, void* t, int64_t rows,
-                                      const LossRowParams& params, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(rows);
-  switch (dtype) {
-    case kElementBFloat16:
-      launch_dspark_loss_typed<__nv_bfloat16>(z, bias, t, grid, params, stream);
-      break;
-    case kElementHalf:
-      launch_dspark_loss_typed<__half>(z, bias, t, grid, params, stream);
-      break;
-    default:
-      launch_dspark_loss_typed<float>(z, bias, t, grid, params, stream);
-  }
-  return cudaGetLastError();
 }
 
 }  // namespace kernels

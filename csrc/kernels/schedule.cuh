@@ -33,27 +33,9 @@
 #include "reduce.cuh"
 #include "schedule_math.h"
 #include "launch.cuh"
+#include "schedule_launch.h"
 
 namespace dspark_ops::kernels {
-
-constexpr int kScheduleThreads = 1024;
-constexpr int kMergeItems = 8;   // outputs per merge segment (two 16-byte stores)
-constexpr int kMergeChunks = 4;  // segments a thread holds in registers on the shared path
-constexpr int kSharedKeys = kScheduleThreads * kMergeItems * kMergeChunks;  // 32768: 128 KB
-
-enum ScheduleMode : int { kModeSchedule = 0, kModePlan = 1, kModeAllocate = 2 };
-
-struct ScheduleParams {
-  const float* confidence;  // [B, G], contiguous
-  const float* step_rate;   // [M]
-  int64_t capacity;         // M
-  const int32_t* max_verify;  // [B] or null
-  const int32_t* budget;      // [1], allocate only
-  int32_t* num_verify;        // [B], schedule and allocate
-  int32_t* budget_out;        // [1], plan
-  uint32_t* global_keys;      // two buffers of B * G keys, schedule_spare_offset apart, unless schedule_sorts_in_shared, else null
-  int batch, block;
-};
 
 // Best Theta so far and its admission count (ties to the smaller count).
 struct PlanCandidate {
@@ -61,22 +43,9 @@ struct PlanCandidate {
   int count;
 };
 
-// The opt-in limit per block covers static and dynamic shared memory together: leave room for
-// schedule_kernel's __shared__ arrays (keep this sum in step with them).
-constexpr int kScheduleStaticSharedMargin = 2048;
+// The shared-memory margin (schedule_launch.h) covers schedule_kernel's static arrays.
 static_assert(32 * (sizeof(int64_t) + sizeof(int) + sizeof(PlanCandidate)) <=
               kScheduleStaticSharedMargin);
-
-// Whether `pairs` keys are sorted in shared memory on a device whose opt-in limit per block
-// (cudaDevAttrMaxSharedMemoryPerBlockOptin) is `optin_bytes`; else the global workspace.
-inline bool schedule_sorts_in_shared(int64_t pairs, int optin_bytes) {
-  return pairs <= kSharedKeys &&
-         pairs * int64_t{sizeof(uint32_t)} + kScheduleStaticSharedMargin <= int64_t{optin_bytes};
-}
-
-// Where the second buffer of the global workspace starts (in keys; a multiple of 8, so its
-// segments stay 16-byte aligned).
-inline int64_t schedule_spare_offset(int64_t pairs) { return (pairs + 7) / 8 * 8; }
 
 __device__ __forceinline__ PlanCandidate shfl_down(PlanCandidate c, int offset) {
   return PlanCandidate{__shfl_down_sync(kFullMask, c.theta, offset),
@@ -356,35 +325,6 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
       const int tied_before_j = min(max(tie_position - before, 0), tied);
       p.num_verify[r] = before + tied_before_j + (at_j && rank < ties_there ? 1 : 0);
     }
-  }
-}
-
-template <int Mode, bool SharedSort>
-cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
-  const size_t shared_bytes =
-      SharedSort ? size_t(p.batch) * size_t(p.block) * sizeof(uint32_t) : 0;
-  if (SharedSort) {  // beyond the default 48 KB; the opt-in is per device, so set every time,
-                     // to what this sort needs (more than the device allows fails)
-    const cudaError_t opted_in =
-        cudaFuncSetAttribute(schedule_kernel<Mode, true>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
-    if (opted_in != cudaSuccess) return opted_in;
-  }
-  DSPARK_LAUNCH(1, kScheduleThreads, shared_bytes, stream, schedule_kernel<Mode, SharedSort>)(p);
-  return cudaGetLastError();
-}
-
-template <int Mode>
-cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
-  return p.global_keys ? launch_schedule_mode<Mode, false>(p, stream)
-                       : launch_schedule_mode<Mode, true>(p, stream);
-}
-
-inline cudaError_t launch_schedule(int mode, const ScheduleParams& p, cudaStream_t stream) {
-  switch (mode) {
-    case kModeSchedule: return launch_schedule_mode<kModeSchedule>(p, stream);
-    case kModePlan: return launch_schedule_mode<kModePlan>(p, stream);
-    default: return launch_schedule_mode<kModeAllocate>(p, stream);
   }
 }
 

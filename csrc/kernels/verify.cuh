@@ -1,7 +1,7 @@
 // CUDA kernels of verify (docs/semantics.md §3.1), torch-free.
 //
 // Math: kernels/sampling_math.h (shared with the CPU kernel). Input contract: VerifyParams below;
-// the ATen glue in cuda/verify_cuda.cu checks shapes, dtypes and devices. Values are not trusted:
+// the ATen glue in cuda/verify_cuda.cpp checks shapes, dtypes and devices. Values are not trusted:
 // out-of-range rows and draft ids are rejected and reported, never used as addresses.
 //
 // Geometry: grid (C, B): the vocabulary of each request is split into C chunks, C a function of V
@@ -69,6 +69,7 @@
 #include "reduce.cuh"
 #include "sampling_math.h"
 #include "launch.cuh"
+#include "verify_launch.h"
 
 namespace dspark_ops::kernels {
 
@@ -102,53 +103,6 @@ struct RacePartial {
   RaceCandidate best;
 };
 
-struct VerifyParams {
-  const void* target;  // [rows, vocab], unit stride along vocab
-  int64_t target_row_stride;
-  // 0, or a padded target [B, G+1, V] read through both strides: row i is at
-  // (i / group_rows) * group_stride + (i % group_rows) * row_stride
-  int64_t target_group_rows, target_group_stride;
-  int64_t target_rows;
-  const void* draft;  // [B, G, vocab] or null (one-hot drafts)
-  int64_t draft_stride_b, draft_stride_j;
-  const void* draft_tokens;  // int32 or int64 [B, G]
-  int64_t token_stride_b, token_stride_j;
-  bool tokens_int32;
-  const int32_t* num_draft;
-  const float* temperature;
-  const float* draft_temperature;  // null: = temperature
-  const int64_t* seed;
-  const int64_t* position;
-  const int32_t* target_start;  // null: b * (G + 1)
-  const int32_t* top_k;         // [B] or null (off), as the three filters
-  const float* top_p;
-  const float* min_p;
-  const int32_t* allowed_token_mask;  // [target_rows, mask_words] or null (all allowed)
-  int64_t mask_words;
-  float* logprobs;              // [B, G + 1] or null (not asked for)
-  int64_t* tokens;              // [B, G + 1]
-  int32_t* num_accepted;        // [B]
-  bool* valid;                  // [B]
-  int batch, block;
-  int64_t vocab;
-  int num_chunks;
-  int64_t chunk;
-  // Workspace (any initial contents).
-  RowPartial* partials;  // [B, G+1, C]
-  // [B, G+1, C, kVerifyWarps] when top-k is given, else null: each warp's largest allowed target
-  // logit of its chunk of the row, the parts top-k's floor is taken from (filter.cuh).
-  float* part_maxima;
-  RowResult* results;    // [B, G+1]
-  RacePartial* race_partials;  // [B, C]
-  int32_t* final_rows;         // [B]: j*, written by the block that decides it
-  // Counters, zero when the call starts; each is back to zero when the call ends (its last user
-  // resets it), so one buffer serves every call on a stream (see verify_cuda.cu).
-  int32_t* row_arrivals;  // [B, G+1]
-  int32_t* reject_marks;  // [B]: max over rejected rows j of (G + 1 - j): 0 = none yet
-  int32_t* race_claims;   // [B]: chunks of the final row the statistics kernel took (may pass C)
-  int32_t* race_arrivals;  // [B]: chunks raced
-  int32_t* emit_arrivals;  // [B]: emit blocks that have read race_claims
-};
 
 // A row's start past a 16-byte boundary, in bytes (a multiple of the element size).
 __device__ __forceinline__ int misalignment16(const void* p) {
@@ -850,38 +804,5 @@ __global__ void __launch_bounds__(kVerifyThreads, 3) verify_emit_kernel(const Ve
 
 // Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.
 inline int verify_shared_bytes(bool filters) { return filters ? int{sizeof(FilterShared)} : 0; }
-
-// The vocabulary split: C = min(16, ceil(V / 1024)) chunks, a multiple of 16 elements long (whole
-// vector loads, whole Philox blocks). It depends on V alone, never on B or the GPU, so a request's
-// partial sums, their merge order and hence its outputs are the same in any batch. How full
-// that leaves the GPU at each batch size: docs/performance-model.md, "Why the launch constants
-// are what they are".
-constexpr int64_t kVerifyMaxChunks = 16;
-
-inline int64_t verify_chunk(int64_t vocab) {
-  const int64_t by_size = (vocab + 1023) / 1024;
-  const int64_t wanted = by_size < kVerifyMaxChunks ? by_size : kVerifyMaxChunks;
-  return ((vocab + wanted - 1) / wanted + 15) / 16 * 16;
-}
-
-inline int64_t verify_num_chunks(int64_t vocab) {
-  const int64_t chunk = verify_chunk(vocab);
-  return (vocab + chunk - 1) / chunk;
-}
-
-// Launches both kernels on `stream`, the second as a dependent launch; TT/DT are the CUDA types of
-// the target and draft logits.
-template <typename TT, typename DT>
-cudaError_t launch_verify(const VerifyParams& p, cudaStream_t stream) {
-  if (p.batch == 0) return cudaSuccess;
-  const dim3 grid(p.num_chunks, p.batch);
-  DSPARK_LAUNCH(grid, kVerifyThreads, verify_shared_bytes(has_filters(p)), stream,
-                verify_row_stats_kernel<TT, DT>)(p);
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) return error;
-  // Dependent: its launch overlaps the statistics kernel's last blocks (sm_90 and later).
-  DSPARK_LAUNCH_DEPENDENT(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);
-  return cudaGetLastError();
-}
 
 }  // namespace dspark_ops::kernels

@@ -1,6 +1,6 @@
-"""Builds the SIMT emulator library the tests load: g++ compiles the CUDA glue (csrc/cuda/*.cu) and
-kernels (csrc/kernels/*.cuh) against csrc/sim/prelude.h into build/sim/<flavour>/dspark_ops_sim.so,
-which registers torch.ops.dspark_ops_sim.* (the CUDA entry points, running on CPU tensors).
+"""Builds the SIMT emulator library the tests load: g++ compiles the CUDA glue and launchers
+(csrc/cuda/) and kernels (csrc/kernels/*.cuh) against csrc/sim/prelude.h into
+build/sim/<flavour>/dspark_ops_sim.so, which registers torch.ops.dspark_ops_sim.* (the CUDA entry points, running on CPU tensors).
 
     python csrc/sim/build.py [plain|race|asan ...]     (default: plain)
 

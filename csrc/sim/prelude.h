@@ -1,6 +1,6 @@
 // Force-included (g++ -include) into every translation unit of the SIMT emulator build: it lets
-// g++ compile csrc/kernels/*.cuh and csrc/cuda/*.cu, unchanged, as host C++ whose kernels run
-// through runtime.h. The CUDA headers are the toolkit's own, compiled in host mode; this file
+// g++ compile csrc/kernels/*.cuh and csrc/cuda/*_launch.cu, unchanged, as host C++ whose kernels
+// run through runtime.h. The CUDA headers are the toolkit's own, compiled in host mode; this file
 // supplies what only nvcc provides: the execution-space keywords, the built-in variables, the
 // device functions the kernels use, and the source seams of kernels/launch.cuh (DSPARK_LAUNCH for
 // <<<>>>, DSPARK_LAUNCH_DEPENDENT and its griddepcontrol functions, DSPARK_EXTERN_SHARED for

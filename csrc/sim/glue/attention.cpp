@@ -1,4 +1,6 @@
-// The CUDA glue and kernels of the attention family, compiled by g++ against the emulator.
+// The CUDA glue, launchers and kernels of the attention family, compiled by g++ against the
+// emulator.
 #include "../glue.h"
 
-#include "../../cuda/attention_cuda.cu"
+#include "../../cuda/attention_launch.cu"
+#include "../../cuda/attention_cuda.cpp"

@@ -1,4 +1,5 @@
-// The CUDA glue and kernels of the verify family, compiled by g++ against the emulator.
+// The CUDA glue, launchers and kernels of the verify family, compiled by g++ against the emulator.
 #include "../glue.h"
 
-#include "../../cuda/verify_cuda.cu"
+#include "../../cuda/verify_launch.cu"
+#include "../../cuda/verify_cuda.cpp"

@@ -1,5 +1,5 @@
-// CUDA entry points of the attention family: checks, device guard, split plan, workspace,
-// dispatch, launch. The kernels live in kernels/attention.cuh.
+// CUDA entry points of the attention family (g++): checks, device guard, split plan, workspace,
+// launch (cuda/attention_launch.cu; the kernels live in kernels/attention.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,27 +11,11 @@
 
 #include "../args/attention_args.h"
 #include "../common/cuda_utils.h"
-#include "../kernels/attention.cuh"
+#include "../common/exp2.h"
+#include "../kernels/attention_launch.h"
 #include "../ops.h"
 
 namespace dspark_ops {
-namespace {
-
-// Resident blocks per SM of the split kernel instantiated for this dtype and head dim.
-int split_blocks_per_sm(int device, at::ScalarType dtype, int64_t dim) {
-  const auto pick = [&](auto tag) {
-    using T = cuda_type_t<decltype(tag)>;
-    switch (dim) {
-      case 64: return kernels::attention_blocks_per_sm<T, 64>(device);
-      case 128: return kernels::attention_blocks_per_sm<T, 128>(device);
-      default: return kernels::attention_blocks_per_sm<T, 256>(device);
-    }
-  };
-  return dtype == at::kHalf ? pick(c10::Half{}) : pick(c10::BFloat16{});
-}
-
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
     const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
@@ -94,9 +78,10 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   const int64_t rows = a.block * (a.heads / a.kv_heads);
   const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
   const int64_t base_blocks = a.batch * a.kv_heads * groups;
+  const int element = element_type(q.scalar_type()), device = device_index(q);
   const int64_t wanted =
-      int64_t{split_blocks_per_sm(device_index(q), q.scalar_type(), a.dim)} *
-      multiprocessor_count(device_index(q));
+      int64_t{kernels::attention_blocks_per_sm(element, static_cast<int>(a.dim), device)} *
+      multiprocessor_count(device);
   const int64_t max_splits = std::min<int64_t>(std::max<int64_t>(1, (visible + 255) / 256),
                                                2 * ((wanted + base_blocks - 1) / base_blocks));
   int64_t splits = 1;
@@ -110,11 +95,13 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.split_length = static_cast<int>(
       std::max<int64_t>(tile, ((visible + splits - 1) / splits + tile - 1) / tile * tile));
   p.splits = static_cast<int>(std::max<int64_t>(1, (visible + p.split_length - 1) / p.split_length));
-  const int64_t element = a.k_cache.element_size();
+  const int64_t element_bytes = a.k_cache.element_size();
   p.kv_aligned = reinterpret_cast<uintptr_t>(a.k_cache.const_data_ptr()) % 16 == 0 &&
                  reinterpret_cast<uintptr_t>(a.v_cache.const_data_ptr()) % 16 == 0;
   for (const auto& cache : {a.k_cache, a.v_cache}) {
-    for (int dim = 0; dim < 3; ++dim) p.kv_aligned = p.kv_aligned && cache.stride(dim) * element % 16 == 0;
+    for (int dim = 0; dim < 3; ++dim) {
+      p.kv_aligned = p.kv_aligned && cache.stride(dim) * element_bytes % 16 == 0;
+    }
   }
   auto partial_out = at::empty({a.batch * a.kv_heads * rows * p.splits * a.dim},
                                q.options().dtype(at::kFloat));
@@ -123,19 +110,8 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.partial_out = partial_out.data_ptr<float>();
   p.partial_stats = partial_stats.data_ptr<float>();
 
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto launch = [&](auto tag) {
-    using T = cuda_type_t<decltype(tag)>;
-    cudaError_t error = cudaSuccess;
-    switch (a.dim) {
-      case 64: error = kernels::launch_block_attention<T, 64>(p, stream); break;
-      case 128: error = kernels::launch_block_attention<T, 128>(p, stream); break;
-      default: error = kernels::launch_block_attention<T, 256>(p, stream); break;
-    }
-    C10_CUDA_CHECK(error);
-  };
-  if (q.scalar_type() == at::kHalf) launch(c10::Half{});
-  else launch(c10::BFloat16{});
+  C10_CUDA_CHECK(kernels::launch_block_attention(element, static_cast<int>(a.dim), p,
+                                                 c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
 
@@ -171,11 +147,8 @@ void append_context_kv_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache
   p.dim = static_cast<int>(k_cache.size(3));
   p.length = static_cast<int>(k_cache.size(1));
   p.num_slots = static_cast<int>(std::min<int64_t>(k_cache.size(0), INT32_MAX));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t error = k_cache.element_size() == 2
-                                ? kernels::launch_append_context_kv<uint16_t>(p, stream)
-                                : kernels::launch_append_context_kv<uint32_t>(p, stream);
-  C10_CUDA_CHECK(error);
+  C10_CUDA_CHECK(kernels::launch_append_context_kv(static_cast<int>(k_cache.element_size()), p,
+                                                   c10::cuda::getCurrentCUDAStream()));
 }
 
 TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) {

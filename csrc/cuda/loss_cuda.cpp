@@ -1,5 +1,6 @@
-// CUDA entry point of dspark_loss: the row-chunk loop of args/loss_args.cpp (its products through
-// ATen, so cuBLAS, on the current stream) with the vocabulary pass of kernels/loss.cuh.
+// CUDA entry point of dspark_loss (g++): the row-chunk loop of args/loss_args.cpp (its products
+// through ATen, so cuBLAS, on the current stream) with the vocabulary pass of kernels/loss.cuh,
+// launched by cuda/loss_launch.cu.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,7 +9,8 @@
 
 #include "../args/loss_args.h"
 #include "../common/cuda_utils.h"
-#include "../kernels/loss.cuh"
+#include "../kernels/loss_launch.h"
+#include "../kernels/loss_math.h"
 #include "../ops.h"
 
 namespace dspark_ops {

@@ -1,5 +1,5 @@
-// CUDA entry point of verify: checks, device guard, workspace, grid plan, dtype dispatch, launch.
-// The kernels live in kernels/verify.cuh; this file only sees light ATen/c10 headers.
+// CUDA entry point of verify (g++): checks, device guard, workspace, grid plan, launch
+// (cuda/verify_launch.cu; the kernels live in kernels/verify.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,21 +11,11 @@
 
 #include "../args/verify_args.h"
 #include "../common/cuda_utils.h"
-#include "../common/dispatch.h"
 #include "../common/stream_counters.h"
-#include "../kernels/verify.cuh"
+#include "../kernels/verify_launch.h"
 #include "../ops.h"
 
 namespace dspark_ops {
-namespace {
-
-// Bytes of `count` objects of T, rounded up to keep the next region 16-byte aligned.
-template <typename T>
-int64_t region_bytes(int64_t count) {
-  return (count * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
-}
-
-}  // namespace
 
 VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
                          const at::Tensor& num_draft, const at::Tensor& temperature,
@@ -90,15 +80,6 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.block = static_cast<int>(a.block);
   p.vocab = a.vocab;
 
-  const auto draft_dtype = a.draft_logits.defined() ? a.draft_logits.scalar_type() : at::kFloat;
-  const auto with_types = [&](auto&& f) {
-    dispatch_logit_type(a.target.scalar_type(), [&](auto target_tag) {
-      dispatch_logit_type(draft_dtype, [&](auto draft_tag) {
-        f(cuda_type_t<decltype(target_tag)>{}, cuda_type_t<decltype(draft_tag)>{});
-      });
-    });
-  };
-
   const int64_t chunks = kernels::verify_num_chunks(a.vocab);
   p.chunk = kernels::verify_chunk(a.vocab);
   p.num_chunks = static_cast<int>(chunks);
@@ -113,30 +94,16 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   p.race_claims = p.reject_marks + a.batch;
   p.race_arrivals = p.race_claims + a.batch;
   p.emit_arrivals = p.race_arrivals + a.batch;
-  const int64_t partial_bytes = region_bytes<kernels::RowPartial>(rows * p.num_chunks);
-  const int64_t result_bytes = region_bytes<kernels::RowResult>(rows);
-  const int64_t race_bytes = region_bytes<kernels::RacePartial>(a.batch * p.num_chunks);
-  const int64_t final_bytes = region_bytes<int32_t>(a.batch);
-  // Top-k's floor: the warps' maxima of every chunk of every row (only when top-k is given).
-  const int64_t maxima_bytes =
-      p.top_k ? region_bytes<float>(rows * p.num_chunks * kernels::kVerifyWarps) : 0;
-  auto workspace = at::empty({partial_bytes + result_bytes + race_bytes + final_bytes +
-                             maxima_bytes},
-                             a.target.options().dtype(at::kByte));
-  auto* base = workspace.data_ptr<uint8_t>();
-  p.partials = reinterpret_cast<kernels::RowPartial*>(base);
-  p.results = reinterpret_cast<kernels::RowResult*>(base + partial_bytes);
-  p.race_partials = reinterpret_cast<kernels::RacePartial*>(base + partial_bytes + result_bytes);
-  p.final_rows = reinterpret_cast<int32_t*>(base + partial_bytes + result_bytes + race_bytes);
-  p.part_maxima = p.top_k ? reinterpret_cast<float*>(base + partial_bytes + result_bytes +
-                                                     race_bytes + final_bytes)
-                          : nullptr;
+  auto workspace = at::empty({kernels::verify_workspace_bytes(p)},
+                            a.target.options().dtype(at::kByte));
+  kernels::bind_verify_workspace(p, workspace.data_ptr());
 
-  with_types([&](auto tt, auto dt) {
-    const cudaError_t error = kernels::launch_verify<decltype(tt), decltype(dt)>(p, stream);
-    if (error != cudaSuccess) StreamCounters::forget(a.target, stream);
-    C10_CUDA_CHECK(error);
-  });
+  const int draft_type = a.draft_logits.defined() ? element_type(a.draft_logits.scalar_type())
+                                                  : kernels::kElementFloat;
+  const cudaError_t error =
+      kernels::launch_verify(element_type(a.target.scalar_type()), draft_type, p, stream);
+  if (error != cudaSuccess) StreamCounters::forget(a.target, stream);
+  C10_CUDA_CHECK(error);
   return {tokens, num_accepted, valid, logprobs};
 }
 

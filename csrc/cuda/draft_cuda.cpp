@@ -1,5 +1,6 @@
-// CUDA entry points of the drafting family: checks, device guard, group plan, workspace, dtype
-// dispatch, launch. The kernels live in kernels/draft.cuh and the draft_*.cuh files it includes.
+// CUDA entry points of the drafting family (g++): checks, device guard, group plan, workspace,
+// launch (cuda/draft_launch.cu; the kernels live in kernels/draft.cuh and the draft_*.cuh files it
+// includes).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,9 +12,8 @@
 
 #include "../args/draft_args.h"
 #include "../common/cuda_utils.h"
-#include "../common/dispatch.h"
 #include "../common/stream_counters.h"
-#include "../kernels/draft.cuh"
+#include "../kernels/draft_launch.h"
 #include "../ops.h"
 
 namespace dspark_ops {
@@ -57,61 +57,56 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
 
 // Requests per block: up to 64, halved until the bias inputs fit the device's shared-memory
 // budget (kernels::draft_input_budget).
-template <typename W, bool kRnn>
-int group_size(int64_t batch, int64_t rank, int budget) {
+int group_size(int w_type, bool rnn, int64_t batch, int64_t rank, int budget) {
   int size = kernels::kMaxGroup;
-  while (size > 8 && kernels::draft_shared_bytes<W, kRnn>(size, static_cast<int>(rank)) > budget) {
+  while (size > 8 &&
+         kernels::draft_shared_bytes(w_type, rnn, size, static_cast<int>(rank)) > budget) {
     size /= 2;
   }
   // No wider than the batch (rounded up to whole MMA column tiles of 8).
   return static_cast<int>(std::min<int64_t>(size, std::max<int64_t>(8, (batch + 7) / 8 * 8)));
 }
 
-template <bool kRnn>
-void run_draft(const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
+void run_draft(bool rnn, const DraftArgs& a, at::Tensor& tokens, at::Tensor& logits,
                kernels::DraftParams p) {
-  dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
-    using W = cuda_type_t<decltype(w_tag)>;
-    const char* op = kRnn ? "rnn_draft" : "markov_draft";
-    const int device = device_index(a.base);
-    TORCH_CHECK_VALUE(sizeof(W) == 4 || compute_capability_major(device) >= 8, op,
-                      "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
-                      "on CUDA; pass float32 weights on this GPU");
-    p.group_size = group_size<W, kRnn>(a.batch, a.rank, kernels::draft_input_budget(device));
-    const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;
-    TORCH_CHECK_VALUE(groups <= 65535 && (a.batch + kernels::kHeadRequests - 1) /
-                                             kernels::kHeadRequests <= 65535,
-                      op, "(): at most ", 65535 * kernels::kHeadRequests,
-                      " requests per call on CUDA, got ", a.batch);
-    // Counters: packed per-request maxima [G, B] and arrivals [G, groups], zero at the start and
-    // the end of every call (common/stream_counters.h): no fill.
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const int64_t best_bytes = a.block * a.batch * 8;
-    const at::Tensor counters =
-        StreamCounters::get(a.base, best_bytes + a.block * groups * 4, stream);
-    p.best = reinterpret_cast<unsigned long long*>(counters.data_ptr<uint8_t>());
-    p.arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>() + best_bytes);
-    at::Tensor rnn_workspace;
-    if (kRnn) {  // no fill: each value is written before it is read (s_0 = 0 is not read)
-      rnn_workspace = at::empty({a.batch * 4 * a.rank}, a.base.options().dtype(at::kFloat));
-      p.state = rnn_workspace.data_ptr<float>();
-      p.preactivation = p.state + a.batch * a.rank;
-    }
-    const int shared_bytes = kernels::draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
-    // The base logits' dtype is a template parameter: no per-element type switch in the epilogue.
-    dispatch_logit_type(a.base.scalar_type(), [&](auto base_tag) {
-      using Base = cuda_type_t<decltype(base_tag)>;
-      C10_CUDA_CHECK((kernels::allow_draft_shared<W, Base, kRnn>(shared_bytes)));
-      const int64_t resident =
-          int64_t{kernels::draft_blocks_per_sm<W, Base, kRnn>(device, shared_bytes)} *
-          multiprocessor_count(device);
-      const int grid_tiles =
-          static_cast<int>(std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
-      const cudaError_t error = kernels::launch_draft<W, Base, kRnn>(p, grid_tiles, stream);
-      if (error != cudaSuccess) StreamCounters::forget(a.base, stream);
-      C10_CUDA_CHECK(error);
-    });
-  });
+  const int w_type = element_type(a.w1.scalar_type());
+  const int base_type = element_type(a.base.scalar_type());
+  const char* op = rnn ? "rnn_draft" : "markov_draft";
+  const int device = device_index(a.base);
+  TORCH_CHECK_VALUE(w_type == kernels::kElementFloat || compute_capability_major(device) >= 8, op,
+                    "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
+                    "on CUDA; pass float32 weights on this GPU");
+  p.group_size = group_size(w_type, rnn, a.batch, a.rank, kernels::draft_input_budget(device));
+  const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;
+  TORCH_CHECK_VALUE(groups <= 65535 && (a.batch + kernels::kHeadRequests - 1) /
+                                           kernels::kHeadRequests <= 65535,
+                    op, "(): at most ", 65535 * kernels::kHeadRequests,
+                    " requests per call on CUDA, got ", a.batch);
+  // Counters: packed per-request maxima [G, B] and arrivals [G, groups], zero at the start and
+  // the end of every call (common/stream_counters.h): no fill.
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t best_bytes = a.block * a.batch * 8;
+  const at::Tensor counters =
+      StreamCounters::get(a.base, best_bytes + a.block * groups * 4, stream);
+  p.best = reinterpret_cast<unsigned long long*>(counters.data_ptr<uint8_t>());
+  p.arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>() + best_bytes);
+  at::Tensor rnn_workspace;
+  if (rnn) {  // no fill: each value is written before it is read (s_0 = 0 is not read)
+    rnn_workspace = at::empty({a.batch * 4 * a.rank}, a.base.options().dtype(at::kFloat));
+    p.state = rnn_workspace.data_ptr<float>();
+    p.preactivation = p.state + a.batch * a.rank;
+  }
+  // The base logits' dtype is a template parameter of the slot kernel: no per-element type switch
+  // in the epilogue.
+  const int shared_bytes = kernels::draft_shared_bytes(w_type, rnn, p.group_size, p.rank);
+  C10_CUDA_CHECK(kernels::allow_draft_shared(w_type, base_type, rnn, shared_bytes));
+  const int64_t resident =
+      int64_t{kernels::draft_blocks_per_sm(w_type, base_type, rnn, device, shared_bytes)} *
+      multiprocessor_count(device);
+  const int grid_tiles = static_cast<int>(std::clamp<int64_t>(resident / groups, 1, p.num_tiles));
+  const cudaError_t error = kernels::launch_draft(w_type, base_type, rnn, p, grid_tiles, stream);
+  if (error != cudaSuccess) StreamCounters::forget(a.base, stream);
+  C10_CUDA_CHECK(error);
 }
 
 }  // namespace
@@ -129,7 +124,7 @@ DraftResult markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& a
   const c10::cuda::CUDAGuard guard(base_logits.device());
   auto [tokens, draft_logits] = allocate_draft_outputs(a);
   if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
-  run_draft<false>(a, tokens, draft_logits, draft_params(a, tokens, draft_logits));
+  run_draft(/*rnn=*/false, a, tokens, draft_logits, draft_params(a, tokens, draft_logits));
   return {tokens, draft_logits};
 }
 
@@ -157,7 +152,7 @@ DraftResult rnn_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anch
   p.joint_weight = a.joint_weight.const_data_ptr();
   p.joint_stride = a.joint_weight.stride(0);
   p.joint_bias = a.joint_bias.const_data_ptr();
-  run_draft<true>(a, tokens, draft_logits, p);
+  run_draft(/*rnn=*/true, a, tokens, draft_logits, p);
   return {tokens, draft_logits};
 }
 
@@ -191,10 +186,8 @@ at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& pre
   p.rank = static_cast<int>(a.rank);
   p.hidden_size = static_cast<int>(a.hidden_size);
   p.vocab = a.vocab;
-  dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
-    using W = cuda_type_t<decltype(w_tag)>;
-    C10_CUDA_CHECK((kernels::launch_draft_confidence<W>(p, c10::cuda::getCurrentCUDAStream())));
-  });
+  C10_CUDA_CHECK(kernels::launch_draft_confidence(element_type(a.w1.scalar_type()), p,
+                                                   c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 

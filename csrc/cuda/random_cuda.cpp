@@ -1,4 +1,5 @@
-// CUDA entry point of philox_uniform.
+// CUDA entry point of philox_uniform (g++): checks, device guard, output, launch
+// (cuda/random_launch.cu).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -6,10 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../args/random_args.h"
-#include "../kernels/random.cuh"
+#include "../kernels/random_launch.h"
 #include "../ops.h"
 
 namespace dspark_ops {

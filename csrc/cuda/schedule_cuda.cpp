@@ -1,5 +1,5 @@
-// CUDA entry points of the scheduling family: checks, device guard, workspace, launch. The
-// kernels live in kernels/schedule.cuh.
+// CUDA entry points of the scheduling family (g++): checks, device guard, workspace, launch
+// (cuda/schedule_launch.cu; the kernels live in kernels/schedule.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -8,8 +8,7 @@
 #include <torch/library.h>
 
 #include "../args/schedule_args.h"
-#include "../common/dispatch.h"
-#include "../kernels/schedule.cuh"
+#include "../kernels/schedule_launch.h"
 #include "../ops.h"
 
 namespace dspark_ops {
@@ -89,23 +88,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cuda(
   auto cu_seqlens = at::empty({batch + 1}, options.dtype(at::kInt));
   const auto anchors = anchor.contiguous(), lengths = num_verify.contiguous();
   const auto starts = position.contiguous();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto launch = [&](auto anchor_tag, auto token_tag) {
-    using AnchorT = decltype(anchor_tag);
-    using TokenT = decltype(token_tag);
-    DSPARK_LAUNCH(1, kernels::kScheduleThreads, 0, stream,
-                  kernels::pack_verify_inputs_kernel<AnchorT, TokenT>)(
-        anchors.const_data_ptr<AnchorT>(), draft_tokens.const_data_ptr<TokenT>(),
-        draft_tokens.stride(0), draft_tokens.stride(1), lengths.const_data_ptr<int32_t>(),
-        starts.const_data_ptr<int64_t>(), static_cast<int>(batch), static_cast<int>(block),
-        input_ids.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
-        cu_seqlens.data_ptr<int32_t>());
-  };
-  dispatch_index_type(anchor.scalar_type(), [&](auto anchor_tag) {
-    dispatch_index_type(draft_tokens.scalar_type(),
-                        [&](auto token_tag) { launch(anchor_tag, token_tag); });
-  });
-  C10_CUDA_CHECK(cudaGetLastError());
+  C10_CUDA_CHECK(kernels::launch_pack_verify_inputs(
+      anchors.const_data_ptr(), anchor.scalar_type() == at::kInt, draft_tokens.const_data_ptr(),
+      draft_tokens.scalar_type() == at::kInt, draft_tokens.stride(0), draft_tokens.stride(1),
+      lengths.const_data_ptr<int32_t>(), starts.const_data_ptr<int64_t>(),
+      static_cast<int>(batch), static_cast<int>(block), input_ids.data_ptr<int64_t>(),
+      positions.data_ptr<int64_t>(), cu_seqlens.data_ptr<int32_t>(),
+      c10::cuda::getCurrentCUDAStream()));
   return {input_ids, positions, cu_seqlens};
 }
 

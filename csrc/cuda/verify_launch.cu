@@ -1,0 +1,75 @@
+// Launchers of the verify family (nvcc, torch-free): the workspace layout, and the statistics and
+// emit kernels of kernels/verify.cuh instantiated per target and draft element type.
+#include "../kernels/verify_launch.h"
+
+#include "../kernels/convert.cuh"
+#include "../kernels/launch.cuh"
+#include "../kernels/verify.cuh"
+
+namespace dspark_ops::kernels {
+namespace {
+
+// Bytes of `count` objects of T, rounded up to keep the next region 16-byte aligned.
+template <typename T>
+int64_t region_bytes(int64_t count) {
+  return (count * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
+}
+
+struct WorkspaceLayout {
+  int64_t partial_bytes, result_bytes, race_bytes, final_bytes, maxima_bytes;
+};
+
+WorkspaceLayout workspace_layout(const VerifyParams& p) {
+  const int64_t rows = int64_t{p.batch} * (p.block + 1);
+  WorkspaceLayout w{};
+  w.partial_bytes = region_bytes<RowPartial>(rows * p.num_chunks);
+  w.result_bytes = region_bytes<RowResult>(rows);
+  w.race_bytes = region_bytes<RacePartial>(int64_t{p.batch} * p.num_chunks);
+  w.final_bytes = region_bytes<int32_t>(p.batch);
+  // Top-k's floor: the warps' maxima of every chunk of every row (only when top-k is given).
+  w.maxima_bytes = p.top_k ? region_bytes<float>(rows * p.num_chunks * kVerifyWarps) : 0;
+  return w;
+}
+
+template <typename TT, typename DT>
+cudaError_t launch_verify_typed(const VerifyParams& p, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  const dim3 grid(p.num_chunks, p.batch);
+  DSPARK_LAUNCH(grid, kVerifyThreads, verify_shared_bytes(has_filters(p)), stream,
+                verify_row_stats_kernel<TT, DT>)(p);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  // Dependent: its launch overlaps the statistics kernel's last blocks (sm_90 and later).
+  DSPARK_LAUNCH_DEPENDENT(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t verify_workspace_bytes(const VerifyParams& p) {
+  const WorkspaceLayout w = workspace_layout(p);
+  return w.partial_bytes + w.result_bytes + w.race_bytes + w.final_bytes + w.maxima_bytes;
+}
+
+void bind_verify_workspace(VerifyParams& p, void* workspace) {
+  const WorkspaceLayout w = workspace_layout(p);
+  auto* base = static_cast<uint8_t*>(workspace);
+  p.partials = reinterpret_cast<RowPartial*>(base);
+  p.results = reinterpret_cast<RowResult*>(base + w.partial_bytes);
+  p.race_partials = reinterpret_cast<RacePartial*>(base + w.partial_bytes + w.result_bytes);
+  p.final_rows = reinterpret_cast<int32_t*>(base + w.partial_bytes + w.result_bytes + w.race_bytes);
+  p.part_maxima = p.top_k ? reinterpret_cast<float*>(base + w.partial_bytes + w.result_bytes +
+                                                     w.race_bytes + w.final_bytes)
+                          : nullptr;
+}
+
+cudaError_t launch_verify(int target_type, int draft_type, const VerifyParams& p,
+                          cudaStream_t stream) {
+  return with_element_type(target_type, [&](auto tt) {
+    return with_element_type(draft_type, [&](auto dt) {
+      return launch_verify_typed<decltype(tt), decltype(dt)>(p, stream);
+    });
+  });
+}
+
+}  // namespace dspark_ops::kernels
