@@ -690,10 +690,10 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
         }
         int32_t decision = kRowUndecided;
         if (!row_ok || mt.max == -INFINITY) {
-          decision = kRowRejected | kTargetInvalid;
+          decision = int32_t{kRowRejected} | kTargetInvalid;
         } else if (j < r.n) {
           if (x < 0 || x >= p.vocab || (need_draft && md.max == -INFINITY)) {
-            decision = kRowRejected | kDraftInvalid;
+            decision = int32_t{kRowRejected} | kDraftInvalid;
           } else if (r.greedy) {
             decision = x == mt.argmax ? kRowAccepted : kRowRejected;
           } else {
