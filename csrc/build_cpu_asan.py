@@ -7,8 +7,8 @@ CPU flags, plus -fsanitize=address,undefined, into build/cpu-asan/dspark_ops_asa
 ``DSPARK_OPS_LIBRARY=build/cpu-asan/dspark_ops_asan.so`` makes ``import dspark_ops`` load it
 instead of dspark_ops._C; Python must run with the sanitizer runtimes preloaded (``make
 test-cpu-asan`` does both). Incremental (ninja); MAX_JOBS sets the parallelism. ``--opt``: the
-optimisation level, -O1 by default (the sanitizers' advice; the build takes about 3 minutes on 2
-cores and the CPU suite under it about 7 with two test processes); -O0 cuts the build by a third
+optimisation level, -O1 by default (the sanitizers' advice; the build takes about 2 minutes on 2
+cores and the CPU suite under it about 6 with two test processes); -O0 cuts the build by a third
 and suits a short run such as the fuzz slice alone.
 """
 
