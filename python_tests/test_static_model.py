@@ -206,6 +206,21 @@ def _built_so():
 
 
 @pytest.mark.skipif(_built_so() is None, reason="no CUDA build with sm_90 code here")
+def test_kernel_constants_resolve_across_files(tmp_path):
+    # A .cuh constant built from one a family's _launch.h defines (read after it), a chain, a
+    # name defined twice, and an expression that is not an integer one.
+    (tmp_path / "a.cuh").write_text("constexpr int kTile = 16 * kWarps;\n"
+                                    "constexpr int kTwice = 3;\n"
+                                    "constexpr int kBad = sizeof(float);\n")
+    (tmp_path / "a_launch.h").write_text("constexpr int kThreads = 256;\n"
+                                         "constexpr int kWarps = kThreads / 32;\n"
+                                         "constexpr int kTwice = 5;\n")
+    values = kernels._kernel_constants(tmp_path)
+    assert values["kTile"] == 128 and values["kWarps"] == 8 and values["kTwice"] == 3
+    assert "kBad" not in values
+    assert kernels.constant("kTileRows") == 16 * kernels.constant("kDraftWarps")
+
+
 def test_real_binary_end_to_end(tmp_path):
     res = subprocess.run([sys.executable, "-m", "bench.static", "--results-dir", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -180,25 +180,44 @@ _CONSTANTS: Optional[Dict[str, int]] = None
 
 def constant(name: str) -> int:
     """An integer constant of the kernel headers (``constexpr int kName = expression;`` in
-    csrc/kernels/), its expression evaluated over the constants defined before it."""
+    csrc/kernels/), its expression evaluated over the headers' other constants, wherever in the
+    folder they are defined (a family's ``<family>_launch.h`` and its ``.cuh`` use each other's)."""
     global _CONSTANTS
     if _CONSTANTS is None:
-        _CONSTANTS = {}
-        for path in sorted(KERNELS.glob("*.cuh")) + sorted(KERNELS.glob("*.h")):
-            for m in re.finditer(r"constexpr\s+(?:int|int64_t|unsigned)\s+(k\w+)\s*=\s*([^;]+);",
-                                 path.read_text()):
-                expr = m.group(2).strip()
-                if not re.fullmatch(r"[\w\s*+/()-]+", expr):
-                    continue
-                try:
-                    _CONSTANTS.setdefault(m.group(1), int(eval(  # noqa: S307 (integers only)
-                        expr.replace("/", "//"), {"__builtins__": {}}, dict(_CONSTANTS))))
-                except Exception:
-                    continue
+        _CONSTANTS = _kernel_constants()
     if name not in _CONSTANTS:
         raise sass.StructureError(f"no constant {name} in csrc/kernels/: the kernel changed; "
                                   "update bench/static/kernels.py")
     return _CONSTANTS[name]
+
+
+def _kernel_constants(folder: Path = KERNELS) -> Dict[str, int]:
+    """{name: value} of the folder's integer constants. Expressions are evaluated in passes until
+    none more can be (one whose names are not all known waits for a later pass); of two definitions
+    of a name (function-local constants may repeat one), the first that evaluates counts."""
+    pending: List[Tuple[str, str]] = []
+    for path in sorted(folder.glob("*.cuh")) + sorted(folder.glob("*.h")):
+        for m in re.finditer(r"constexpr\s+(?:int|int64_t|unsigned)\s+(k\w+)\s*=\s*([^;]+);",
+                             path.read_text()):
+            expr = m.group(2).strip()
+            if re.fullmatch(r"[\w\s*+/()-]+", expr):
+                pending.append((m.group(1), expr.replace("/", "//")))
+    values: Dict[str, int] = {}
+    progress = True
+    while pending and progress:
+        progress, waiting = False, []
+        for name, expr in pending:
+            if name in values:
+                continue
+            try:
+                values[name] = int(eval(expr, {"__builtins__": {}}, dict(values)))  # noqa: S307
+                progress = True
+            except NameError:
+                waiting.append((name, expr))
+            except Exception:  # not an integer expression after all
+                continue
+        pending = waiting
+    return values
 
 
 def kernel_launch(plan: Plan, kernel: str) -> Tuple[PlanLaunch, int]:
