@@ -201,9 +201,10 @@ def _draft_compare(a, got, want):
 
 def _draft_compare_cuda(a, got, want):
     # CUDA rounds its float32 z to bfloat16 without the CPU's midpoint certificate: the stored
-    # value is z's float32 error (within 1e-6 of the row's scale, as the float32 comparison
-    # allows) plus one bfloat16 rounding, at most 2^-7 of its magnitude (docs/semantics.md §3.2).
-    # A logit near 0 from cancelling terms may so differ by several of its own bfloat16 ulps.
+    # value carries z's float32 accumulation error (docs/semantics.md §3.2; allowed here as for
+    # float32 logits, 1e-6 of the row's largest value) plus one bfloat16 rounding, at most 2^-7
+    # of its magnitude. A logit near 0 from cancelling terms may so differ by several of its own
+    # bfloat16 ulps.
     if a["draft_logits_dtype"] != torch.bfloat16:
         return _draft_compare(a, got, want)
     return _first(_equal("tokens", got[0], want[0]),
