@@ -116,6 +116,16 @@ def ptxas_split_flags():
     return ["-Xptxas=--split-compile=0"] if "--split-compile" in usage else []
 
 
+def private_libstdcxx_flags():
+    """Where the C++ compiler links libstdc++ statically into shared objects (some toolchains
+    ship only libstdc++.a), the library holds a second copy of it beside the one torch loads.
+    With that copy's names exported, a call may reach either copy: integers stop formatting in
+    error messages (a message ends at its first number) or the process crashes formatting one.
+    Keeping the copy's names private (GNU linkers) makes it self-consistent; where libstdc++ is
+    linked dynamically, as usual, the flag changes nothing."""
+    return ["-Wl,--exclude-libs,libstdc++.a"] if sys.platform.startswith("linux") else []
+
+
 def write_build_info(cpu_isa, openmp):
     info = {
         "flavour": FLAVOUR,
@@ -142,9 +152,10 @@ def extension():
     )
     # -ffp-contract=off: no fused multiply-adds, so float rounding matches the reference's.
     cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas"] + cpu_flags + openmp
+    link = openmp + private_libstdcxx_flags()
     if FLAVOUR == "cpu":
         return CppExtension("dspark_ops._C", sources, extra_compile_args={"cxx": cxx},
-                            extra_link_args=openmp)
+                            extra_link_args=link)
     nvcc = ["-O3", "--fmad=false", "-lineinfo"] + ptxas_split_flags()
     if os.environ.get("DSPARK_OPS_PTXAS_VERBOSE") == "1":
         nvcc.append("-Xptxas=-v")
@@ -156,7 +167,7 @@ def extension():
         include_dirs=nvidia_wheel_includes(),
         define_macros=[("DSPARK_OPS_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-        extra_link_args=openmp,
+        extra_link_args=link,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -432,6 +434,49 @@ def test_public_api():
         assert name in dspark_ops.__all__ and callable(getattr(dspark_ops, name)), name
     assert (dspark_ops.reference.PURPOSE_DRAFT, dspark_ops.reference.PURPOSE_ACCEPT,
             dspark_ops.reference.PURPOSE_RESAMPLE) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_error_messages_keep_their_numbers(device):
+    # An argument error's message formats shapes and strides with the C++ streams: a library
+    # holding a second, exported copy of libstdc++ (a compiler that links it statically) cuts
+    # the message at its first number here, and crashed the process on a GPU machine.
+    k_cache = torch.zeros(1, 6, 2, 64, device=device).expand(3, 6, 2, 64)
+    v_cache = torch.zeros(3, 6, 2, 64, device=device)
+    rows = torch.zeros(3, 2, 2, 64, device=device)
+    counts = torch.zeros(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError) as error:
+        torch.ops.dspark_ops.append_context_kv(k_cache, v_cache, rows, rows.clone(), counts,
+                                               counts.clone(), None)
+    assert str(error.value).splitlines()[0].endswith(
+        "got shape [3, 6, 2, 64] and strides [0, 128, 64, 1]"), str(error.value)
+
+
+def _exported_libstdcxx_names(path: str) -> list:
+    """The std::locale names a shared object exports: only a copy of libstdc++ linked into it
+    defines them (torch's own libstdc++ is a library of its own)."""
+    table = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True,
+                           check=True).stdout
+    return [line.split()[-1] for line in table.splitlines()
+            if re.search(r" _ZNSt6locale|_ZNKSt6locale", line)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None,
+                    reason="GNU nm on Linux")
+def test_library_exports_no_copy_of_libstdcxx():
+    # setup.py (and CMakeLists.txt) keep a statically linked libstdc++ private
+    # (--exclude-libs): where it is exported, calls split between it and the copy torch loads.
+    path = next(p for p in sorted(torch.ops.loaded_libraries)
+                if p and Path(p).exists() and _exports_schemas(p))
+    assert _exported_libstdcxx_names(path) == [], path
+
+
+def _exports_schemas(path: str) -> bool:
+    try:
+        _library._schemas_of(path)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 def test_import_leaves_the_reference_alone():
