@@ -56,12 +56,13 @@ def _schemas_of(path: str) -> tuple:
     return tuple(array[i].decode() for i in range(count.value))
 
 
-def _loaded_schemas() -> tuple:
-    # torch.ops keeps the path of every library it loaded; the one defining dspark_ops has the
-    # export (it may be a build other than dspark_ops._C, e.g. the CMake one, loaded first).
+def _loaded_library() -> tuple:
+    """(path, schemas) of the loaded library that defines the ops. torch.ops keeps the path of
+    every library it loaded; ours has the schema export (it may be a build other than
+    dspark_ops._C, e.g. the CMake one, loaded first)."""
     for path in sorted(torch.ops.loaded_libraries):
         try:
-            return _schemas_of(path)
+            return path, _schemas_of(path)
         except (AttributeError, OSError):
             continue
     raise ImportError(f"dspark_ops: the ops are registered, but no loaded library lists them; "
@@ -81,7 +82,7 @@ def load_library() -> None:
     if _SCHEMAS:
         return
     if _library_loaded():
-        _SCHEMAS = _loaded_schemas()
+        _SCHEMAS = _loaded_library()[1]
         return
     override = os.environ.get("DSPARK_OPS_LIBRARY", "")
     if override:
