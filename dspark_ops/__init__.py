@@ -35,9 +35,12 @@ from .profiling import profile_step_rate  # noqa: E402
 from . import sampling  # noqa: E402
 from .models import DSparkConfig, DSparkDraft, Eagle3Draft, load_draft  # noqa: E402,I001
 from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder, generate_target_only  # noqa: E402,I001
+from .costs import CostTable, load_or_profile_costs, profile_costs  # noqa: E402
+from .proposers import PromptLookupProposer  # noqa: E402
 
 __all__ = [
     "OPS",
+    "CostTable",
     "DSparkConfig",
     "DSparkDraft",
     "DraftOutput",
@@ -61,7 +64,10 @@ __all__ = [
     "pack_verify_inputs",
     "philox_uniform",
     "plan_verify_budget",
+    "load_or_profile_costs",
+    "profile_costs",
     "profile_step_rate",
+    "PromptLookupProposer",
     "reference",
     "rnn_draft",
     "sampling",

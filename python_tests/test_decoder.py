@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dspark_ops import reference
-from dspark_ops import decoder as decoder_module
-from dspark_ops.decoder import SpeculativeDecoder, default_step_rate, generate_target_only
+from dspark_ops import steps as steps_module
+from dspark_ops.decoder import SpeculativeDecoder, synthetic_step_rate, generate_target_only
 from dspark_ops.demo import main as demo_main
 from dspark_ops.demo import tiny_pair
 from dspark_ops.models import DSparkConfig, DSparkDraft, load_state_dict_file, sample_base_logits
@@ -241,7 +241,7 @@ def test_sampled_tokens_follow_the_target(scheduler):
         draft, scheduler = _dflash(draft), "fixed"
     trials = 12000
     # Each verified token per request costs 30% of a step: the scheduler is selective.
-    step_rate = default_step_rate(trials * 5 + 1, trials, cost_per_token=0.3)
+    step_rate = synthetic_step_rate(trials * 5 + 1, trials, cost_per_token=0.3)
     decoder = SpeculativeDecoder(target, draft, scheduler=scheduler, step_rate=step_rate)
     (chi2, df), out = _chi_square_of_decoder(decoder, target, [1, 2, 3], 3, trials, 1.0)
     assert chi_square_passes(chi2, df), (chi2, df)
@@ -283,14 +283,14 @@ def test_chi_square_rejects_a_decoder_with_misaligned_draft_logits(monkeypatch):
     losslessly, only with a lower acceptance."""
     target, draft = tiny_pair(vocab=8, block_size=4, context=0.3, noise=0.4, num_layers=1,
                               target_dtype=torch.float64)
-    real_verify = decoder_module.verify
+    real_verify = steps_module.verify
 
     def verify_with_shifted_draft_logits(*args, draft_logits=None, **kwargs):
         if draft_logits is not None:  # (the prefill's draw has no drafts)
             draft_logits = draft_logits.roll(1, dims=1)
         return real_verify(*args, draft_logits=draft_logits, **kwargs)
 
-    monkeypatch.setattr(decoder_module, "verify", verify_with_shifted_draft_logits)
+    monkeypatch.setattr(steps_module, "verify", verify_with_shifted_draft_logits)
     decoder = SpeculativeDecoder(target, draft, scheduler="fixed")
     (chi2, df), _ = _chi_square_of_decoder(decoder, target, [1, 2, 3], 3, 12000, 1.0)
     assert not chi_square_passes(chi2, df), (chi2, df)

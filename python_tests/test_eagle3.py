@@ -312,8 +312,9 @@ def test_greedy_equals_plain_decoding(family, favour_zero, block):
 def test_default_block_is_ttt_length_and_a_scheduler_needs_a_confidence_head():
     target, draft = _pair("qwen3")
     assert SpeculativeDecoder(target, draft, scheduler="fixed").block_size == 5
+    assert SpeculativeDecoder(target, draft).scheduler == "fixed"  # no head, no cost table
     with pytest.raises(ValueError, match="confidence head"):
-        SpeculativeDecoder(target, draft)
+        SpeculativeDecoder(target, draft, scheduler="confidence")
 
 
 def _chi_square_of_chain(target, draft, prompt, trials, temperature):
@@ -383,18 +384,18 @@ def test_chain_drafts_follow_the_drafts_own_softmax(temperature):
 def test_chi_square_rejects_chain_drafts_verified_with_the_wrong_logits(monkeypatch):
     """The same test fails when verify is told the drafts came from softmax(logits / T) at a
     temperature other than the one they were sampled at."""
-    from dspark_ops import decoder as decoder_module
+    from dspark_ops.proposers import chain as chain_module
 
     target, draft = _pair("qwen3", favour_zero=False)
     with torch.no_grad():
         target.lm_head.weight.mul_(3.0)
-    real = decoder_module.sample_base_logits
+    real = chain_module.sample_base_logits
 
     def sharper(logits, temperature, seed, position, **filters):
         out = real(logits, temperature, seed, position, **filters)
         return type(out)(out.tokens, out.draft_logits * 3.0)
 
-    monkeypatch.setattr(decoder_module, "sample_base_logits", sharper)
+    monkeypatch.setattr(chain_module, "sample_base_logits", sharper)
     stat, _ = _chi_square_of_chain(target, draft, [5, 17, 9], 2000, 1.0)
     assert not chi_square_passes(*stat)
 

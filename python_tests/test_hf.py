@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from dspark_ops import DSparkConfig, DSparkDraft, SpeculativeDecoder  # noqa: E402
 from dspark_ops import decoder as decoder_module  # noqa: E402
-from dspark_ops.decoder import default_step_rate, generate_target_only  # noqa: E402
+from dspark_ops.decoder import synthetic_step_rate, generate_target_only  # noqa: E402
 from dspark_ops.hf import HFTarget  # noqa: E402
 from cases.hf import LAYERS, VOCAB, char_tokenizer, tiny_model  # noqa: E402
 from stats import chi_square, chi_square_passes  # noqa: E402
@@ -160,7 +160,7 @@ def test_sampled_tokens_follow_the_model(scheduler):
     joint = _model_joint(model, prompt, steps, temperature)
     sequences = [list(s) for s, p in joint.items() if p > 0.02]
     draft = table_draft(target, sequences, block_size=4)
-    step_rate = default_step_rate(trials * 5 + 1, trials, cost_per_token=0.3)
+    step_rate = synthetic_step_rate(trials * 5 + 1, trials, cost_per_token=0.3)
     decoder = SpeculativeDecoder(target, draft, scheduler=scheduler, step_rate=step_rate)
     out = decoder.generate([prompt] * trials, steps, temperature, torch.arange(trials))
     index = {seq: i for i, seq in enumerate(joint)}

@@ -1,0 +1,205 @@
+"""Goodput: how many slots to draft, and how many drafts to verify, on this machine
+(docs/semantics.md "Goodput").
+
+A plan that drafts ``k`` slots and verifies ``l_r <= k`` drafts of request ``r`` emits, in
+expectation, ``sum_r (1 + sum_{i <= l_r} a_{r,i})`` tokens (``a_{r,i}`` the survival of draft
+``i``) in ``T_draft(k) + T_target(B, 1 + max_r l_r)`` seconds (:class:`~dspark_ops.costs.CostTable`).
+Two decisions per round:
+
+- **before drafting** (:meth:`GoodputPolicy.drafts_to_propose`), from running estimates of the
+  per-position acceptance (:class:`AcceptanceEstimate`, an EMA of what verification accepted):
+  the ``k`` of the highest goodput, verifying every drafted slot; ``k = 0``, the plain decoding
+  path, unless some ``k > 0`` beats it by ``margin``. While speculation is off, a probe round
+  now and then keeps the estimates alive;
+- **after drafting** (:func:`verify_lengths`): DSpark's Algorithm 1
+  (:func:`dspark_ops.schedule_verify`) on the fresh confidences (or, without a confidence head,
+  the estimates) with the measured step rates, the draft's cost sunk, stopping at the first
+  drop, then every request's length raised to the cheapest padded width at least as wide
+  (:meth:`~dspark_ops.costs.CostTable.cheapest_width`), which the padded forward pays anyway.
+
+Both are functions of what is known before each draft is drawn, so sampling stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .costs import CostTable
+from .ops.schedule import schedule_verify
+
+__all__ = ["AcceptanceEstimate", "GoodputPolicy", "expected_tokens", "plan_goodput",
+           "verify_lengths"]
+
+
+class AcceptanceEstimate:
+    """Running per-position conditional acceptance: ``c[i]`` estimates P(draft ``i + 1`` is
+    accepted | drafts ``1..i`` were), an EMA over verified rounds, per request and pooled.
+
+    A request starts from the pooled estimate, so a decoder that has served earlier requests
+    starts each new one from what its draft achieved on them.
+
+    Parameters
+    ----------
+    max_drafts : int
+        Positions tracked.
+    prior : float
+        The pooled estimate before any round.
+    rate : float
+        Weight of one observation (SGLang uses 0.2, SmartSpec 0.15).
+    """
+
+    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.2):
+        if not 0 <= prior <= 1 or not 0 < rate <= 1:
+            raise ValueError(f"AcceptanceEstimate: need 0 <= prior <= 1 and 0 < rate <= 1, got "
+                             f"{prior} and {rate}")
+        self.rate = rate
+        self.pooled = [float(prior)] * max_drafts
+        self.per_request: List[List[float]] = []
+
+    def begin(self, batch: int) -> None:
+        """New requests, each starting from the pooled estimate."""
+        self.per_request = [list(self.pooled) for _ in range(batch)]
+
+    def observe(self, request: int, verified: int, accepted: int) -> None:
+        """One round of ``request``: ``verified`` drafts checked, the first ``accepted``
+        accepted. Positions ``1..accepted`` saw an acceptance, ``accepted + 1`` (if verified) a
+        rejection; later positions were not reached and learn nothing."""
+        for estimate in (self.per_request[request], self.pooled):
+            for i in range(min(verified, accepted + 1, len(estimate))):
+                hit = 1.0 if i < accepted else 0.0
+                estimate[i] += self.rate * (hit - estimate[i])
+
+    def conditional(self, request: int) -> List[float]:
+        return self.per_request[request]
+
+    def survival(self, request: int) -> List[float]:
+        """``a_i``: the estimated probability that drafts ``1..i`` are all accepted."""
+        out, running = [], 1.0
+        for c in self.per_request[request]:
+            running *= c
+            out.append(running)
+        return out
+
+
+def expected_tokens(survival: Sequence[float], k: int) -> float:
+    """Tokens a request emits when ``k`` drafts are verified: ``1 + a_1 + ... + a_k``."""
+    return 1.0 + sum(survival[:k])
+
+
+def plan_goodput(costs: CostTable, batch: int, survivals: Sequence[Sequence[float]],
+                 max_drafts: int) -> List[float]:
+    """Expected tokens per second of drafting and verifying ``k`` slots, ``k = 0..max_drafts``
+    (``k = 0``: the plain step), over the requests with ``survivals`` (the active ones) in a
+    batch of ``batch`` rows."""
+    out = []
+    for k in range(max_drafts + 1):
+        tokens = sum(expected_tokens(a, k) for a in survivals)
+        out.append(tokens / (costs.draft(k) + costs.target(batch, k + 1)))
+    return out
+
+
+class GoodputPolicy:
+    """The decision before drafting: how many slots (0 = the plain path), with probes.
+
+    Parameters
+    ----------
+    costs : CostTable
+        The measured table; the decoder corrects it online.
+    max_drafts : int
+        ``K``, the most slots a round drafts.
+    margin : float
+        Speculation must promise ``margin`` times the plain path's goodput to run (TurboSpec's
+        1.1: the estimates are noisy, and a wrong "on" costs more than a wrong "off").
+    probe_every : int
+        Plain rounds before the first probe; each probe that does not turn speculation on
+        doubles the wait, up to ``probe_max``; a round that speculates on its merits resets it.
+    probe_max : int
+    prior, rate : float
+        Of the :class:`AcceptanceEstimate`.
+    """
+
+    def __init__(self, costs: CostTable, max_drafts: int, *, margin: float = 1.1,
+                 probe_every: int = 8, probe_max: int = 128, prior: float = 0.5,
+                 rate: float = 0.2):
+        if max_drafts < 1:
+            raise ValueError(f"GoodputPolicy: 'max_drafts' must be >= 1, got {max_drafts}")
+        if max_drafts > costs.max_drafts:
+            raise ValueError(f"GoodputPolicy: the cost table prices at most {costs.max_drafts} "
+                             f"drafts, 'max_drafts' is {max_drafts}")
+        if margin < 1 or probe_every < 1 or probe_max < probe_every:
+            raise ValueError(f"GoodputPolicy: need margin >= 1 and 1 <= probe_every <= "
+                             f"probe_max, got {margin}, {probe_every} and {probe_max}")
+        self.costs, self.max_drafts, self.margin = costs, max_drafts, margin
+        self.probe_every, self.probe_max = probe_every, probe_max
+        self.estimate = AcceptanceEstimate(max_drafts, prior, rate)
+        self.begin(0)
+
+    def begin(self, batch: int) -> None:
+        """A new batch of requests (the pooled estimate and the probe schedule carry over)."""
+        self.estimate.begin(batch)
+        self.plain_streak = 0
+        self.probe_wait = getattr(self, "probe_wait", self.probe_every)
+
+    def choose(self, batch: int, active: Sequence[int], limit: int) -> int:
+        """The goodput argmax over ``k = 0..limit`` for the ``active`` requests, with the
+        margin: ``k > 0`` only when its goodput exceeds ``margin`` times the plain path's."""
+        k_max = min(limit, self.max_drafts)
+        if k_max < 1 or not active:
+            return 0
+        rates = plan_goodput(self.costs, batch, [self.estimate.survival(r) for r in active],
+                             k_max)
+        best = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
+        return best if rates[best] > self.margin * rates[0] else 0
+
+    def best_positive(self, batch: int, active: Sequence[int], limit: int) -> int:
+        """The probe's size: the best ``k >= 1`` by the estimates, margin aside."""
+        k_max = min(limit, self.max_drafts)
+        rates = plan_goodput(self.costs, batch, [self.estimate.survival(r) for r in active],
+                             k_max)
+        return max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
+
+    def drafts_to_propose(self, batch: int, active: Sequence[int], limit: int) -> int:
+        """This round's ``k``: :meth:`choose`, or a probe when speculation has been off for
+        ``probe_wait`` rounds. ``limit`` caps it (e.g. the tokens a request still needs)."""
+        k = self.choose(batch, active, limit)
+        if k > 0:
+            self.plain_streak, self.probe_wait = 0, self.probe_every
+            return k
+        if min(limit, self.max_drafts) < 1 or not active:
+            return 0
+        self.plain_streak += 1
+        if self.plain_streak <= self.probe_wait:
+            return 0
+        self.plain_streak = 0
+        self.probe_wait = min(2 * self.probe_wait, self.probe_max)
+        return self.best_positive(batch, active, limit)
+
+    def observe(self, request: int, verified: int, accepted: int) -> None:
+        self.estimate.observe(request, verified, accepted)
+
+    def estimated_confidence(self, batch: int, k: int, device) -> torch.Tensor:
+        """The conditional estimates as a ``[batch, k]`` confidence (for proposers without a
+        confidence head: known before drafting, so scheduling on them is exact)."""
+        rows = [self.estimate.conditional(r)[:k] for r in range(batch)]
+        return torch.tensor(rows, dtype=torch.float32, device=device).reshape(batch, k)
+
+
+def verify_lengths(confidence: torch.Tensor, active: torch.Tensor, costs: CostTable,
+                   available: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The decision after drafting: Algorithm 1 (:func:`dspark_ops.schedule_verify`) on the
+    conditional ``confidence [B, k]`` with the measured step rates, then every active
+    request raised to the cheapest width at least as wide as the widest request, within what
+    it drafted (``available [B]``, default ``k``). Returns int32 ``[B]`` (one host sync: the
+    widest request)."""
+    batch, k = confidence.shape
+    if available is None:
+        available = torch.full((batch,), k, dtype=torch.int32, device=confidence.device)
+    slots = torch.arange(k, device=confidence.device)
+    usable = active[:, None] & (slots < available[:, None])
+    confidence = torch.where(usable, confidence, 0.0)
+    num_verify = schedule_verify(confidence, costs.step_rate(batch, k, confidence.device))
+    width = costs.cheapest_width(batch, int(num_verify.max()) + 1, limit=k + 1)
+    padded = torch.minimum(available, torch.full_like(available, width - 1))
+    return torch.where(active, torch.maximum(num_verify, padded), 0).int()

@@ -1,0 +1,29 @@
+"""What drafts tokens for :class:`dspark_ops.SpeculativeDecoder`: one interface
+(:class:`Proposer`), one decoding loop, one goodput rule and one lossless verify for all.
+
+- :class:`BlockDraftProposer`: DSpark and DFlash drafts (Gemma4's too), one parallel block pass;
+- :class:`ChainProposer`: Eagle3 drafts, one step per slot;
+- :class:`PromptLookupProposer`: n-gram matching over the request's own tokens, no model;
+- :class:`OracleProposer`: the target's own continuation with wrong tokens at a set rate, for
+  measurement.
+"""
+
+from .base import Proposal, Proposer
+from .block import BlockDraftProposer
+from .chain import ChainProposer
+from .lookup import OracleProposer, PromptLookupProposer, find_continuation
+
+__all__ = ["BlockDraftProposer", "ChainProposer", "OracleProposer", "PromptLookupProposer",
+           "Proposal", "Proposer", "find_continuation", "make_proposer"]
+
+
+def make_proposer(draft, *, block_size=None, calib_temperature=None) -> Proposer:
+    """A draft model as a proposer: an Eagle3 draft drafts a chain, any other a block. A
+    :class:`Proposer` is returned as it is."""
+    if isinstance(draft, Proposer):
+        return draft
+    from ..models.eagle3 import Eagle3Draft
+
+    if isinstance(draft, Eagle3Draft):
+        return ChainProposer(draft, block_size)
+    return BlockDraftProposer(draft, block_size, calib_temperature)
