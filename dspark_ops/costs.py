@@ -77,9 +77,11 @@ class CostTable:
                              "the plain step (width 1)")
         if not self.draft_seconds or self.draft_seconds[0] != 0.0:
             raise ValueError("CostTable: 'draft_seconds' must start with 0.0 (no drafts)")
-        bad = [s for r in self.target_seconds.values() for s in r] + self.draft_seconds[1:]
-        if any(not (math.isfinite(s) and s > 0) for s in bad):
-            raise ValueError("CostTable: every measured time must be finite and > 0")
+        steps = [s for r in self.target_seconds.values() for s in r]
+        if any(not (math.isfinite(s) and s > 0) for s in steps):
+            raise ValueError("CostTable: every target step time must be finite and > 0")
+        if any(not (math.isfinite(s) and s >= 0) for s in self.draft_seconds):
+            raise ValueError("CostTable: every drafting time must be finite and >= 0")
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -118,9 +120,19 @@ class CostTable:
     def step_rate(self, batch: int, max_drafts: int, device=None) -> torch.Tensor:
         """The table as :func:`dspark_ops.schedule_verify`'s ``step_rate``: float32
         ``[batch * (max_drafts + 1) + 1]``, entry ``n`` the steps per second of an ``n``-token
-        verify batch, priced as the width ``ceil(n / batch)`` (its cheapest padding)."""
-        rates = [1.0 / self.target(batch, max(1, -(-n // batch)))
-                 for n in range(batch * (max_drafts + 1) + 1)]
+        verify batch, priced at the mean width ``n / batch``, interpolated between the widths'
+        prices. (A padded forward pays for its widest request, a step in ``n``; Algorithm 1,
+        which admits one token at a time and stops at the first drop, would never climb it.
+        The decoder then pads every request to the cheapest width, which the interpolation
+        leaves on the table.)"""
+        prices = [self.target(batch, w) for w in range(1, max_drafts + 2)]
+        rates = []
+        for n in range(batch * (max_drafts + 1) + 1):
+            width = min(max(n / batch, 1.0), max_drafts + 1.0)
+            low = int(width)
+            high = min(low + 1, max_drafts + 1)
+            seconds = prices[low - 1] + (width - low) * (prices[high - 1] - prices[low - 1])
+            rates.append(1.0 / seconds)
         return torch.tensor(rates, dtype=torch.float32, device=device)
 
     # -- online correction ------------------------------------------------------------------

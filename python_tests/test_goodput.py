@@ -1,0 +1,488 @@
+"""Goodput decoding: the cost table (pricing, keying, refusal, the cache, the profile), the
+decision before drafting against a brute-force argmax (the plain path when nothing pays, the
+margin, the probe schedule), the decision after drafting (Algorithm 1 on the measured costs,
+padded to the cheapest width), lazy drafting, every proposer's greedy identity with plain
+decoding, and exact sampling with the new early stops (and a broken stop that fails it)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from dspark_ops import costs as costs_module
+from dspark_ops.costs import CostTable, CostTableMismatch, load_or_profile_costs, profile_costs
+from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
+from dspark_ops.demo import tiny_pair
+from dspark_ops.goodput import AcceptanceEstimate, GoodputPolicy, verify_lengths
+from dspark_ops.models import DSparkConfig, DSparkDraft
+from dspark_ops.proposers import (
+    BlockDraftProposer, OracleProposer, PromptLookupProposer, find_continuation,
+)
+from stats import chi_square, chi_square_passes
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
+
+
+def table(target_ms, draft_ms, batch=1, key=None):
+    """A cost table from milliseconds: target by width 1.., draft by slots 1.."""
+    return CostTable(key or {"target": "t"}, {batch: [t / 1e3 for t in target_ms]},
+                     [0.0] + [d / 1e3 for d in draft_ms])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(vocab=64, block_size=5, context=0.2, noise=0.3, target_dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# The cost table
+
+
+def test_target_cost_is_the_cheapest_padding():
+    # The measured SmolLM2 shape: widths 2-3 cost more than 4.
+    costs = table([45, 75, 88, 68, 71, 71, 71, 65], [5] * 7)
+    assert costs.target(1, 1) == pytest.approx(0.045)
+    assert costs.target(1, 2) == pytest.approx(0.065)  # padded to 8
+    assert costs.cheapest_width(1, 2) == 8
+    assert costs.cheapest_width(1, 2, limit=5) == 4
+    assert costs.cheapest_width(1, 4, limit=4) == 4
+    rates = costs.step_rate(1, 7)
+    assert rates.shape == (9,)
+    assert rates[1].item() == pytest.approx(1 / 0.045)
+    assert rates[3].item() == pytest.approx(1 / 0.065)
+    with pytest.raises(ValueError, match="outside the table"):
+        costs.cheapest_width(1, 9)
+
+
+def test_a_batch_not_profiled_is_priced_from_the_nearest():
+    costs = CostTable({}, {1: [0.01, 0.02], 4: [0.04, 0.08]}, [0.0, 0.001])
+    assert costs.target(8, 1) == pytest.approx(0.08)  # 4 scaled by 8 / 4
+    assert costs.target(2, 2) == pytest.approx(0.04)  # 1 scaled by 2 (nearest in ratio, smaller)
+
+
+def test_online_correction_moves_entries_toward_timings():
+    costs = table([10, 20], [5])
+    costs.observe_target(1, 2, 0.030, rate=0.5)
+    costs.observe_draft(1, 0.015, rate=0.5)
+    assert costs.target_seconds[1][1] == pytest.approx(0.025)
+    assert costs.draft(1) == pytest.approx(0.010)
+    costs.observe_target(1, 7, 1.0)  # outside the table: ignored
+    costs.observe_target(3, 1, 0.020, rate=1.0)  # a new batch starts from the scaled estimate
+    assert costs.target_seconds[3] == pytest.approx([0.020, 0.075])  # 3 x [0.010, 0.025]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(target_seconds={}), "at least one batch size"),
+    (dict(draft_seconds=[0.1]), "must start with 0.0"),
+    (dict(draft_seconds=[0.0, -1.0]), "drafting time must be finite and >= 0"),
+    (dict(target_seconds={1: [float("nan")]}), "step time must be finite and > 0"),
+])
+def test_table_errors(bad, message):
+    kwargs = dict(key={}, target_seconds={1: [0.01]}, draft_seconds=[0.0])
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match=message):
+        CostTable(**kwargs)
+
+
+def test_a_foreign_table_is_refused_by_name(tmp_path, pair):
+    target, draft = pair
+    proposer = BlockDraftProposer(draft)
+    key = costs_module.cost_key(target, proposer, device="cpu", dtype=torch.float64)
+    assert set(key) >= {"target", "proposer", "device", "dtype", "threads", "library"}
+    path = str(tmp_path / "costs.json")
+    table([1, 2, 3, 4, 5, 6], [1] * 5, key=key).save(path)
+    assert CostTable.load(path, key).key == key
+    for field, value in (("threads", key["threads"] + 1), ("device", "cuda:H200"),
+                         ("dtype", "bfloat16"), ("library", "0.0.1")):
+        with pytest.raises(CostTableMismatch, match=f"measured with {field} = "):
+            CostTable.load(path, {**key, field: value})
+    other, _ = tiny_pair(vocab=32, block_size=5)
+    other_key = costs_module.cost_key(other, proposer, device="cpu", dtype=torch.float64)
+    with pytest.raises(CostTableMismatch, match="measured with target = "):
+        CostTable.load(path, other_key)
+    other_proposer = BlockDraftProposer(draft, block_size=3)
+    with pytest.raises(CostTableMismatch, match="measured with proposer = "):
+        CostTable.load(path, costs_module.cost_key(target, other_proposer, device="cpu",
+                                                   dtype=torch.float64))
+    (tmp_path / "junk.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="is not a cost table"):
+        CostTable.load(str(tmp_path / "junk.json"))
+
+
+def test_profile_measures_every_width_and_slot_and_is_cached(tmp_path, pair, monkeypatch):
+    target, draft = pair
+    proposer = BlockDraftProposer(draft, block_size=3)
+    costs = profile_costs(target, proposer, batch_sizes=(1, 2), context=8, repeats=2,
+                          progress=False)
+    assert sorted(costs.target_seconds) == [1, 2]
+    assert all(len(r) == 4 for r in costs.target_seconds.values())  # widths 1..G+1
+    assert len(costs.draft_seconds) == 4 and costs.draft_seconds[0] == 0.0
+    assert all(s > 0 for s in costs.draft_seconds[1:])
+    calls = []
+    real = costs_module.profile_costs
+    monkeypatch.setattr(costs_module, "profile_costs",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = load_or_profile_costs(target, proposer, cache_dir=str(tmp_path), progress=False,
+                                  context=8, repeats=1)
+    again = load_or_profile_costs(target, proposer, cache_dir=str(tmp_path), progress=False)
+    assert len(calls) == 1 and again.to_dict() == first.to_dict()
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        profile_costs(target, proposer, repeats=0)
+    with pytest.raises(ValueError, match="'batch_sizes' must be >= 1"):
+        profile_costs(target, proposer, batch_sizes=(0,))
+
+
+# --------------------------------------------------------------------------------------------
+# The decision before drafting
+
+
+def brute_force_k(costs, batch, survivals, limit, margin):
+    """Every k, priced from first principles: expected tokens over the draft plus the cheapest
+    target step at least as wide."""
+    def goodput(k):
+        tokens = sum(1 + sum(a[:k]) for a in survivals)
+        width = min(range(k + 1, len(costs.target_seconds[batch]) + 1),
+                    key=lambda w: costs.target_seconds[batch][w - 1])
+        return tokens / (costs.draft_seconds[k] + costs.target_seconds[batch][width - 1])
+
+    best = max(range(1, limit + 1), key=lambda k: (goodput(k), -k))
+    return best if goodput(best) > margin * goodput(0) else 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choice_is_the_brute_force_argmax(seed):
+    gen = torch.Generator().manual_seed(seed)
+    K = 7
+    target_ms = (40 + 60 * torch.rand(K + 1, generator=gen)).tolist()
+    target_ms[0] = 30 + 30 * float(torch.rand(1, generator=gen))
+    draft_ms = torch.cumsum(10 * torch.rand(K, generator=gen), 0).tolist()
+    batch = 3
+    costs = table(target_ms, draft_ms, batch=batch)
+    policy = GoodputPolicy(costs, K, margin=1.0 + 0.2 * float(torch.rand(1, generator=gen)))
+    policy.begin(batch)
+    for r in range(batch):
+        policy.estimate.per_request[r] = torch.rand(K, generator=gen).tolist()
+    active = [0, 2]
+    survivals = [policy.estimate.survival(r) for r in active]
+    for limit in (1, 4, K):
+        assert policy.choose(batch, active, limit) == brute_force_k(
+            costs, batch, survivals, limit, policy.margin)
+
+
+def test_nothing_pays_means_the_plain_path():
+    costs = table([45, 75, 88, 68, 71, 71, 71, 65], [40] * 7)
+    policy = GoodputPolicy(costs, 7, prior=0.3)
+    policy.begin(1)
+    assert policy.choose(1, [0], 7) == 0
+    policy.estimate.per_request[0] = [0.95] * 7  # a draft that is almost always right
+    assert policy.choose(1, [0], 7) == 7
+    # Just above the plain path, but not by the margin: stay plain.
+    costs = table([50, 50], [1e-3])
+    policy = GoodputPolicy(costs, 1, margin=1.1, prior=0.05)
+    policy.begin(1)
+    assert 1.0 < (1.05 / 0.050) / (1 / 0.050) < 1.1
+    policy.estimate.per_request[0] = [0.05]
+    assert policy.choose(1, [0], 1) == 0
+    policy.estimate.per_request[0] = [0.2]
+    assert policy.choose(1, [0], 1) == 1
+    assert policy.choose(1, [], 1) == 0 and policy.choose(1, [0], 0) == 0
+
+
+def test_probe_schedule_backs_off_and_resets():
+    costs = table([45, 75, 88, 68, 71, 71, 71, 65], [40] * 7)
+    policy = GoodputPolicy(costs, 7, prior=0.0, probe_every=2, probe_max=8)
+    policy.begin(1)
+    decisions = [policy.drafts_to_propose(1, [0], 7) for _ in range(30)]
+    probes = [i for i, k in enumerate(decisions) if k]
+    # Waits of 2, 4, 8, 8 plain rounds between probes.
+    assert probes == [2, 7, 16, 25]
+    assert all(decisions[i] == policy.best_positive(1, [0], 7) for i in probes)
+    policy.estimate.per_request[0] = [0.95] * 7  # the probe found a good draft: on, reset
+    assert policy.drafts_to_propose(1, [0], 7) == 7
+    assert policy.probe_wait == 2 and policy.plain_streak == 0
+
+
+def test_acceptance_estimate_learns_only_what_was_verified():
+    estimate = AcceptanceEstimate(4, prior=0.5, rate=0.5)
+    estimate.begin(2)
+    estimate.observe(0, verified=3, accepted=1)  # position 1 accepted, 2 rejected, 3 unseen
+    assert estimate.conditional(0) == [0.75, 0.25, 0.5, 0.5]
+    assert estimate.conditional(1) == [0.5] * 4  # another request: untouched
+    assert estimate.pooled == [0.75, 0.25, 0.5, 0.5]
+    estimate.observe(1, verified=2, accepted=2)  # all accepted: nothing learnt past 2
+    assert estimate.conditional(1) == [0.75, 0.75, 0.5, 0.5]
+    assert estimate.survival(1) == pytest.approx([0.75, 0.5625, 0.28125, 0.140625])
+    estimate.begin(1)  # a new request starts from the pooled estimate
+    assert estimate.conditional(0) == estimate.pooled
+    with pytest.raises(ValueError, match="0 < rate <= 1"):
+        AcceptanceEstimate(4, rate=0.0)
+
+
+def test_policy_errors():
+    costs = table([45, 75], [40])
+    with pytest.raises(ValueError, match="prices at most 1 drafts"):
+        GoodputPolicy(costs, 2)
+    with pytest.raises(ValueError, match="margin >= 1"):
+        GoodputPolicy(costs, 1, margin=0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# The decision after drafting
+
+
+def test_verify_lengths_pads_to_the_cheapest_width():
+    # Widths 2-3 cost more than 4: a request Algorithm 1 stops at 1 draft verifies 3.
+    costs = table([45, 75, 88, 68, 200], [1] * 4)
+    confidence = torch.tensor([[0.9, 0.05, 0.05, 0.05]])
+    active = torch.tensor([True])
+    lengths = verify_lengths(confidence, active, costs)
+    assert lengths.tolist() == [3]
+    # ... but never past what it drafted.
+    lengths = verify_lengths(confidence, active, costs, torch.tensor([2], dtype=torch.int32))
+    assert lengths.tolist() == [2]
+    # Finished requests verify nothing.
+    assert verify_lengths(confidence, torch.tensor([False]), costs).tolist() == [0]
+
+
+def test_verify_lengths_is_algorithm_1_on_the_measured_rates():
+    costs = CostTable({}, {2: [0.05, 0.06, 0.07, 0.08]}, [0.0, 0.01, 0.02, 0.03])
+    confidence = torch.tensor([[0.9, 0.9, 0.9], [0.2, 0.9, 0.9]])
+    active = torch.tensor([True, True])
+    from dspark_ops import schedule_verify
+
+    plain = schedule_verify(confidence, costs.step_rate(2, 3))
+    lengths = verify_lengths(confidence, active, costs)
+    width = costs.cheapest_width(2, int(plain.max()) + 1, limit=4)
+    assert lengths.tolist() == [max(int(n), width - 1) for n in plain]
+
+
+# --------------------------------------------------------------------------------------------
+# Lazy drafting
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn", "dflash"])
+def test_k_slots_are_the_first_k_of_the_block(head):
+    target, draft = tiny_pair(vocab=64, block_size=6, context=0.2, noise=0.5,
+                              markov_head_type="rnn" if head == "rnn" else "vanilla")
+    if head == "dflash":
+        draft.markov_head, draft.confidence_head = None, None
+        draft.config = type(draft.config)(**{**draft.config.__dict__, "markov_rank": 0,
+                                             "enable_confidence_head": False})
+        torch.nn.init.normal_(draft.lm_head.weight)
+    from dspark_ops.steps import prefill
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    last, features, cache, cache_len = prefill(target, prompts, 32, "cpu")
+    anchor = last.argmax(-1)
+    proposer = BlockDraftProposer(draft)
+    proposer.start(prompts, features, cache_len, anchor, 32)
+    rows = []
+    hook = draft.lm_head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[-2]))
+    args = (anchor, cache_len.long(), torch.ones(2), torch.tensor([5, 6]), {}, None)
+    full = proposer.propose(6, *args)
+    for k in (1, 3):
+        part = proposer.propose(k, *args)
+        assert torch.equal(part.tokens, full.tokens[:, :k])
+        torch.testing.assert_close(part.logits, full.logits[:, :k])
+        if full.confidence is not None:
+            torch.testing.assert_close(part.confidence, full.confidence[:, :k])
+    hook.remove()
+    assert rows == [6, 1, 3]  # LM-head rows: only the drafted slots
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt lookup and the oracle
+
+
+def test_find_continuation():
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7]
+    assert find_continuation(tokens, 3, 1, 3) == [8, 9, 1]  # "6 7" recurs
+    assert find_continuation([1, 2, 3, 2], 3, 1, 5) == [3, 2]  # latest earlier "2"
+    assert find_continuation([1, 2, 3, 4], 3, 1, 5) == []
+    assert find_continuation([4, 1, 4, 2, 4], 2, 1, 2) == [2, 4]  # the latest match wins
+    assert find_continuation([7], 3, 1, 2) == []
+
+
+def test_oracle_drafts_are_right_at_rate_alpha():
+    continuation = list(range(10, 1010))
+    oracle = OracleProposer([continuation], alpha=0.7, vocab_size=2000, seed=3)
+    right = sum(a == b for a, b in zip(oracle.proposals[0], continuation))
+    assert 0.65 < right / len(continuation) < 0.75
+    assert OracleProposer([continuation], 1.0, 2000).proposals[0] == continuation
+    assert not any(a == b for a, b in zip(OracleProposer([continuation], 0.0, 2000).proposals[0],
+                                          continuation))
+    with pytest.raises(ValueError, match="'alpha' must be in"):
+        OracleProposer([continuation], 1.5, 2000)
+
+
+def _costs_for(target, proposer, draft_ms, batch=1):
+    key = costs_module.cost_key(target, proposer, device="cpu", dtype=torch.float64)
+    K = proposer.max_drafts
+    return CostTable(key, {batch: [0.010 + 0.001 * w for w in range(K + 1)]},
+                     [0.0] + [draft_ms / 1e3] * K)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "lookup", "oracle"])
+@pytest.mark.parametrize("draft_ms", [0.0, 50.0])
+def test_goodput_greedy_equals_plain_decoding(pair, kind, draft_ms):
+    target, draft = pair
+    prompts = PROMPTS[:3]
+    expected = generate_target_only(target, prompts, 24)
+    if kind == "dflash":
+        draft = _dflash(draft)
+    elif kind == "eagle3":
+        draft = _eagle3_for(target)
+    elif kind == "lookup":
+        draft = PromptLookupProposer(4)
+    elif kind == "oracle":
+        draft = OracleProposer(expected, 0.6, 64, max_drafts=5)
+    decoder = SpeculativeDecoder(target, draft, block_size=5, costs=_costs_for(
+        target, BlockDraftProposer(pair[1]) if kind in ("dspark", "dflash", "eagle3")
+        else draft, draft_ms), probe_every=2)
+    out = decoder.generate(prompts, 24)
+    assert out.tokens == expected
+    plain = sum(r.plain for r in out.rounds)
+    if draft_ms:  # drafting costs 5 target steps: plain but for the probes
+        assert plain >= 0.6 * len(out.rounds)
+    elif kind != "lookup":
+        assert plain < len(out.rounds)
+    for r in out.rounds:
+        assert all(0 <= a <= n <= r.drafted for a, n in zip(r.accepted, r.num_verify))
+
+
+def _dflash(draft):
+    from dspark_ops.models import DSparkDraft
+
+    config = DSparkConfig(**{**draft.config.__dict__, "markov_rank": 0,
+                             "enable_confidence_head": False})
+    dflash = DSparkDraft(config)
+    dflash.load_state_dict({k: v for k, v in draft.state_dict().items()
+                            if not k.startswith(("markov_head", "confidence_head"))})
+    with torch.no_grad():
+        dflash.lm_head.weight.copy_(draft.markov_head.markov_w2.weight)  # bigram-ish proposals
+    return dflash
+
+
+def _eagle3_for(target):
+    from dspark_ops.models import Eagle3Config, Eagle3Draft
+
+    config = Eagle3Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                          target_layer_ids=(0, 1), ttt_length=5)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config).double()
+    return draft.float()
+
+
+def test_the_plain_path_runs_no_draft_work(pair, monkeypatch):
+    target, draft = pair
+    calls = {"propose": 0, "draft_forward": 0}
+    real_forward = type(draft).forward
+
+    def counting_forward(self, *args, **kwargs):
+        calls["draft_forward"] += 1
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(draft), "forward", counting_forward)
+    proposer = BlockDraftProposer(draft)
+    costs = _costs_for(target, proposer, 1e6)  # drafting never pays
+    decoder = SpeculativeDecoder(target, proposer, costs=costs, probe_every=1000, probe_max=1000)
+    out = decoder.generate(PROMPTS[:2], 16)
+    assert out.tokens == generate_target_only(target, PROMPTS[:2], 16)
+    assert all(r.plain for r in out.rounds) and calls["draft_forward"] == 0
+    # The deferred context reaches the draft at its next round: a later probe drafts from the
+    # same cache a speculating decoder would have built.
+    decoder = SpeculativeDecoder(target, proposer, costs=costs, probe_every=3)
+    out = decoder.generate(PROMPTS[:2], 16)
+    assert out.tokens == generate_target_only(target, PROMPTS[:2], 16)
+    assert calls["draft_forward"] > 0
+
+
+def test_goodput_needs_a_cost_table(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="needs a measured cost table"):
+        SpeculativeDecoder(target, draft, scheduler="goodput")
+    costs = _costs_for(target, BlockDraftProposer(draft), 1.0)
+    assert SpeculativeDecoder(target, draft, costs=costs).scheduler == "goodput"
+
+
+# --------------------------------------------------------------------------------------------
+# Exact sampling with the new early stops
+
+
+@torch.no_grad()
+def _joint(target, prompt, steps):
+    """P(y_1..y_steps | prompt) at T = 1, by running the target on every prefix."""
+    vocab = target.config.vocab_size
+    joint = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(joint)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        zeros = torch.zeros(len(prefixes), dtype=torch.int32)
+        logits = target(ids, zeros + ids.shape[1], target.new_cache(len(prefixes), ids.shape[1]),
+                        zeros)[0][:, -1].double()
+        probs = torch.softmax(logits, -1)
+        joint = {p + (y,): joint[p] * float(probs[i, y])
+                 for i, p in enumerate(prefixes) for y in range(vocab)}
+    return joint
+
+
+def _chi_square(decoder, target, prompt, steps, trials):
+    out = decoder.generate([prompt] * trials, steps, 1.0, torch.arange(trials))
+    joint = _joint(target, prompt, steps)
+    index = {seq: i for i, seq in enumerate(joint)}
+    samples = torch.tensor([index[tuple(t[:steps])] for t in out.tokens])
+    probs = torch.tensor(list(joint.values()))
+    return chi_square(samples, probs / probs.sum()), out
+
+
+def _sampling_pair():
+    return tiny_pair(vocab=8, block_size=4, context=0.3, noise=0.4, num_layers=1,
+                     target_dtype=torch.float64)
+
+
+def _selective_costs(target, proposer, trials):
+    """Each verified width costs 30 % of a step more: drafting pays for some k, not all."""
+    key = costs_module.cost_key(target, proposer, device="cpu", dtype=torch.float64)
+    return CostTable(key, {trials: [1.0 + 0.3 * w for w in range(5)]}, [0.0, 0.1, 0.2, 0.3, 0.4])
+
+
+def test_goodput_sampling_follows_the_target():
+    target, draft = _sampling_pair()
+    trials = 12000
+    proposer = BlockDraftProposer(draft)
+    decoder = SpeculativeDecoder(target, proposer, costs=_selective_costs(target, proposer, trials))
+    decoder.policy.estimate.pooled = [0.9, 0.6, 0.3, 0.2]  # lazy: k = 2 or 3 slots
+    (chi2, df), out = _chi_square(decoder, target, [1, 2, 3], 3, trials)
+    assert chi_square_passes(chi2, df), (chi2, df)
+    drafted = {r.drafted for r in out.rounds}
+    assert drafted - {0, 4}, drafted  # some rounds drafted fewer slots than the block
+    accepted = sum(a for r in out.rounds for a in r.accepted)
+    verified = sum(n for r in out.rounds for n in r.num_verify)
+    assert 0 < accepted < verified
+
+
+def test_chi_square_rejects_a_stop_that_looks_at_the_drafted_token(monkeypatch):
+    """The same check fails when the verify length depends on the drafts themselves: verifying
+    a draft only when it is the draft's most probable token (which makes that token more
+    likely than the target says: a verified draft is accepted with min(1, p/q), an unverified
+    slot is drawn from p, so P(y = x) = min(p, q) + (1 - q) p > p)."""
+    target, draft = _sampling_pair()
+    trials = 12000
+    proposer = BlockDraftProposer(draft)
+    decoder = SpeculativeDecoder(target, proposer, costs=_selective_costs(target, proposer, trials))
+    decoder.policy.estimate.pooled = [0.9, 0.6, 0.3, 0.2]  # the same rounds as above
+
+    def peeking(proposal, active, step_rate, history):
+        probs = torch.softmax(proposal.logits.float(), -1)
+        own = probs.gather(-1, proposal.tokens[..., None])[..., 0]
+        sure = (own >= probs.max(-1).values).int().cumprod(1).sum(1)
+        return torch.where(active, sure, 0).int()
+
+    monkeypatch.setattr(decoder, "_num_verify", peeking)
+    (chi2, df), _ = _chi_square(decoder, target, [1, 2, 3], 3, trials)
+    assert not chi_square_passes(chi2, df), (chi2, df)
