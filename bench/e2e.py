@@ -11,15 +11,25 @@ one request at a time, every method on the same prompts:
 - ``prompt lookup``: ``model.generate(prompt_lookup_num_tokens=...)``, n-gram drafting from the
   prompt (transformers' assisted decoding);
 - ``plain``: this library's plain decoding (``generate_target_only`` through ``HFTarget``);
-- ``dflash``, ``eagle3``, ``dspark``: speculative decoding with the trained drafts, every draft
-  verified (Eagle3: chain drafting of ``G`` tokens a round);
-- ``dspark + confidence``: the DSpark draft with ``scheduler="confidence"`` and the temperatures
-  fitted at the end of training (``calibration.json``).
+- ``lookup goodput``: this library's prompt lookup (n-gram drafts from the request's own
+  tokens) under the goodput rule;
+- ``dflash``, ``eagle3``, ``dspark``: speculative decoding with the trained drafts, the fixed
+  block: every slot drafted and verified (Eagle3: chain drafting of ``G`` tokens a round);
+- ``dspark goodput``: the DSpark draft under the goodput rule (``k`` slots drafted per round
+  from the machine's measured costs and the running acceptance, 0 = the plain path; Algorithm 1
+  on the calibrated confidences after drafting);
+- ``random dspark goodput``: the same with an untrained draft of the same shape (the floor:
+  goodput must fall back to plain decoding).
+
+The goodput methods profile their cost tables on first use (cached,
+``python -m dspark_ops.profile``) and keep one decoder across prompts, so their acceptance
+estimates carry over as a server's would.
 
 Methods run interleaved: for each prompt every method once, in an order that rotates from prompt
 to prompt, so a noisy machine slows all alike. Reported per category and method: tokens/s (all
-tokens over all seconds, the prefill included), the speed-up over ``generate``, tau (tokens per
-target forward after the prefill: accepted drafts + 1 for the speculative decoders), the
+tokens over all seconds, the prefill included), the speed-up over ``generate`` and over
+``plain``, tau (accepted drafts + 1 over the rounds that drafted), drafts verified per round,
+the share of rounds that ran the plain path, tokens per target forward after the prefill, the
 acceptance by position (the share of rounds that accepted at least ``k`` drafts) and, greedy,
 how many outputs equal plain decoding's token for token. Writes the JSON and a PNG chart.
 """
@@ -37,10 +47,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 CATEGORIES = ("math", "code", "chat")
-METHODS = ("generate", "prompt lookup", "plain", "dflash", "eagle3", "dspark",
-           "dspark + confidence")
+METHODS = ("generate", "prompt lookup", "plain", "lookup goodput", "dflash", "eagle3", "dspark",
+           "dspark goodput", "random dspark goodput")
 DRAFTS = ("dspark", "dflash", "eagle3")
-OPTIONAL = ("eagle3",)  # in the table when trained (bench.smollm2_train --archs ... eagle3)
+# Methods that need a trained draft, and which: in the table when bench.smollm2_train made it.
+NEEDS = {"dflash": "dflash", "eagle3": "eagle3", "dspark": "dspark", "dspark goodput": "dspark",
+         "random dspark goodput": "dspark"}
 
 
 class _ForwardCounter:
@@ -93,10 +105,27 @@ def _calibration(path: str) -> Optional[torch.Tensor]:
         return torch.tensor(json.load(f)["calib_temperature"], dtype=torch.float32)
 
 
+def random_draft(model, trained):
+    """A DSpark draft of ``trained``'s configuration with fresh random layers and heads (the
+    trainer's initialisation) and the target's embedding and LM head: goodput's floor case."""
+    from dspark_ops.models import DSparkDraft
+
+    torch.manual_seed(0)
+    draft = DSparkDraft(trained.config).to(trained.fc.weight.dtype)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+        draft.lm_head.weight.copy_(model.get_output_embeddings().weight)
+    return draft.eval()
+
+
 def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new_tokens: int,
-                  temperature: float, lookup_tokens: int):
-    """Each method as ``run(prompt, seed) -> (tokens, rounds or None)``."""
+                  temperature: float, lookup_tokens: int, methods: Sequence[str]):
+    """Each method as ``run(prompt, seed) -> (tokens, rounds or None)``. The goodput methods
+    read the cost table of their proposer (profiled on first use, then cached); their decoders
+    live across prompts, so their acceptance estimates carry over as a server's would."""
+    from dspark_ops.costs import load_or_profile_costs
     from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
+    from dspark_ops.proposers import PromptLookupProposer, make_proposer
 
     sampled = temperature > 0
     hf_kwargs = dict(max_new_tokens=new_tokens, eos_token_id=stop, pad_token_id=stop[0])
@@ -115,19 +144,24 @@ def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new
         return generate_target_only(target, [prompt], new_tokens, temperature, seed=[seed],
                                     eos_token_id=stop)[0], None
 
-    decoders = {
-        "dflash": SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
-                                     eos_token_id=stop),
-        "dspark": SpeculativeDecoder(target, drafts["dspark"], scheduler="fixed",
-                                     eos_token_id=stop),
-        "dspark + confidence": SpeculativeDecoder(
-            target, drafts["dspark"], scheduler="confidence", eos_token_id=stop,
-            calib_temperature=drafts["calibration"]),
-    }
+    def goodput(proposer):
+        costs = load_or_profile_costs(target, proposer)
+        return SpeculativeDecoder(target, proposer, costs=costs, eos_token_id=stop)
 
-    if "eagle3" in drafts:
-        decoders["eagle3"] = SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
-                                                eos_token_id=stop)
+    makers = {
+        "lookup goodput": lambda: goodput(PromptLookupProposer(lookup_tokens)),
+        "dflash": lambda: SpeculativeDecoder(target, drafts["dflash"], scheduler="fixed",
+                                             eos_token_id=stop),
+        "eagle3": lambda: SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
+                                             eos_token_id=stop),
+        "dspark": lambda: SpeculativeDecoder(target, drafts["dspark"], scheduler="fixed",
+                                             eos_token_id=stop),
+        "dspark goodput": lambda: goodput(make_proposer(
+            drafts["dspark"], calib_temperature=drafts.get("calibration"))),
+        "random dspark goodput": lambda: goodput(make_proposer(
+            random_draft(model, drafts["dspark"]))),
+    }
+    decoders = {name: makers[name]() for name in methods if name in makers}
 
     def speculative(name):
         def run(prompt, seed):
@@ -157,7 +191,8 @@ def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperatu
     result = {}
     for category, items in prompts.items():
         rows = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "rounds": 0, "accepted": 0,
-                    "at_least": [0] * block, "same_as_plain": 0, "outputs": []}
+                    "at_least": [0] * block, "same_as_plain": 0, "outputs": [],
+                    "all_rounds": 0, "plain_rounds": 0, "verified": 0}
                 for m in methods}
         for i, prompt in enumerate(items):
             order = list(methods[i % len(methods):] + methods[:i % len(methods)])
@@ -173,10 +208,14 @@ def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperatu
                 row["seconds"] += seconds
                 row["forwards"] += counter.count
                 if rounds is not None:
-                    row["rounds"] += sum(len(r.accepted) for r in rounds)
-                    row["accepted"] += sum(sum(r.accepted) for r in rounds)
+                    drafted = [r for r in rounds if not r.plain]
+                    row["all_rounds"] += len(rounds)
+                    row["plain_rounds"] += len(rounds) - len(drafted)
+                    row["rounds"] += sum(len(r.accepted) for r in drafted)
+                    row["accepted"] += sum(sum(r.accepted) for r in drafted)
+                    row["verified"] += sum(sum(r.num_verify) for r in rounds)
                     row["at_least"] = [a + b for a, b in zip(row["at_least"],
-                                                              _acceptance(rounds, block))]
+                                                              _acceptance(drafted, block))]
                 outputs[name] = tokens
                 progress.update(1)
             for name in methods:
@@ -184,14 +223,20 @@ def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperatu
                 rows[name]["outputs"].append(outputs[name])
         summary = {}
         generate_rate = rows["generate"]["tokens"] / rows["generate"]["seconds"]
+        plain_rate = rows["plain"]["tokens"] / rows["plain"]["seconds"]
         for name, row in rows.items():
             rate = row["tokens"] / row["seconds"]
             entry = {"tokens": row["tokens"], "seconds": row["seconds"], "tokens_per_s": rate,
                      "speedup_vs_generate": rate / generate_rate,
+                     "speedup_vs_plain": rate / plain_rate,
                      # tokens per target forward after the prefill (the prefill gives one)
                      "tokens_per_forward": ((row["tokens"] - len(items))
                                             / max(row["forwards"] - len(items), 1)),
                      "prompts": len(items)}
+            if row["all_rounds"]:
+                # tau over the rounds that drafted; a goodput decoder's plain rounds apart
+                entry["plain_share"] = row["plain_rounds"] / row["all_rounds"]
+                entry["verified_per_round"] = row["verified"] / row["all_rounds"]
             if row["rounds"]:
                 entry["tau"] = (row["accepted"] + row["rounds"]) / row["rounds"]
                 entry["acceptance_at_least"] = [h / row["rounds"] for h in row["at_least"]]
@@ -210,8 +255,8 @@ def chart(results: dict, path: str) -> None:
 
     greedy = results["settings"]["greedy"]
     methods = [m for m in METHODS if m in greedy[CATEGORIES[0]]]
-    colours = dict(zip(METHODS, ["#9e9e9e", "#bdbdbd", "#607d8b", "#64b5f6", "#8e24aa",
-                                 "#ef6c00", "#c62828"]))
+    colours = dict(zip(METHODS, ["#9e9e9e", "#bdbdbd", "#607d8b", "#26a69a", "#64b5f6",
+                                 "#8e24aa", "#ef6c00", "#c62828", "#f48fb1"]))
     fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.6),
                                       gridspec_kw={"width_ratios": [1.6, 1]})
     width = 0.8 / len(methods)
@@ -224,7 +269,7 @@ def chart(results: dict, path: str) -> None:
     bars.set_title("Decoding speed, SmolLM2-135M-Instruct on 2 CPU threads")
     bars.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     for name, style in (("dspark", "-"), ("dflash", "--"), ("eagle3", ":")):
-        if name not in methods:
+        if name not in methods or "acceptance_at_least" not in greedy[CATEGORIES[0]][name]:
             continue
         for c, colour in zip(CATEGORIES, ("#1b5e20", "#0d47a1", "#b71c1c")):
             rates = greedy[c][name]["acceptance_at_least"]
@@ -243,16 +288,19 @@ def chart(results: dict, path: str) -> None:
 def print_table(results: dict) -> None:
     for setting, per_category in results["settings"].items():
         print(f"\n{setting}")
-        print(f"{'category':8s} {'method':20s} {'tok/s':>7s} {'x gen':>6s} {'tau':>5s} "
-              f"{'tok/fwd':>7s} {'same':>5s}")
+        print(f"{'category':8s} {'method':22s} {'tok/s':>7s} {'x gen':>6s} {'x plain':>7s} "
+              f"{'tau':>5s} {'verif/rd':>8s} {'plain':>6s} {'tok/fwd':>7s} {'same':>5s}")
         for category, methods in per_category.items():
             for name, e in methods.items():
                 tau = f"{e['tau']:.2f}" if "tau" in e else "-"
+                verified = (f"{e['verified_per_round']:.2f}" if "verified_per_round" in e
+                            else "-")
+                plain = f"{e['plain_share']:.0%}" if "plain_share" in e else "-"
                 same = (f"{e['identical_to_plain']}/{e['prompts']}"
                         if "identical_to_plain" in e else "-")
-                print(f"{category:8s} {name:20s} {e['tokens_per_s']:7.2f} "
-                      f"{e['speedup_vs_generate']:6.2f} {tau:>5s} {e['tokens_per_forward']:7.2f} "
-                      f"{same:>5s}")
+                print(f"{category:8s} {name:22s} {e['tokens_per_s']:7.2f} "
+                      f"{e['speedup_vs_generate']:6.2f} {e['speedup_vs_plain']:7.2f} {tau:>5s} "
+                      f"{verified:>8s} {plain:>6s} {e['tokens_per_forward']:7.2f} {same:>5s}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -266,6 +314,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lookup-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens (transformers' usual value)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                        help="only these (generate and plain always run: the ratios need them)")
     parser.add_argument("--json", default="bench/results/e2e_smollm2.json")
     parser.add_argument("--chart", default="docs/e2e_smollm2.png")
     parser.add_argument("--chart-only", action="store_true",
@@ -296,11 +346,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     stop = stop_token_ids(model, tokenizer)
     drafts = {arch: _load_draft(os.path.join(args.runs, arch, "step_latest"), arch)
-              for arch in DRAFTS if arch not in OPTIONAL
-              or os.path.isdir(os.path.join(args.runs, arch, "step_latest"))}
+              for arch in DRAFTS if os.path.isdir(os.path.join(args.runs, arch, "step_latest"))}
+    if "dspark" not in drafts:
+        raise SystemExit(f"no trained DSpark draft in {args.runs}: run python -m "
+                         "bench.smollm2_train first")
     drafts["calibration"] = _calibration(os.path.join(args.runs, "dspark", "step_latest"))
-    if drafts["calibration"] is None:
-        raise SystemExit("the DSpark draft has no calibration.json")
     layers = drafts["dspark"].config.target_layer_ids
     if any(drafts[a].config.target_layer_ids != layers for a in DRAFTS if a in drafts):
         raise SystemExit("the drafts read different target layers")
@@ -316,7 +366,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     settings = {"greedy": (0.0, args.prompts)}
     if args.sampled_prompts:
         settings["T=1"] = (1.0, args.sampled_prompts)
-    methods = [m for m in METHODS if m not in OPTIONAL or m in drafts]
+    methods = [m for m in METHODS if m not in NEEDS or NEEDS[m] in drafts]
+    if args.methods:
+        methods = [m for m in methods if m in args.methods or m in ("generate", "plain")]
     total = sum(n for _, n in settings.values()) * len(CATEGORIES) * len(methods)
     from tqdm import tqdm
 
@@ -335,7 +387,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     with torch.no_grad(), tqdm(total=total, unit="run", desc="e2e") as progress:
         for setting, (temperature, count) in settings.items():
             runners = build_runners(model, target, drafts, stop, args.max_new_tokens,
-                                    temperature, args.lookup_tokens)
+                                    temperature, args.lookup_tokens, methods)
             warm = load("chat", 1)[0]
             for run in runners.values():  # first-call costs out of the timings
                 run(warm[:16], 0)

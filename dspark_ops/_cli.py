@@ -13,8 +13,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .costs import CostTable, cost_key, load_or_profile_costs
 from .decoder import SCHEDULERS, SpeculativeDecoder, generate_target_only
 from .models import DSparkDraft, load_draft
+from .proposers import PromptLookupProposer, make_proposer
+
+#: ``--draft``'s value for prompt lookup (no draft model).
+PROMPT_LOOKUP = "prompt-lookup"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -24,7 +29,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True,
                         help="local directory of a transformers causal LM and its tokenizer")
     parser.add_argument("--draft", required=True,
-                        help="local directory of a DeepSpec DSpark or DFlash draft checkpoint")
+                        help="local directory of a DeepSpec DSpark, DFlash or Eagle3 draft "
+                             "checkpoint, or 'prompt-lookup' (n-gram drafts from the request's "
+                             "own tokens, no model)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="of both models (default: bfloat16 on CUDA, float32 on CPU; "
@@ -32,9 +39,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None,
                         help="drafts per round G (default: the draft's block_size)")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default=None,
-                        help="how many drafts to verify per request (default: 'fixed', every "
-                             "draft, as in the paper's Table 1)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default="goodput",
+                        help="how many drafts to draft and verify per round (default: "
+                             "'goodput', from the machine's measured cost table: speculation "
+                             "only where it pays; 'fixed': every draft, as in the paper's "
+                             "Table 1)")
+    parser.add_argument("--cost-table", default=None,
+                        help="a cost table (python -m dspark_ops.profile) for --scheduler "
+                             "goodput; default: the cached one for this target, draft, device, "
+                             "dtype and thread count, measured on first use (seconds)")
     parser.add_argument("--seed", type=int, default=0,
                         help="request i samples with seed + i, in both decoders")
     parser.add_argument("--calibration", default=None,
@@ -74,7 +87,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 class Models:
     tokenizer: object
     target: object  # HFTarget
-    draft: object  # DSparkDraft or Eagle3Draft
+    draft: object  # DSparkDraft, Eagle3Draft or PromptLookupProposer
     decoder: SpeculativeDecoder
     stop_token_ids: List[int]
 
@@ -105,12 +118,18 @@ def load_models(args: argparse.Namespace) -> Models:
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     # The drafting ops take 16/32-bit floats: a float64 target gets a float32 draft.
     draft_dtype = torch.float32 if dtype == torch.float64 else dtype
-    draft = load_draft(args.draft, dtype=draft_dtype, device=device).eval()
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype,
                                                  attn_implementation="sdpa").to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    config = draft.config
     target_config = getattr(model.config, "text_config", None) or model.config
+    stop = stop_token_ids(model, tokenizer)
+    if args.draft == PROMPT_LOOKUP:
+        proposer = PromptLookupProposer(args.block_size or 10)
+        target = HFTarget(model, [-1])  # one feature layer: no draft reads them
+        return Models(tokenizer, target, proposer,
+                      _decoder(args, target, proposer, stop, None), stop)
+    draft = load_draft(args.draft, dtype=draft_dtype, device=device).eval()
+    config = draft.config
     depth = target_config.num_hidden_layers
     if config.target_num_hidden_layers not in (None, depth):
         raise SystemExit(f"the draft was trained on a {config.target_num_hidden_layers}-layer "
@@ -123,22 +142,35 @@ def load_models(args: argparse.Namespace) -> Models:
         raise SystemExit(f"the draft reads {features}-wide target features; the target's hidden "
                          f"size is {target_config.hidden_size}")
     target = HFTarget(model, config.target_layer_ids)
-    scheduler = args.scheduler or "fixed"
-    stop = stop_token_ids(model, tokenizer)
     calib = load_calibration(args, draft)
+    proposer = make_proposer(draft, block_size=args.block_size, calib_temperature=calib)
+    return Models(tokenizer, target, draft, _decoder(args, target, proposer, stop, calib), stop)
+
+
+def _decoder(args: argparse.Namespace, target, proposer, stop, calib) -> SpeculativeDecoder:
+    """The decoder of ``--scheduler``, with the cost table of ``--cost-table`` (refused when
+    measured on another setting) or the cached one, profiled on first use."""
+    costs = None
+    if args.scheduler == "goodput" or getattr(args, "cost_table", None):
+        key = cost_key(target, proposer, device=target.device, dtype=target.dtype)
+        try:
+            costs = (CostTable.load(args.cost_table, key) if getattr(args, "cost_table", None)
+                     else load_or_profile_costs(target, proposer))
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--cost-table: {error}") from error
     try:
-        decoder = SpeculativeDecoder(target, draft, block_size=args.block_size,
-                                     scheduler=scheduler, eos_token_id=stop,
-                                     calib_temperature=calib)
+        return SpeculativeDecoder(target, proposer, scheduler=args.scheduler, costs=costs,
+                                  eos_token_id=stop, calib_temperature=calib)
     except ValueError as error:  # e.g. a DFlash draft (no confidence head) with --scheduler
-        raise SystemExit(f"--scheduler {scheduler}: {error}") from error
-    return Models(tokenizer, target, draft, decoder, stop)
+        raise SystemExit(f"--scheduler {args.scheduler}: {error}") from error
 
 
 def draft_kind(draft) -> str:
-    """``"eagle3"``, ``"dflash"`` (no sequential head) or ``"dspark"``."""
+    """``"eagle3"``, ``"dflash"`` (no sequential head), ``"dspark"`` or ``"prompt-lookup"``."""
     from .models import Eagle3Draft
 
+    if isinstance(draft, PromptLookupProposer):
+        return PROMPT_LOOKUP
     if isinstance(draft, Eagle3Draft):
         return "eagle3"
     return "dflash" if draft.config.is_dflash else "dspark"

@@ -190,13 +190,19 @@ def test_hf_target_greedy_equals_generate(model_and_tokenizer):
 @needs_gguf
 @torch.no_grad()
 def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer, hf_dir):
-    """DSpark (fixed and confidence scheduling), DFlash and Eagle3 drafts built for SmolLM2 as
-    the trainer builds them, untrained: with the real target, greedy speculative decoding emits the
-    tokens of plain decoding (rejections, the ragged verify batch, cache holes and commits all
-    run on the real model; trained drafts are checked the same way by ``bench.e2e``)."""
+    """Every proposer on the real target: DSpark (fixed, confidence and goodput scheduling),
+    DFlash and Eagle3 drafts built for SmolLM2 as the trainer builds them, untrained, prompt
+    lookup and the oracle: greedy speculative decoding emits the tokens of plain decoding
+    (rejections, the ragged verify batch, cache holes, commits, the goodput decoder's plain
+    rounds, lazy drafting and deferred draft context all run on the real model; trained drafts
+    are checked the same way by ``bench.e2e``). The goodput decoders get a cost table that makes
+    drafting pay (drafting free, verifying cheap) so that they speculate, and one whose drafting
+    never pays, so that plain and probe rounds alternate."""
     from dspark_ops._cli import chat_prompt, stop_token_ids
+    from dspark_ops.costs import CostTable
     from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
     from dspark_ops.hf import HFTarget
+    from dspark_ops.proposers import OracleProposer, PromptLookupProposer, make_proposer
     from dspark_ops.train.trainer import build_draft_config, init_draft, parse_args
 
     model, tokenizer = model_and_tokenizer
@@ -225,7 +231,25 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
                                              eos_token_id=stop),
                 "eagle3": SpeculativeDecoder(target, drafts["eagle3"], scheduler="fixed",
                                              eos_token_id=stop)}
+        proposers = {"dspark": make_proposer(drafts["dspark"]),
+                     "dflash": make_proposer(drafts["dflash"]),
+                     "eagle3": make_proposer(drafts["eagle3"]),
+                     "lookup": PromptLookupProposer(7),
+                     "oracle": OracleProposer(plain, 0.7, model.config.vocab_size)}
+        for name, proposer in proposers.items():
+            for cheap in (True, False):
+                K = proposer.max_drafts
+                costs = CostTable({}, {2: [0.05] + [0.05 + 0.001 * w for w in range(1, K + 1)]},
+                                  [0.0] + [0.0 if cheap else 1.0] * K)
+                runs[f"{name} goodput, drafting {'free' if cheap else 'dear'}"] = \
+                    SpeculativeDecoder(target, proposer, costs=costs, eos_token_id=stop,
+                                       prior=0.9, probe_every=1, probe_max=2)
         for name, decoder in runs.items():
-            assert decoder.generate(prompts, 12).tokens == plain, name
+            out = decoder.generate(prompts, 12)
+            assert out.tokens == plain, name
+            if "goodput" in name:  # free: it speculates (but for a last single token);
+                # dear: plain rounds with probes between them
+                assert (0 < out.plain_share < 1 if "dear" in name
+                        else out.plain_share < 0.5), (name, out.plain_share)
     finally:
         target.close()
