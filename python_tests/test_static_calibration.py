@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_checks.model_vs_measured import find_measured, load_bench
+from gpu_checks.model_vs_measured import find_measured, kernel_key, load_bench
+from gpu_checks.profile_ops import chain_slope
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
@@ -62,3 +63,21 @@ def test_calibrated_model_reproduces_every_table_row():
            if not 1 - TOLERANCE <= model / us <= 1 + TOLERANCE]
     assert not off, "\n".join(off)
 
+
+
+def test_profiled_kernels_meet_the_model_s_by_name():
+    # The profiler's demangled names against bench.static's short ones.
+    assert kernel_key("void dspark_ops::kernels::draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, "
+                      "false>(dspark_ops::kernels::DraftParams)") == \
+        kernel_key("draft_slot_kernel<bf16, bf16, false>")
+    assert kernel_key("verify_emit_kernel<bf16, float>") != kernel_key(
+        "verify_row_stats_kernel<bf16, float>")
+
+
+def test_verify_chain_slope_is_the_cost_of_one_more_row():
+    ops = {f"verify_chain_G{g}": {"eager_cold_us": 30.0 + 15.0 * g} for g in (1, 2, 4, 8)}
+    ops["verify_sampled"] = {"eager_cold_us": 999.0}   # not part of the sweep
+    chain = chain_slope(ops)
+    assert chain["us_per_row"] == pytest.approx(15.0)
+    assert chain["intercept_us"] == pytest.approx(30.0)
+    assert chain_slope({"verify_chain_G8": {"eager_cold_us": 1.0}}) is None
