@@ -36,7 +36,7 @@ class Hardware:
     # constant's source, and which were fitted to which rows).
     # A global load that its warp waits for with nothing else of its own in flight, on a critical
     # path (Chain), while the rest of the grid streams: the HBM latency above queued behind the
-    # grid's traffic, with the issue and scoreboard turn-around around each wait.
+    # grid's traffic, with the issue and scoreboard turn-around around each wait (2-3x it).
     dram_dependent_s: float = 1.4e-6  # FITTED
     # The same for data that L2 holds (a row just streamed, a counter, a partial, an atomic).
     l2_dependent_s: float = 0.7e-6    # FITTED
