@@ -4,37 +4,29 @@
 docs/performance-model.md, "Against an H200". Reads committed JSON only: no GPU, no build."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from bench.static.calibrate import TABLE, fit, modelled_us, table_row
+from bench.static.model import Hardware
 from gpu_checks.model_vs_measured import find_measured, kernel_key, load_bench
 from gpu_checks.profile_ops import chain_slope
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
-# The table's rows: (op, the model row's variant, a prefix of its shape). The five constants
-# marked FITTED in bench/static/model.py were fitted to these eleven rows.
-TABLE = [
-    ("verify", "greedy a=0.69", "B=64 G=8 V=151936"),
-    ("verify", "sampled a=0.65", "B=64 G=8 V=151936"),
-    ("verify", "sampled a=0.88 top-k 50 top-p 0.9", "B=64 G=8 V=151936"),
-    ("markov_draft", "sampled", "B=64 G=7 V=151936 r=256"),
-    ("markov_draft", "greedy", "B=64 G=7 V=151936 r=256"),
-    ("rnn_draft", "sampled", "B=64 G=7 V=151936 r=256 d=2560"),
-    ("draft_confidence", "calibrated", "B=64 G=7 d=2560 r=256"),
-    ("block_draft_attention", "bf16", "B=64 G=8 Hq=32 Hkv=8 D=128 ctx=4096"),
-    ("append_context_kv", "bf16", "B=64 n<=9 Hkv=8 D=128 ctx=4096"),
-    ("schedule_verify", "one-stage", "B=256 G=16"),
-    ("dspark_loss", "bf16 vocabulary pass + cuBLAS products", "N=3584 V=151936 d=2560 r=256"),
-]
 TOLERANCE = 0.25
 
 
-def model_rows():
+def snapshot():
     data = json.loads((RESULTS / "static_sm90.json").read_text())
     assert data["kind"].startswith("MODEL")
-    return data["rows"]
+    return data
+
+
+def model_rows():
+    return snapshot()["rows"]
 
 
 def table_pairs(rows, measured):
@@ -81,3 +73,39 @@ def test_verify_chain_slope_is_the_cost_of_one_more_row():
     assert chain["us_per_row"] == pytest.approx(15.0)
     assert chain["intercept_us"] == pytest.approx(30.0)
     assert chain_slope({"verify_chain_G8": {"eager_cold_us": 1.0}}) is None
+
+
+def test_a_snapshot_row_is_recomputed_for_other_constants():
+    # Every term a snapshot records is fixed or a count times the fitted constants: at the
+    # snapshot's own constants the recomputation gives every row's model time back.
+    data = snapshot()
+    recorded = Hardware(**data["hardware"])
+    for row in data["rows"]:
+        assert modelled_us(row, recorded, recorded) == pytest.approx(row["model_us"], rel=1e-9)
+    # Doubling the fence adds its fences on each launch's chain where the chain is the bound.
+    row = next(r for r in data["rows"] if r["variant"] == "greedy a=0.69")
+    slower = Hardware(**{**data["hardware"], "fence_s": 2 * recorded.fence_s})
+    stats = row["kernels"][0]
+    assert stats["bound"] == "chain"
+    assert modelled_us(row, slower, recorded) - row["model_us"] == pytest.approx(
+        stats["chain"]["fences"] * recorded.fence_s * 1e6, rel=1e-6)
+    # The schedule kernel's phases after its merge are work in series beside no other bound:
+    # a dependent instruction twice as long adds their instructions once more.
+    row = next(r for r in data["rows"] if r["op"] == "schedule_verify")
+    serial = row["kernels"][0]["serial_chain"]
+    assert serial["dependent_instrs"] > 0
+    slower = Hardware(**{**data["hardware"],
+                         "dependent_instr_s": 2 * recorded.dependent_instr_s})
+    assert modelled_us(row, slower, recorded) - row["model_us"] == pytest.approx(
+        serial["dependent_instrs"] * recorded.dependent_instr_s * 1e6, rel=1e-6)
+
+
+def test_refit_on_the_committed_run_is_no_worse_than_the_snapshot():
+    # The grid holds the snapshot's own constants, so the refit's worst row is at most theirs.
+    measured = load_bench([RESULTS / "all_nvidia-h200.json"])
+    data = snapshot()
+    pairs = [(table_row(data["rows"], *key), us)
+             for key, (_, _, us) in zip(TABLE, table_pairs(data["rows"], measured))]
+    current = max(abs(math.log(row["model_us"] / us)) for row, us in pairs)
+    _, worst, _ = fit(pairs, Hardware(**data["hardware"]))
+    assert worst <= current + 1e-12 and worst < math.log(1 + TOLERANCE)

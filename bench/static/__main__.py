@@ -105,6 +105,7 @@ def run_model(so: Path) -> dict:
                 "memory_us": r.memory_s * 1e6, "issue_us": r.issue_s * 1e6,
                 "latency_us": r.latency_s * 1e6, "chain_us": r.chain_s * 1e6,
                 "chain": dataclasses.asdict(r.chain), "overhead_us": r.overhead_s * 1e6,
+                "serial_chain": dataclasses.asdict(r.serial_chain),
                 "time_us": r.time_s * 1e6, "total_us": r.total_s * 1e6, "bound": r.bound,
                 "note": r.note,
             } for r in launches],

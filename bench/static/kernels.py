@@ -135,7 +135,8 @@ class Launch:
     barrier_stages: float = 0
     note: str = ""
     load_bytes: Optional[float] = None  # bytes the latency bound waits for (default: dram_bytes)
-    serial_s: float = 0.0   # work one block does alone on the critical path (verify's filters)
+    serial_s: float = 0.0   # work one block does alone after the parallel part (seconds)
+    serial_chain: Chain = Chain()  # ... and its part counted as a Chain (the schedule's phases)
     dependent: bool = False  # a programmatic dependent launch (DSPARK_LAUNCH_DEPENDENT)
     chain: Chain = Chain()   # the launch's critical path (see Chain), counted from the code
 
@@ -150,14 +151,14 @@ def evaluate(launch: Launch) -> LaunchResult:
     memory, issue, latency, overhead, flight = launch_time(
         blocks=launch.blocks, threads=launch.threads, occ=occ, terms=launch.terms,
         dram_bytes=launch.dram_bytes, latency_s=launch.latency_s, imbalance=launch.imbalance,
-        load_bytes=launch.load_bytes, serial_s=launch.serial_s,
+        load_bytes=launch.load_bytes, serial_s=launch.serial_s + launch.serial_chain.time_s(),
         barrier_stages=launch.barrier_stages, dependent=launch.dependent)
     chain_s = launch.chain.time_s()
     return LaunchResult(k.name, launch.label, launch.count, k.regs, k.local, k.static_smem,
                         launch.dynamic_smem, launch.threads, launch.blocks, occ, launch.terms,
                         launch.dram_bytes, memory, issue, latency, overhead,
                         bound_of(memory, issue, latency, overhead, chain_s), flight, launch.note,
-                        launch.chain, chain_s)
+                        launch.chain, chain_s, launch.serial_chain)
 
 
 @dataclasses.dataclass
@@ -777,7 +778,7 @@ def schedule_op(binary: Binary, planner: Planner, batch: int, block: int) -> Op:
     # phase in series (its request's survival keys from HBM, the block reductions and scans,
     # theta over its ranks, the lengths): at the modelled shapes their loops run one to a few
     # times, so that path is taken as every instruction of the kernel outside the merge round's
-    # loop, once. Both are work the block does after (not beside) the merge: serial_s.
+    # loop, once. Both are work the block does after (not beside) the merge: serial.
     merge_loop, _, _, _ = select_loop(binary, k, round_spec)
     cfg = binary.cfg(k.name)
     straight = sum(len(b.instrs) for b in cfg.blocks) - len(merge_loop.instrs(cfg))
@@ -785,8 +786,8 @@ def schedule_op(binary: Binary, planner: Planner, batch: int, block: int) -> Op:
                         [term(binary, k, round_spec, len(widths) * pairs),
                          term(binary, k, search, segments * sum(steps))],
                         0, latency_s=None, barrier_stages=0,
-                        serial_s=chain * latency + Chain(dram_waits=1,
-                                                         dependent_instrs=straight).time_s(),
+                        serial_s=chain * latency,
+                        serial_chain=Chain(dram_waits=1, dependent_instrs=straight),
                         note=f"{pairs} keys in {'shared memory' if shared else 'global (L2)'}, "
                              f"{len(widths)} merge rounds, {chain} dependent "
                              f"{'shared' if shared else 'L2'} loads on the critical path "

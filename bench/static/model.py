@@ -158,6 +158,7 @@ class LaunchResult:
     note: str = ""
     chain: Chain = Chain()
     chain_s: float = 0.0
+    serial_chain: Chain = Chain()  # the part of overhead_s counted as a Chain
 
     @property
     def time_s(self) -> float:
