@@ -7,7 +7,11 @@
 #   3. compute-sanitizer memcheck and racecheck over gpu_checks/cuda_smoke.py (every kernel, the
 #      drafting ops included)
 #   4. CPU-vs-CUDA agreement on shared seeds: verify tokens, draft tokens and draft logits
-#   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included)
+#   5. the benchmarks (python -m bench: every bench/bench_*.py family, draft included), then the
+#      per-op profile (python -m gpu_checks.profile_ops: eager with and without the L2 flush,
+#      CUDA-graph replay cold and warm, per-kernel device times, verify's sweep over G; not yet
+#      run on a GPU, estimated at 30-60 s, limit 75 s), the per-kernel times the static model
+#      is calibrated from
 #   6. with --with-sim (about 2 more minutes; needs g++ and ninja): the SIMT emulator (csrc/sim/)
 #      against this GPU on the same inputs
 #   7. the static performance MODEL of the built kernels (python -m bench.static; no GPU needed:
@@ -106,11 +110,13 @@ if ((build_ok == 0)); then
     run_step agreement 90 $PY -m gpu_checks.cpu_cuda_agreement --cpu-only --out "$OUT/agreement.json"
     # Every row once, each competitor called once: the script and the rows work, nothing timed.
     run_step bench 420 $PY -m bench --smoke --results-dir "$OUT"
+    run_step profile 120 $PY -m gpu_checks.profile_ops --dry-run --out "$OUT"
   else
     # The drafting section adds a few seconds; the draft family about 30 s (torch.compile of
     # the eager step, once).
     run_step agreement 100 $PY -m gpu_checks.cpu_cuda_agreement --out "$OUT/agreement.json"
     run_step bench 180 $PY -m bench --results-dir "$OUT"
+    run_step profile 75 $PY -m gpu_checks.profile_ops --out "$OUT"
   fi
   # 7. The static model of this build's sm_90 code (its own folder: a failed run leaves nothing).
   rm -rf "$OUT/static_model"
@@ -161,6 +167,9 @@ for path in sorted(out.glob("verify_*.json")) + sorted(out.glob("draft_*.json"))
 EOF
 if [[ -f "$OUT/static_model/static_sm90.json" ]]; then
   echo
-  $PY -m gpu_checks.model_vs_measured --model "$OUT/static_model/static_sm90.json" --bench "$OUT"/all_*.json
+  profile=()
+  [[ -f "$OUT/profile_ops.json" ]] && profile=(--profile "$OUT/profile_ops.json")
+  $PY -m gpu_checks.model_vs_measured --model "$OUT/static_model/static_sm90.json" \
+    --bench "$OUT"/all_*.json "${profile[@]}"
 fi
 ! grep -qv $'\tok\t' "$OUT/steps.tsv"

@@ -253,8 +253,11 @@ def test_static_model_takes_every_launch_from_a_plan():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
                     "Launch", "occ_of", "occupancy"):
                 outside.append(f"{function.name}: {node.func.id}(...)")
-    # evaluate() computes the occupancy of a planned launch for its time, not for its grid.
-    assert outside == ["occ_of: occupancy(...)", "evaluate: occ_of(...)"], outside
+    # evaluate() computes the occupancy of a planned launch for its time, not for its grid; so do
+    # verify_op (the resident blocks its requests' chains are scheduled on) and attention_op
+    # (the rounds of blocks on the busiest SM).
+    assert outside == ["occ_of: occupancy(...)", "evaluate: occ_of(...)", "verify_op: occ_of(...)",
+                       "attention_op: occ_of(...)"], outside
 
 
 def test_contributing_maps_every_op():

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.static import kernels, sass
-from bench.static.model import H200, Occupancy, Term, bound_of, launch_time, occupancy
+from bench.static.model import (H200, Chain, LibraryCall, Occupancy, Term, bound_of, launch_time,
+                                occupancy)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,9 +239,13 @@ def test_real_binary_end_to_end(tmp_path):
     assert greedy["kernels"][0]["overhead_us"] >= H200.launch_s * 1e6
     assert stats["loops"][0]["elems_per_iter"] % 16 == 0
     for row in data["rows"]:
-        assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "overhead")
-        # The op's time: its launches (the glue fills nothing: test_glue_fills_nothing_per_call).
-        assert row["model_us"] == pytest.approx(sum(k["total_us"] for k in row["kernels"]))
+        assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "chain",
+                                                        "overhead", "library")
+        # The op's time: its launches (the glue fills nothing: test_glue_fills_nothing_per_call),
+        # the library calls it makes, and the benchmark's entry per call.
+        assert row["model_us"] == pytest.approx(sum(k["total_us"] for k in row["kernels"])
+                                                + sum(c["total_us"] for c in row["library"])
+                                                + H200.op_entry_s * 1e6)
     assert (tmp_path / "static_sm90.csv").read_text().startswith("kind,op,shape")
     # The vote-skipping epilogue states its assumed fractions.
     slot = rows[("markov_draft", "sampled")]["kernels"][0]
@@ -248,7 +253,7 @@ def test_real_binary_end_to_end(tmp_path):
     assert any("logarithms" in name and "assumed" in name for name in loops)
     assert any("reductions" in name and "assumed" in name for name in loops)
     # The loss's plan: full chunks, then the last chunk's rows, every row once.
-    loss = rows[("dspark_loss", "bf16 vocabulary pass")]["kernels"]
+    loss = rows[("dspark_loss", "bf16 vocabulary pass + cuBLAS products")]["kernels"]
     assert sum(k["launches"] * k["blocks"] for k in loss) == 512 * 7
 
 
@@ -267,3 +272,108 @@ def test_cpu_only_binary_is_refused(tmp_path):
                          cwd=ROOT)
     assert res.returncode != 0 and "no sm_90" in res.stderr
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The calibrated terms: critical paths (Chain), verify's schedule of row chains, library calls.
+
+
+def test_chain_time_counts_every_kind_of_wait():
+    chain = Chain(dram_waits=2, l2_waits=3, fences=1, dependent_instrs=100, barrier_stages=4)
+    assert chain.time_s() == pytest.approx(
+        2 * H200.dram_dependent_s + 3 * H200.l2_dependent_s + H200.fence_s
+        + 100 * H200.dependent_instr_s + 4 * H200.barrier_stage_s)
+    # Per-row parts compose: a row's chain over 9 rows, then a tail.
+    total = chain.scaled(9) + Chain(fences=1)
+    assert total.fences == 10 and total.dram_waits == 18
+    assert total.time_s() == pytest.approx(9 * chain.time_s() + H200.fence_s)
+
+
+def _fake_launch(count, chain, dram_bytes=1e3):
+    kernel = kernels.KernelInfo("_Z4testPf", 32, 1024, 0, 0)
+    return kernels.Launch(kernel, "test", 256, 4 * H200.sms, 0, [_term(2, 1e3, 256)], dram_bytes,
+                          count=count, chain=chain)
+
+
+def test_chain_is_a_bound_and_every_launch_pays_its_launch():
+    # A chain of 100 HBM waits outlasts the launch's memory, issue and latency: it is the bound,
+    # beside them (not added to them), and each of the 7 launches (one per draft slot) pays it
+    # and its own launch.
+    chain = Chain(dram_waits=100)
+    one = kernels.evaluate(_fake_launch(1, chain))
+    assert one.bound == "chain"
+    assert one.time_s == pytest.approx(chain.time_s() + H200.launch_s)
+    seven = kernels.evaluate(_fake_launch(7, chain))
+    assert seven.total_s == pytest.approx(7 * (chain.time_s() + H200.launch_s))
+    # A launch with much memory and a short chain stays memory-bound at the same time as before.
+    big = kernels.evaluate(_fake_launch(1, Chain(dram_waits=1), dram_bytes=4e9))
+    assert big.bound == "memory"
+    assert big.time_s == pytest.approx(4e9 / H200.dram_bytes_per_s + H200.launch_s)
+
+
+def test_verify_row_chain_counts_its_stream_tail():
+    # 9504-element chunks (V = 151936 over 16), 256 threads, 2 groups of 8: two whole
+    # iterations of 4096, then a tail read element by element, one wait per group and row.
+    greedy = kernels.verify_row_chain(9504, 256, 2, 8, greedy=True)
+    sampled = kernels.verify_row_chain(9504, 256, 2, 8, greedy=False)
+    assert greedy.dram_waits == 2 + 2 and sampled.dram_waits == 2 + 2 * 2
+    assert kernels.verify_row_chain(8192, 256, 2, 8, greedy=False).dram_waits == 2
+    # Two fences (the partial's, the decider's) and two L2 round trips (arrival, merge) a row.
+    assert greedy.fences == 2 and greedy.l2_waits == 2
+    assert sampled.dependent_instrs == kernels.PHILOX_CHAIN and greedy.dependent_instrs == 0
+
+
+def test_rows_decided_is_a_distribution_with_the_floor_s_mean():
+    for alpha in (0.0, 0.3, 0.7, 1.0):
+        probs = kernels.rows_decided(alpha, 8)
+        assert len(probs) == 9 and sum(probs) == pytest.approx(1.0)
+        mean = sum(k * p for k, p in enumerate(probs, start=1))
+        assert mean == pytest.approx(sum(alpha ** i for i in range(9)))
+
+
+def test_request_makespan_follows_rows_requests_and_residency():
+    # Every draft accepted: each request's blocks decide G + 1 rows. 64 requests x 16 chunks on
+    # 396 resident blocks run in 3 rounds on the slot that finishes last.
+    seconds, rows, tails = kernels.request_makespan(64, 16, 396, 1.0, 8, 1.0, 0.5)
+    assert rows == pytest.approx(3 * 9) and tails == pytest.approx(3)
+    assert seconds == pytest.approx(3 * 9 + 3 * 0.5)
+    assert kernels.request_makespan(64, 16, 396, 1.0, 4, 1.0, 0.0)[1] == pytest.approx(3 * 5)
+    # One request: one round, its own chain.
+    assert kernels.request_makespan(1, 16, 396, 1.0, 8, 1.0, 0.0)[1] == pytest.approx(9)
+    # Every first row rejected: one row per request per round.
+    assert kernels.request_makespan(64, 16, 396, 0.0, 8, 1.0, 0.0)[1] == pytest.approx(3)
+    # Twice the resident blocks: fewer rounds.
+    assert kernels.request_makespan(64, 16, 792, 1.0, 8, 1.0, 0.0)[1] == pytest.approx(2 * 9)
+
+
+def test_draft_slot_chain_pays_each_column_tile_on_every_tile():
+    # The busiest warp's 5 tiles of B = 64 (8 column tiles): 2 W2 batches and 8 exposed
+    # base-logit loads per tile, the inputs' row once.
+    chain = kernels.draft_slot_chain(5, 2, 8, 1000.0)
+    assert chain.dram_waits == 1 + 5 * (2 + 8)
+    assert chain.dependent_instrs == 5 * 1000.0
+    assert kernels.draft_slot_chain(5, 2, 1, 1000.0).dram_waits == 1 + 5 * (2 + 1)
+    assert chain.fences == 2 and chain.l2_waits == 2
+
+
+def test_attention_split_chain_waits_twice_per_tile_per_round():
+    chain = kernels.attention_split_chain(64, 2)
+    assert chain.dram_waits == 2 * (2 + 2 * 64)
+    assert kernels.attention_split_chain(64, 1).dram_waits == 2 + 2 * 64
+
+
+def test_loss_products_are_the_op_s_floating_point_operations():
+    # Per chunk: three products with the LM head (z, t, d h) and three with W2 (the bias, d u,
+    # d W2): 6 n V (d + r), the 9.2 TFLOP of docs/semantics.md §4 over N = 3584 rows.
+    n, V, d, r = 441, 151936, 2560, 256
+    for softcap in (False, True):
+        calls = kernels.loss_chunk_products(n, V, d, r, softcap, 1)
+        assert sum(c.flops for c in calls) == pytest.approx(6 * n * V * (d + r))
+    assert 6 * 3584 * V * (d + r) == pytest.approx(9.2e12, rel=0.01)
+    # A product runs at the stated fraction of the bf16 GEMM rate unless its bytes take longer.
+    z = kernels.loss_chunk_products(n, V, d, r, False, 8)[0]
+    assert z.time_s() == pytest.approx(z.flops / (H200.gemm_fraction * H200.gemm_bf16_flops)
+                                       + H200.launch_s)
+    assert z.total_s() == pytest.approx(8 * z.time_s())
+    copy = LibraryCall("copy", 0.0, 1e9)
+    assert copy.time_s() == pytest.approx(1e9 / H200.dram_bytes_per_s + H200.launch_s)

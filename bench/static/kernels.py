@@ -9,7 +9,9 @@ numbers for the wrong code: update the selector here together with the kernel.""
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
+import random
 import re
 from typing import Dict, List, Optional, Tuple
 
@@ -17,7 +19,8 @@ from pathlib import Path
 
 from bench.static import sass
 from bench.static.binary import Binary, KernelInfo
-from bench.static.model import (H200, LaunchResult, Term, bound_of, launch_time, occupancy)
+from bench.static.model import (H200, Chain, LaunchResult, LibraryCall, Term, bound_of,
+                                launch_time, occupancy)
 from bench.static.plans import Launch as PlanLaunch
 from bench.static.plans import Plan, Planner
 
@@ -129,12 +132,13 @@ class Launch:
     count: int = 1
     latency_s: Optional[float] = H200.dram_latency_s
     imbalance: float = 1.0
-    serial_round_trips: float = 0
     barrier_stages: float = 0
     note: str = ""
     load_bytes: Optional[float] = None  # bytes the latency bound waits for (default: dram_bytes)
-    serial_s: float = 0.0   # work one block does alone on the critical path (verify's filters)
+    serial_s: float = 0.0   # work one block does alone after the parallel part (seconds)
+    serial_chain: Chain = Chain()  # ... and its part counted as a Chain (the schedule's phases)
     dependent: bool = False  # a programmatic dependent launch (DSPARK_LAUNCH_DEPENDENT)
+    chain: Chain = Chain()   # the launch's critical path (see Chain), counted from the code
 
 
 def occ_of(kernel: KernelInfo, threads: int, dynamic_smem: int):
@@ -147,13 +151,14 @@ def evaluate(launch: Launch) -> LaunchResult:
     memory, issue, latency, overhead, flight = launch_time(
         blocks=launch.blocks, threads=launch.threads, occ=occ, terms=launch.terms,
         dram_bytes=launch.dram_bytes, latency_s=launch.latency_s, imbalance=launch.imbalance,
-        load_bytes=launch.load_bytes, serial_s=launch.serial_s,
-        serial_round_trips=launch.serial_round_trips, barrier_stages=launch.barrier_stages,
-        dependent=launch.dependent)
+        load_bytes=launch.load_bytes, serial_s=launch.serial_s + launch.serial_chain.time_s(),
+        barrier_stages=launch.barrier_stages, dependent=launch.dependent)
+    chain_s = launch.chain.time_s()
     return LaunchResult(k.name, launch.label, launch.count, k.regs, k.local, k.static_smem,
                         launch.dynamic_smem, launch.threads, launch.blocks, occ, launch.terms,
                         launch.dram_bytes, memory, issue, latency, overhead,
-                        bound_of(memory, issue, latency, overhead), flight, launch.note)
+                        bound_of(memory, issue, latency, overhead, chain_s), flight, launch.note,
+                        launch.chain, chain_s, launch.serial_chain)
 
 
 @dataclasses.dataclass
@@ -166,6 +171,7 @@ class Op:
     launches: List[Launch]
     launch_bound: bool = False   # docs/semantics.md §4: "launch-bound: one launch"
     match: Optional[dict] = None  # how to find the benchmark's row: op, shape params, variant
+    library: List[LibraryCall] = dataclasses.field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,20 +246,65 @@ def planned(launch: PlanLaunch, label: str, terms: List[Term], dram_bytes: float
 # verify (csrc/kernels/verify.cuh, csrc/cuda/verify_launch.cu)
 
 
-def one_block_pass_s(t: Term, threads: int) -> float:
-    """One block alone over a loop of t.elements elements: issue of its warps on the four
-    schedulers, or one L2 round trip per iteration when each iteration waits for its loads."""
-    iterations = math.ceil(t.elements / (threads * t.elems_per_iter))
-    warps_per_scheduler = math.ceil(threads / 32 / H200.partitions)
-    issue = iterations * t.path_instrs * warps_per_scheduler / H200.clock_hz
-    latency = iterations * H200.l2_latency_s if t.in_flight else 0.0
-    return max(issue, latency)
+def rows_decided(alpha: float, block: int) -> List[float]:
+    """P(a request's blocks decide k rows), k = 1 .. block + 1: rows up to and including the
+    first rejection, or every drafted row and the bonus row."""
+    probs = [alpha ** (k - 1) * (1 - alpha) for k in range(1, block + 1)]
+    return probs + [alpha ** block]
+
+
+# Seeded draws of acceptance for the expected makespan: fixed, so the model is deterministic.
+MAKESPAN_TRIALS, MAKESPAN_SEED = 200, 0x5eed
+
+
+def request_makespan(batch: int, chunks: int, slots: int, alpha: float, block: int,
+                     row_s: float, tail_s: float) -> Tuple[float, float, float]:
+    """Expected (seconds, rows, tails) on the critical path of verify's statistics grid: block
+    (c, b) holds one of `slots` resident places for request b's whole chain (rows decided one
+    after another, `row_s` each, then `tail_s`: the race), and the hardware hands the grid's
+    blocks out in order (c fastest) as places free up. rows and tails: those of the slot that
+    finishes last, averaged over seeded draws of every request's rows."""
+    rng = random.Random(MAKESPAN_SEED)
+    probs = rows_decided(alpha, block)
+    ks = list(range(1, block + 2))
+    total = [0.0, 0.0, 0.0]
+    for _ in range(MAKESPAN_TRIALS):
+        places = [(0.0, 0, 0)] * min(slots, batch * chunks)  # (free at, rows, tails) per place
+        heapq.heapify(places)
+        last = (0.0, 0, 0)
+        for rows in rng.choices(ks, probs, k=batch):
+            for _ in range(chunks):
+                at, r, t = heapq.heappop(places)
+                done = (at + rows * row_s + tail_s, r + rows, t + 1)
+                heapq.heappush(places, done)
+                last = max(last, done)
+        total = [a + b for a, b in zip(total, last)]
+    return tuple(v / MAKESPAN_TRIALS for v in total)
+
+
+# One Philox-4x32-10 draw on thread 0's decision path: ten rounds of a dependent multiply, its
+# high half and the key's XOR (common/philox.h).
+PHILOX_CHAIN = 10 * 3
+
+
+def verify_row_chain(chunk: int, threads: int, groups: int, elems_per_thread: int,
+                     greedy: bool) -> Chain:
+    """The decider's path through one row of verify_row_stats_kernel (see verify_op): its chunk
+    in whole iterations of `groups` 16-byte loads per row and thread (one HBM wait each), the
+    tail element by element (one wait per group and row read), then the block reduction, two
+    fences, the arrival atomic and the partials' merge from L2, and five barriers."""
+    whole, tail = divmod(chunk, threads * elems_per_thread * groups)
+    streams = 1 if greedy else 2          # the target row, and the draft row when sampled
+    return Chain(dram_waits=whole + (groups * streams if tail else 0), l2_waits=2, fences=2,
+                 dependent_instrs=0 if greedy else PHILOX_CHAIN, barrier_stages=5)
 
 
 def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: int,
-              variant: str, alpha: float = 0.7, filtered: bool = False) -> Op:
+              variant: str, alpha: float = 0.7, filtered: bool = False,
+              bench_variant: Optional[str] = None) -> Op:
     """variant: greedy or sampled, with acceptance alpha (alpha = 1: every row is read, the
-    floor's first case)."""
+    floor's first case). bench_variant: the benchmark row this shape reproduces (its inputs
+    realise the acceptance alpha), if any."""
     greedy = variant == "greedy"
     plan = planner.verify(batch, block, vocab, sampled=not greedy, filtered=filtered)
     # bf16 target rows; float32 draft rows (greedy passes none: the same instantiation).
@@ -274,23 +325,48 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
                           {r"^LDG\.E\.128": 6, BF16_HIGH: 8, r"^FSETP\.GT": 32,
                            r"^MUFU\.EX2": 32}, 16, (BF16_HIGH, 8))
     stats_bytes = batch * vocab * (t_rows * BF16 + d_rows * F32)
-    serial_s, note = 0.0, "one fence+atomic per row a block walks"
+
+    # The decider's path through one row (kernels/verify.cuh, verify_row_stats_kernel), which the
+    # next row's decision waits for: its chunk of the row in thread_row_stats' iterations (each
+    # issues its 16-byte loads, kStatsGroups per row, and uses them before the next: one HBM
+    # wait; the tail past the last whole iteration loads 8 elements of one row at a time and
+    # uses them, one wait per group and row), the block reduction, the partial's fence and
+    # returning arrival atomic, then the decision: a fence, the merge of the C partials from L2,
+    # thread 0's Philox draw, and five barriers in all.
+    chunk = vocab // chunks + (vocab % chunks > 0)
+    chunk = -(-chunk // 16) * 16                          # chunks start at multiples of 16
+    row_chain = verify_row_chain(chunk, threads, constant("kStatsGroups"),
+                                 constant("kElementsPerThread"), greedy)
+    note = "decided rows in series per request, requests over the resident blocks"
     if filtered:
-        # top-k + top-p (kernels/filter.cuh): the deciding block gathers the row's candidates
-        # from top-k's floor (the warps' maxima the streaming blocks publish) in one pass over
-        # the row, from L2, before the next row can be decided.
+        # top-k + top-p (kernels/filter.cuh): every warp's maximum is published behind a fence,
+        # and the decider gathers the row's candidates from top-k's floor in one pass over the
+        # row (from L2: the C blocks just streamed it), one 16-byte load per thread and
+        # iteration, used before the next; then both thresholds' digits on chip (top-k's first
+        # from the floor, its other kFilterDigits - 1, top-p's kFilterDigits; four barriers
+        # each) and the gather's two barriers.
         visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
                          (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
-        passes = [term(binary, stats, visit, vocab)]
-        serial_s = t_rows * sum(one_block_pass_s(t, threads) for t in passes)
-        note = f"filters: {serial_s * 1e6:.0f} us of one-block row passes on the critical path"
+        gather = term(binary, stats, visit, vocab)
+        digits = constant("kFilterDigits")
+        # A thread's share of the row, in waits of the bytes its gather loop keeps in flight.
+        share = vocab / threads
+        row_chain = row_chain + Chain(
+            fences=1, l2_waits=math.ceil(share * BF16 / gather.in_flight),
+            dependent_instrs=share * gather.instr_per_elem,
+            barrier_stages=4 * (2 * digits) + 2)
+        note += "; each decided row's filters gather the row from L2 in one block"
+    # A rejected final row's result is fenced before its mark.
+    reject_chain = Chain(fences=1)
+
     with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
                                                PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
                       (r"^LDG\.E\.128", 3))
     no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
                                            PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^LDG\.E\.128", 1))
     stats_terms = [term(binary, stats, stream, batch * vocab * t_rows)]
-    emit_terms, emit_bytes, emit_round_trips = [], 0.0, 0
+    emit_terms, emit_bytes = [], 0.0
+    race_chain, emit_chain = Chain(), Chain(l2_waits=1)   # emit: the final row's index
     if not greedy:
         p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
         # The blocks of a request that see its rejection race one chunk each of row j* as they
@@ -301,29 +377,46 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
         bonus_in_emit = 1 - 1 / chunks
         stats_terms += [term(binary, stats, with_q, batch * vocab * p_draft),
                         term(binary, stats, no_q, batch * vocab * (1 - p_draft) / chunks)]
-        # The deciding block races its own chunk after the decision, on the critical path.
-        serial_s += one_block_pass_s(dataclasses.replace(
-            stats_terms[1], elements=vocab / chunks), threads)
         emit_terms = [term(binary, emit, with_q, 0.0),
                       term(binary, emit, no_q, batch * vocab * (1 - p_draft) * bonus_in_emit)]
         emit_bytes = batch * vocab * BF16 * (1 - p_draft) * bonus_in_emit
-        emit_round_trips = 1
+        # race_chunk: a claim (returning atomic), the chunk in thread_race's iterations (8
+        # elements a thread, each load used by its iteration's Philox and exponentials), two
+        # block reductions, the partial's fence and arrival atomic; the last block's fence,
+        # the C partials from L2 and two more reductions (ten barriers in all).
+        race = stats_terms[1]
+        race_iters = math.ceil(chunk / (threads * constant("kElementsPerThread")))
+        per_iter = race.path_instrs * constant("kElementsPerThread") / race.elems_per_iter
+        race_pass = Chain(dependent_instrs=race_iters * per_iter)
+        race_sync = Chain(l2_waits=3, fences=2, barrier_stages=10)
+        race_chain = race_pass + race_sync + Chain(l2_waits=race_iters)
+        # The emit kernel's path: the claim read behind a fence and the arrival atomic, and when
+        # some request accepted every draft, its race of a bonus-row chunk from HBM.
+        any_bonus = 1 - (1 - alpha ** block) ** batch
+        emit_chain = emit_chain + Chain(l2_waits=1, fences=2) + (
+            race_pass + race_sync + Chain(dram_waits=race_iters)).scaled(any_bonus)
+    slots = occ_of(stats, threads, stats_launch.shared).blocks_per_sm * H200.sms
+    row_s = row_chain.time_s()
+    tail_s = (race_chain + reject_chain).time_s() if not greedy else reject_chain.time_s()
+    _, path_rows, path_tails = request_makespan(batch, chunks, slots, alpha, block, row_s, tail_s)
+    stats_chain = row_chain.scaled(path_rows) + (race_chain + reject_chain).scaled(path_tails)
+    note += (f": {path_rows:.1f} rows and {path_tails:.1f} request tails on the longest "
+             f"path ({slots} resident blocks, {chunks} per request)")
     launches = [planned(stats_launch, "row statistics + decide"
                         + (" + filters" if filtered else "") + ("" if greedy else " + race"),
                         stats_terms, stats_bytes + batch * rows * 8 + batch * 16,
-                        serial_round_trips=t_rows, serial_s=serial_s, note=note)]
+                        chain=stats_chain, note=note)]
     launches.append(planned(emit_launch, "emit (greedy: nothing left)" if greedy else
                             "emit (race on row j*: the chunks left)", emit_terms, emit_bytes,
-                            serial_round_trips=emit_round_trips))
+                            chain=emit_chain))
     shape = f"B={batch} G={block} V={vocab}"
     label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
         (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")
-    bench = dict(op="verify", params=dict(B=batch, G=block, V=vocab),
-                 variant=("greedy" if greedy else "sampled") + f" a~{alpha:g}"
-                 + (" top-k" if filtered else ""))
+    bench = None if bench_variant is None else dict(
+        op="verify", params=dict(B=batch, G=block, V=vocab), variant=bench_variant)
     # No fill: common/stream_counters.h keeps the counters in a buffer per stream that the kernels
     # return to zero (filled once when made; per call only under CUDA-graph capture).
-    return Op("verify", shape, label, floor, launches, match=None if alpha == 1 else bench)
+    return Op("verify", shape, label, floor, launches, match=bench)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,6 +458,23 @@ def warp_tile_shares(vocab: int, grid_tiles: int, warps: int) -> List[int]:
     warp_tiles, stride = (vocab + 15) // 16, warps * grid_tiles
     return [sum(max(0, (warp_tiles - (w * grid_tiles + x) + stride - 1) // stride)
                 for w in range(warps)) for x in range(grid_tiles)]
+
+
+def draft_slot_chain(warp_tiles: int, w2_batches: int, column_tiles: int,
+                     per_tile_instrs: float) -> Chain:
+    """The busiest warp's path through one draft_slot_kernel launch (see draft_op): the group's
+    inputs (a token from L2, then a row from HBM), per tile its W2 batches and one exposed
+    base-logit load per column tile (HBM waits) with the tile's instructions in series, then
+    the arrival's fences and atomic and the last block's read of the maxima."""
+    return Chain(l2_waits=2, dram_waits=1, fences=2, barrier_stages=3) + Chain(
+        dram_waits=w2_batches + column_tiles, dependent_instrs=per_tile_instrs).scaled(warp_tiles)
+
+
+def attention_split_chain(tiles: int, rounds: int) -> Chain:
+    """A split block's path (see attention_op): the Q tile and the first K tile, then per tile
+    its K and V half-tiles each waited for before the next is fetched (two HBM waits and two
+    barriers), over `rounds` rounds of resident blocks on the busiest SM."""
+    return Chain(dram_waits=2 + 2 * tiles, barrier_stages=2 * tiles + 2).scaled(rounds)
 
 
 def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: int, rank: int,
@@ -423,6 +533,21 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
                             copies=ct))
     note = (f"vote blocks assumed in {100 * f_log:.1f}% (logarithms) / {100 * f_red:.1f}% "
             "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
+    # The busiest warp's path through the slot (kernels/draft_slot.cuh, draft_slot_kernel): the
+    # group's inputs (the previous token, from L2, then its W1 row or the head's activation), then
+    # per 16-row tile kChunksInFlight W2 fragment loads before the MMAs that use them (one HBM
+    # wait per batch), and per column tile an epilogue call that loads its four base logits and
+    # uses them at once (one HBM wait each: nothing else of the warp is in flight), with every
+    # instruction of the tile's calls and products in series; last the arrival (a fence, the
+    # returning atomic) and the last block's fence and reads of the group's maxima from L2.
+    busiest_warp_tiles = math.ceil((vocab + 15) // 16 / (warps * grid_tiles))  # warp 0, block 0
+    per_tile_elems = 16 * 8 * ct / 32                    # epilogue elements per lane and tile
+    per_tile_instrs = sum(t.instr_per_elem * per_tile_elems * t.elements / (vocab * batch)
+                          for t in terms[1:])
+    mma_term = terms[0]
+    per_tile_instrs += mma_term.path_instrs * math.ceil(chunks / min(in_flight, chunks))
+    slot_chain = draft_slot_chain(busiest_warp_tiles, math.ceil(chunks / in_flight), ct,
+                                  per_tile_instrs)
     launches = []
     if rnn:
         rows = 3 * rank
@@ -438,16 +563,26 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
                         loads=r"^LDG\.E\.CONSTANT$")
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
+        # A warp's path: the previous token (L2), then per input segment (s, W1[x], h: r, r
+        # and d columns) its share of the 16-column steps, unrolled by 4: each unrolled
+        # iteration and each remainder step issues its loads and uses them (one HBM wait);
+        # then the block's barrier and warp 0's sum.
+        head_warps = head_launch.threads // 32
+        head_waits = 0
+        for columns in (rank, rank, hidden):
+            steps = math.ceil(columns / 16 / head_warps)
+            head_waits += steps // 4 + steps % 4
         launches.append(planned(head_launch, "rnn head [g;c;o]",
                                 [term(binary, head_launch.kernel, macs, rows * width * batch)],
                                 head_bytes, count=head_count,
+                                chain=Chain(l2_waits=1, dram_waits=head_waits, barrier_stages=1),
                                 note="J read once from HBM, L2 serves the batch blocks"))
     slot_launch, slot_count = kernel_launch(
         plan, f"draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, {str(rnn).lower()}>")
     launches.append(planned(slot_launch, f"slot: W2 mma + sample ({groups} group(s) of {group})",
                             terms, slot_bytes, count=slot_count, imbalance=imbalance,
-                            serial_round_trips=1, load_bytes=w2 + batch * vocab * BF16,
-                            note=note))
+                            load_bytes=w2 + batch * vocab * BF16, chain=slot_chain,
+                            note=note + f"; busiest warp: {busiest_warp_tiles} tiles"))
     if filtered:
         # float32 draft rows (the default draft_logits dtype).
         filt_launch, filt_count = kernel_launch(plan, "draft_filter_kernel<float>")
@@ -490,10 +625,13 @@ def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidd
                       (r"^LDG\.E\.128", 8))
     segment = constant("kConfidenceSegment")
     segments = -(-hidden // segment) + -(-rank // segment)
+    # A block's path (kernels/draft_confidence.cuh, staged_dot): per segment the weights staged
+    # from HBM behind two barriers, then the lanes' row loads, issued only after the staging (one
+    # more HBM wait); the drafted token of the W1 row, read from L2 first.
+    chain = Chain(l2_waits=1, dram_waits=2 * segments, barrier_stages=2 * segments)
     launches = [planned(launch, "stage weights, dot + sigmoid (warp per row)",
                         [term(binary, launch.kernel, staged, rows * (hidden + rank))], nbytes,
-                        serial_round_trips=segments, barrier_stages=2 * segments,
-                        note=f"{segments} weight segments staged in turn")]
+                        chain=chain, note=f"{segments} weight segments staged in turn")]
     return Op("draft_confidence", f"B={batch} G={block} d={hidden} r={rank}", "calibrated",
               nbytes, launches, launch_bound=True,
               match=dict(op="draft_confidence", params=dict(B=batch, G=block, d=hidden, r=rank),
@@ -531,10 +669,20 @@ def attention_op(binary: Binary, planner: Planner, batch: int, block: int, heads
     tile = LoopSpec("K/V tile: S=QK^T, softmax, O+=PV", {r"^HMMA": mmas, r"^LDGSTS": dim // 8},
                     keys * dim * 2 / split_launch.threads, (r"^HMMA", mmas), loads=r"^LDGSTS")
     split_elems = batch * kv_heads * groups * length * dim * 2
+    # A block's path (kernels/attention.cuh, the split kernel's tile loop): K and V of a tile
+    # are fetched in turn, each waited for (copy_async_wait<0>) before the next is issued, so a
+    # block has one half-tile in flight and waits twice per tile, after the Q tile and the first
+    # K tile; the compute between a fetch and its wait (QK^T and softmax, or PV) is shorter than
+    # the wait. The busiest SM runs its blocks in ceil(blocks on it / resident) rounds.
+    split_tiles = math.ceil(split_launch.fields["split_length"] / keys)
+    resident = occ_of(split, split_launch.threads, split_launch.shared).blocks_per_sm
+    rounds = math.ceil(math.ceil(split_launch.blocks / H200.sms) / resident)
+    split_chain = attention_split_chain(split_tiles, rounds)
     launches = [planned(split_launch, f"split-KV ({splits} split(s), {groups} row group(s)/head)",
                         [term(binary, split, tile, split_elems)], kv + partial + q,
-                        load_bytes=kv + q,
-                        note="row groups of one head share K/V through L2 (HBM once)")]
+                        load_bytes=kv + q, chain=split_chain,
+                        note="row groups of one head share K/V through L2 (HBM once); "
+                             f"{rounds} round(s) of {split_tiles} tiles per block")]
     out_rows = batch * block * heads
     merge_bytes = partial + out_rows * dim * BF16 + q + 2 * batch * block * kv_heads * dim * BF16
     # Block keys' scores and values in loops unrolled by 4 (G >= 4 at the modelled shapes: the
@@ -547,8 +695,10 @@ def attention_op(binary: Binary, planner: Planner, batch: int, block: int, heads
     merge_terms = [term(binary, merge, scores, out_rows * block * dim),
                    term(binary, merge, merge_new, out_rows * splits * dim),
                    term(binary, merge, values, out_rows * block * dim)]
+    # A warp's path: the splits' maxima, then their partial outputs (L2: just written), the block
+    # keys' new K/V rows from HBM.
     launches.append(planned(merge_launch, "merge splits + block keys (warp per row)",
-                            merge_terms, merge_bytes))
+                            merge_terms, merge_bytes, chain=Chain(l2_waits=2, dram_waits=1)))
     return Op("block_draft_attention",
               f"B={batch} G={block} Hq={heads} Hkv={kv_heads} D={dim} ctx={length}", "bf16", kv,
               launches, match=dict(op="block_draft_attention",
@@ -566,9 +716,13 @@ def append_op(binary: Binary, planner: Planner, batch: int, rows: int, kv_heads:
                     2 * 4 * 8, (r"^ST\.E\.128", 8), loads=r"^LDG\.E\.128")
     elems = 2 * batch * rows * kv_heads * dim
     nbytes = 2 * elems * BF16 + batch * 12
+    # A block's path: the request's kept rows and position (one HBM wait), then its copy
+    # iterations, each loading 4 K and 4 V 16-byte chunks per thread before storing them.
+    per_block = 2 * rows * kv_heads * dim
+    copies = math.ceil(per_block / (launch.threads * copy.elems))
     launches = [planned(launch, "copy kept rows (block per request)",
                         [term(binary, launch.kernel, copy, elems)], nbytes,
-                        load_bytes=elems * BF16)]
+                        load_bytes=elems * BF16, chain=Chain(dram_waits=1 + copies))]
     return Op("append_context_kv", f"B={batch} n<={rows} Hkv={kv_heads} D={dim} ctx={context}",
               "bf16", nbytes, launches, launch_bound=True,
               match=dict(op="append_context_kv", params=dict(B=batch, Hkv=kv_heads, D=dim,
@@ -619,14 +773,25 @@ def schedule_op(binary: Binary, planner: Planner, batch: int, block: int) -> Op:
     chain = sum(s + items for s in steps)
     latency = H200.l2_latency_s if not shared else SMEM_LATENCY_S
     nbytes = pairs * F32 + batch * 8
+    # One block: its phases follow each other. The merge rounds issue at the SM's rate (issue)
+    # with their dependent shared loads (the merge chain); beyond them a thread walks every other
+    # phase in series (its request's survival keys from HBM, the block reductions and scans,
+    # theta over its ranks, the lengths): at the modelled shapes their loops run one to a few
+    # times, so that path is taken as every instruction of the kernel outside the merge round's
+    # loop, once. Both are work the block does after (not beside) the merge: serial.
+    merge_loop, _, _, _ = select_loop(binary, k, round_spec)
+    cfg = binary.cfg(k.name)
+    straight = sum(len(b.instrs) for b in cfg.blocks) - len(merge_loop.instrs(cfg))
     launches = [planned(launch, "survival keys, merge of sorted runs, scan, lengths (one block)",
                         [term(binary, k, round_spec, len(widths) * pairs),
                          term(binary, k, search, segments * sum(steps))],
-                        0, latency_s=None, barrier_stages=0, serial_s=chain * latency,
+                        0, latency_s=None, barrier_stages=0,
+                        serial_s=chain * latency,
+                        serial_chain=Chain(dram_waits=1, dependent_instrs=straight),
                         note=f"{pairs} keys in {'shared memory' if shared else 'global (L2)'}, "
                              f"{len(widths)} merge rounds, {chain} dependent "
                              f"{'shared' if shared else 'L2'} loads on the critical path "
-                             "(assumed latency each)")]
+                             f"(assumed latency each), then {straight} instructions in series")]
     return Op("schedule_verify", f"B={batch} G={block}", "one-stage", nbytes, launches,
               launch_bound=True,
               match=dict(op="schedule_verify", params=dict(B=batch, G=block), variant=""))
@@ -680,11 +845,41 @@ def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int
             per_element * elements * BF16, count=count, barrier_stages=4,
             note=f"{count} chunk(s) of {chunk} rows; products by cuBLAS not modelled"))
     variant = "dspark cap30 bf16 fwd+bwd" if softcap else "dspark bf16 fwd+bwd"
+    library = []
+    for launch, count in groups:
+        library += loss_chunk_products(launch.blocks, vocab, hidden, rank, softcap, count)
+    # The float32 grad_w2 rounded to bf16 once at the end.
+    library.append(LibraryCall("grad_w2 -> bf16", 0.0, vocab * rank * (F32 + BF16)))
     return Op("dspark_loss", f"N={rows} V={vocab} d={hidden} r={rank}",
-              "bf16 vocabulary pass" + (", soft cap" if softcap else ""),
-              per_element * rows * vocab * BF16, launches,
+              "bf16 vocabulary pass + cuBLAS products" + (", soft cap" if softcap else ""),
+              per_element * rows * vocab * BF16, launches, library=library,
               match=dict(op="dspark_loss", params=dict(N=rows, V=vocab, d=hidden, r=rank),
                          variant=variant))
+
+
+def loss_chunk_products(n: int, vocab: int, hidden: int, rank: int, softcap: bool,
+                        count: int) -> List[LibraryCall]:
+    """The ATen calls of one chunk of n rows in run_dspark_loss (csrc/args/loss_args.cpp), with
+    a target and a Markov bias, gradients of h and u and W2 (the LM head frozen), bf16: each
+    product's FLOPs and the bytes of its operands and result. With a soft cap the bias is its
+    own product (bias_apart) instead of an addmm_ into z; the bf16 product of grad_w2's
+    contribution is added to its float32 sum by an element-wise kernel."""
+    w, w2 = vocab * hidden * BF16, vocab * rank * BF16
+    logits = n * vocab * BF16
+    head = 2.0 * n * vocab * hidden          # a product with the LM head (K = d or N = d)
+    latent = 2.0 * n * vocab * rank          # a product with W2
+    calls = [
+        LibraryCall("z = h W^T", head, n * hidden * BF16 + w + logits, count),
+        (LibraryCall("bias = u W2^T", latent, n * rank * BF16 + w2 + logits, count) if softcap
+         else LibraryCall("z += u W2^T (addmm_)", latent, n * rank * BF16 + w2 + 2 * logits,
+                          count)),
+        LibraryCall("t = g W^T", head, n * hidden * BF16 + w + logits, count),
+        LibraryCall("d h = dz W", head, logits + w + n * hidden * BF16, count),
+        LibraryCall("d u = dz W2", latent, logits + w2 + n * rank * BF16, count),
+        LibraryCall("dz^T u (bf16)", latent, logits + n * rank * BF16 + w2, count),
+        LibraryCall("grad_w2 += (float32)", 0.0, vocab * rank * (2 * F32 + BF16), count),
+    ]
+    return calls
 
 
 NOT_MODELLED = {
@@ -707,10 +902,13 @@ def all_ops(binary: Binary, planner: Optional[Planner] = None) -> List[Op]:
     B, G, V, R = 64, 8, 151936, 256
     return [
         verify_op(binary, p, B, G, V, "greedy", alpha=1.0),
-        verify_op(binary, p, B, G, V, "greedy", alpha=0.7),
-        verify_op(binary, p, B, G, V, "sampled", alpha=0.7),
+        # The acceptance the benchmark's inputs realise (bench/results/verify_<device>.json,
+        # extra.alpha; tuned for 0.7 per position, the filtered distributions agree more).
+        verify_op(binary, p, B, G, V, "greedy", alpha=0.69, bench_variant="greedy a~0.7"),
+        verify_op(binary, p, B, G, V, "sampled", alpha=0.65, bench_variant="sampled a~0.7"),
         verify_op(binary, p, B, G, V, "sampled", alpha=1.0),
-        verify_op(binary, p, B, G, V, "sampled", alpha=0.7, filtered=True),
+        verify_op(binary, p, B, G, V, "sampled", alpha=0.88, filtered=True,
+                  bench_variant="sampled a~0.7 top-k"),
         draft_op(binary, p, B, G, V, R, rnn=False),
         draft_op(binary, p, B, 7, V, R, rnn=False),
         draft_op(binary, p, B, 7, V, R, rnn=False, sampled=False),
@@ -722,7 +920,33 @@ def all_ops(binary: Binary, planner: Optional[Planner] = None) -> List[Op]:
         attention_op(binary, p, B, G, 32, 8, 256, 4096),
         append_op(binary, p, B, 9, 8, 128, 4096),
         schedule_op(binary, p, 256, 16),
-        schedule_op(binary, p, 1024, 32),
+        schedule_op(binary, p, 1024, 16),
         loss_op(binary, p, 512 * 7, V, 2560, R),
         loss_op(binary, p, 512 * 7, V, 2560, R, softcap=True),
+    ] + check_ops(binary, p)
+
+
+def check_ops(binary: Binary, p: Planner) -> List[Op]:
+    """Shapes the H200 run measured beside the headline ones (docs/performance-model.md,
+    "Calibration"): the calibration's constants were not fitted to them, so they check it. Each
+    verify row takes the acceptance its benchmark inputs realised."""
+    V, R = 151936, 256
+    return [
+        verify_op(binary, p, 64, 8, V, "sampled", alpha=0.29, bench_variant="sampled a~0.3"),
+        verify_op(binary, p, 64, 8, V, "sampled", alpha=0.96, bench_variant="sampled a~0.95"),
+        verify_op(binary, p, 1, 8, V, "sampled", alpha=0.0, bench_variant="sampled a~0.7"),
+        verify_op(binary, p, 8, 8, V, "sampled", alpha=0.87, bench_variant="sampled a~0.7"),
+        verify_op(binary, p, 256, 8, V, "sampled", alpha=0.71, bench_variant="sampled a~0.7"),
+        draft_op(binary, p, 1, 7, V, R, rnn=False),
+        draft_op(binary, p, 256, 7, V, R, rnn=False),
+        attention_op(binary, p, 1, 8, 32, 8, 128, 4096),
+        attention_op(binary, p, 16, 8, 32, 8, 128, 4096),
+        attention_op(binary, p, 64, 8, 32, 8, 128, 1024),
+        attention_op(binary, p, 64, 8, 32, 8, 128, 16384),
+        append_op(binary, p, 1, 9, 8, 128, 4096),
+        append_op(binary, p, 16, 9, 8, 128, 4096),
+        schedule_op(binary, p, 64, 7),
+        schedule_op(binary, p, 64, 16),
+        schedule_op(binary, p, 256, 7),
+        schedule_op(binary, p, 1024, 7),
     ]
