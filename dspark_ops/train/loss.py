@@ -232,27 +232,36 @@ def _capped_logits(rows: torch.Tensor, weight: torch.Tensor, cap: Optional[float
     eager model computes it, then in ``dtype``."""
     logits = torch.nn.functional.linear(rows, weight)
     if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
+        logits.div_(cap).tanh_().mul_(cap)
     return logits.to(dtype)
-
-
-def _chunk_terms(hidden, weight, target_hidden, target_weight, cap, dtype):
-    """One chunk's draft logits ``z``, draft log-probabilities, draft probabilities and target
-    probabilities ``q``, each ``[rows, V]`` in ``dtype``."""
-    z = _capped_logits(hidden, weight, cap, dtype)
-    log_p = torch.log_softmax(z, -1)
-    q = torch.softmax(_capped_logits(target_hidden, target_weight, cap, dtype), -1)
-    return z, log_p, log_p.exp(), q
 
 
 def _chunk_logit_grad(z, p, q, row_weights, cap):
     """``d(sum_i w_i * CE_i) / d(pre-cap logits)`` of a chunk: ``w (p * sum(q) - q)`` (the
     gradient of ``-sum_j q_j log p_j``; ``sum(q)`` is kept rather than taken as 1, as autograd
-    of the eager formula does), times ``1 - tanh^2 = 1 - (z / cap)^2`` under a cap."""
-    grad = (p * q.sum(-1, keepdim=True) - q) * row_weights[:, None]
+    of the eager formula does), times ``1 - tanh^2 = 1 - (z / cap)^2`` under a cap. Written
+    over ``p`` (and ``z``), which the chunk no longer needs: one ``[rows, V]`` buffer fewer."""
+    grad = p.mul_(q.sum(-1, keepdim=True)).sub_(q).mul_(row_weights[:, None])
     if cap is not None:
-        grad = grad * (1 - (z / cap) ** 2)
+        grad.mul_(z.div_(cap).square_().neg_().add_(1))
     return grad
+
+
+def _chunk(hidden, weight, target_hidden, target_weight, row_weights, cap, dtype, want_grad):
+    """One chunk of rows: ``CE`` and the acceptance per row, and (``want_grad``) the gradient
+    with respect to the head's product, ``[rows, V]`` in ``dtype``. At most three ``[rows, V]``
+    buffers live at once (the capped logits, the draft's log-probabilities, then probabilities,
+    then gradient, in one buffer, and the target's probabilities), plus one temporary."""
+    z = _capped_logits(hidden, weight, cap, dtype)
+    log_p = torch.log_softmax(z, -1)
+    if cap is None:
+        z = None  # only the cap's slope reads it again
+    q = torch.softmax(_capped_logits(target_hidden, target_weight, cap, dtype), -1)
+    losses = -(q * log_p).sum(-1)
+    p = log_p.exp_()
+    accept = torch.sub(p, q).abs_().sum(-1).mul_(-0.5).add_(1).clamp_(0, 1).float()
+    grad = _chunk_logit_grad(z, p, q, row_weights, cap) if want_grad else None
+    return losses, accept, grad
 
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
@@ -278,13 +287,12 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         w = row_weights.to(dtype)
         for start in range(0, rows, chunk_rows):
             end = min(start + chunk_rows, rows)
-            z, log_p, p, q = _chunk_terms(hidden[start:end], weight, target_hidden[start:end],
-                                          target_weight, cap, dtype)
-            losses[start:end] = -(q * log_p).sum(-1)
-            accept[start:end] = (1 - 0.5 * (p - q).abs().sum(-1)).clamp(0, 1).float()
+            losses[start:end], accept[start:end], grad = _chunk(
+                hidden[start:end], weight, target_hidden[start:end], target_weight,
+                w[start:end], cap, dtype, need_hidden)
             if need_hidden:
-                grad = _chunk_logit_grad(z, p, q, w[start:end], cap)
                 grad_hidden[start:end] = grad.to(weight.dtype) @ weight
+            del grad
         ctx.cap, ctx.chunk_rows, ctx.row_weights_dtype = cap, chunk_rows, row_weights.dtype
         ctx.save_for_backward(grad_hidden, losses if need_row_weights else None,
                               *((hidden, weight, target_hidden, target_weight, row_weights)
@@ -309,9 +317,8 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
             for start in range(0, hidden.shape[0], ctx.chunk_rows):
                 end = min(start + ctx.chunk_rows, hidden.shape[0])
-                z, _, p, q = _chunk_terms(hidden[start:end], weight, target_hidden[start:end],
-                                          target_weight, ctx.cap, dtype)
-                grad = _chunk_logit_grad(z, p, q, w[start:end], ctx.cap)
+                _, _, grad = _chunk(hidden[start:end], weight, target_hidden[start:end],
+                                    target_weight, w[start:end], ctx.cap, dtype, True)
                 grad_weight += grad.T @ hidden[start:end].to(dtype)
             grads[1] = (grad_weight * grad_loss).to(weight.dtype)
         return tuple(grads)
