@@ -88,7 +88,7 @@ def _run_variant(args) -> dict:
         draft.zero_grad(set_to_none=True)
         out = eagle3_ttt_loss(draft, *inputs, fused=fused, chunk_rows=args.chunk_rows)
         out.loss.backward()
-        return float(out.loss)
+        return float(out.loss.detach())
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     loss = step()  # warm-up; the gradients' buffers exist from here on
