@@ -10,7 +10,10 @@ each answer kept as history for the next turn. Prompts are batched (left padding
 Each output line holds the ``id``, the ``conversations`` (user and assistant messages), and what
 ``python -m dspark_ops.train`` reads: ``input_ids`` (the whole conversation through the chat
 template) and ``loss_mask`` (1 on the assistant's tokens and the end-of-turn token after each).
-The output is appended to and a rerun skips the ids already there, so an interrupted run resumes.
+A conversation with no response token (every answer empty, or the answers cut off by
+``--max-length``) would cost the trainer a forward and train nothing: it is not written, and the
+summary says how many were dropped. The output is appended to and a rerun skips the ids already
+there, so an interrupted run resumes (a dropped prompt, not being there, is answered again).
 
 Example::
 
@@ -220,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except ImportError:
             bar = None
     index = {pid: i for i, (pid, _) in enumerate(prompts)}
-    written = trained = 0
+    written = trained = dropped = 0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "a", encoding="utf-8") as out:
         for start in range(0, len(todo), args.batch_size):
@@ -252,6 +255,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     prompt_ids, answer = plain[i]
                     ids = (prompt_ids + answer)[: args.max_length]
                     mask = ([0] * len(prompt_ids) + [1] * len(answer))[: args.max_length]
+                # A plain answer's end token alone is masked but is no response either.
+                if not any(mask) or not chat and all(t in stop for t in plain[i][1]):
+                    dropped += 1
+                    continue
                 trained += sum(mask)
                 out.write(json.dumps({"id": pid, "conversations": conversations[i],
                                       "input_ids": ids, "loss_mask": mask}) + "\n")
@@ -261,7 +268,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 bar.update(len(batch))
     if bar is not None:
         bar.close()
-    print(f"wrote {written} samples ({trained} response tokens) to {args.out}", flush=True)
+    summary = f"wrote {written} samples ({trained} response tokens) to {args.out}"
+    if dropped:
+        summary += (f"; dropped {dropped} with no response token (empty answers, or answers cut "
+                    f"off by --max-length {args.max_length})")
+    print(summary, flush=True)
 
 
 if __name__ == "__main__":

@@ -459,6 +459,197 @@ def test_eval_command_runs_an_eagle3_draft(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------
+# The TTT loss without [B, L, V] logits: the chunked soft cross-entropy against the eager one
+
+
+def _soft_ce_inputs(rows=7, width=5, vocab=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    row_weights = torch.rand(rows, generator=g, dtype=torch.float64, requires_grad=True)
+    return hidden, weight, target, row_weights
+
+
+def _eager_soft_ce(hidden, weight, target, row_weights, target_weight, cap):
+    capped = (lambda x: x) if cap is None else (lambda x: torch.tanh(x / cap) * cap)
+    q = torch.softmax(capped(target @ target_weight.T), -1)
+    log_p = torch.log_softmax(capped(hidden @ weight.T), -1)
+    return (-(q * log_p).sum(-1) * row_weights).sum()
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_soft_cross_entropy_values_and_gradcheck(cap):
+    """float64: the chunked loss (3 rows a chunk over 7: a short last chunk) is the eager
+    formula, and its gradients in the hidden rows, the head and the row weights pass
+    gradcheck; the acceptance is 1 - TV of the two distributions."""
+    from dspark_ops.train.loss import soft_cross_entropy
+
+    hidden, weight, target, row_weights = _soft_ce_inputs()
+    target_weight = weight.detach().clone()  # the target's head: a constant
+
+    def chunked(h, w, r):
+        return soft_cross_entropy(h, w, target, r, cap=cap, target_weight=target_weight,
+                                  chunk_rows=3)[0]
+
+    want = _eager_soft_ce(hidden, weight, target, row_weights, target_weight, cap)
+    torch.testing.assert_close(chunked(hidden, weight, row_weights), want, rtol=1e-12, atol=0)
+    assert torch.autograd.gradcheck(chunked, (hidden, weight, row_weights))
+    _, accept = soft_cross_entropy(hidden, weight, target, row_weights, cap=cap, chunk_rows=3)
+    capped = (lambda x: x) if cap is None else (lambda x: torch.tanh(x / cap) * cap)
+    p = torch.softmax(capped(hidden @ weight.T), -1)
+    q = torch.softmax(capped(target @ weight.T), -1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    torch.testing.assert_close(accept, (1 - tv).float().detach())
+    assert not accept.requires_grad
+
+
+def test_soft_cross_entropy_gradcheck_catches_a_missing_cap_derivative(monkeypatch):
+    """The same gradcheck fails when the backward forgets the cap's 1 - tanh^2."""
+    from torch.autograd.gradcheck import GradcheckError
+
+    import dspark_ops.train.loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_chunk_logit_grad",
+                        lambda z, p, q, w, cap: (p * q.sum(-1, keepdim=True) - q) * w[:, None])
+    hidden, weight, target, row_weights = _soft_ce_inputs()
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(
+            lambda h: loss_module.soft_cross_entropy(h, weight.detach(), target, row_weights,
+                                                     cap=2.0, chunk_rows=3)[0], (hidden,))
+
+
+def test_soft_cross_entropy_argument_checks():
+    from dspark_ops.train.loss import soft_cross_entropy
+
+    hidden, weight, target, row_weights = (t.detach() for t in _soft_ce_inputs())
+    cases = [
+        ((hidden[:, :4], weight, target, row_weights), {}, "hidden must be"),
+        ((hidden, weight, target[:3], row_weights), {}, "target_hidden must have"),
+        ((hidden, weight, target, row_weights[:3]), {}, "row_weights must be"),
+        ((hidden, weight, target, row_weights), {"target_weight": weight[:4]}, "target_weight"),
+        ((hidden, weight, target, row_weights), {"cap": 0.0}, "cap must be"),
+        ((hidden, weight, target, row_weights), {"chunk_rows": 0}, "chunk_rows must be"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            soft_cross_entropy(*args, **kwargs)
+
+
+def _ttt_case(family: str):
+    """A float64 Eagle3 draft (frozen embedding and head, as trained) and a ragged batch: rows
+    of 13, 9 and 5 valid tokens, a random loss mask."""
+    config = Eagle3Config.from_dict(deepspec_config(family))
+    draft = Eagle3Draft(config)
+    draft.load_state_dict(random_state(config))
+    draft = draft.double()
+    draft.embed_tokens.requires_grad_(False)
+    draft.lm_head.requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    batch, length = 3, 13
+    ids = torch.randint(0, 96, (batch, length), generator=g)
+    features = torch.randn(batch, length, 5 * HIDDEN, generator=g, dtype=torch.float64)
+    last = torch.randn(batch, length, HIDDEN, generator=g, dtype=torch.float64)
+    valid = torch.arange(length)[None] < torch.tensor([[13], [9], [5]])
+    loss_mask = (torch.rand(batch, length, generator=g) < 0.8).float()
+    return draft, (ids, features, loss_mask, last, valid)
+
+
+def _ttt_run(draft, inputs, fused: bool):
+    from dspark_ops.train.eagle3 import eagle3_ttt_loss
+
+    draft.zero_grad()
+    out = eagle3_ttt_loss(draft, *inputs, fused=fused, chunk_rows=4)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+
+def _assert_ttt_equal(got, want):
+    """Loss, per-step losses, metrics and every trainable parameter's gradient; the eager loss
+    is float32 (its logits are cast), hence float32 tolerances."""
+    (a, grads_a), (b, grads_b) = got, want
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.loss, b.loss, **tol)
+    torch.testing.assert_close(a.step_losses, b.step_losses, **tol)
+    torch.testing.assert_close(a.accept_sum, b.accept_sum, **tol)
+    torch.testing.assert_close(a.accept_count, b.accept_count, rtol=0, atol=0)
+    torch.testing.assert_close(a.tau_sum, b.tau_sum, **tol)
+    torch.testing.assert_close(a.row_count, b.row_count, rtol=0, atol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_b:
+        scale = grads_b[name].abs().max().clamp_min(1e-30)  # all-zero gradients compare as 0
+        torch.testing.assert_close(grads_a[name] / scale, grads_b[name] / scale, rtol=0,
+                                   atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_fused_ttt_loss_equals_the_eager_one(family):
+    """The TTT loss through the chunked soft cross-entropy (Gemma4: with its logit cap) gives
+    the eager formula's loss, per-step losses, acceptance metrics and gradients."""
+    draft, inputs = _ttt_case(family)
+    _assert_ttt_equal(_ttt_run(draft, inputs, True), _ttt_run(draft, inputs, False))
+
+
+def test_fused_ttt_loss_without_trained_rows():
+    """A batch with no trained token: no row enters the chunked loss at any step; the loss,
+    the metrics and every gradient are zero, as the eager formula's."""
+    draft, (ids, features, loss_mask, last, valid) = _ttt_case("qwen3")
+    inputs = (ids, features, torch.zeros_like(loss_mask), last, valid)
+    got = _ttt_run(draft, inputs, True)
+    _assert_ttt_equal(got, _ttt_run(draft, inputs, False))
+    assert float(got[0].loss.detach()) == 0 and all(not g.any() for g in got[1].values())
+
+
+@pytest.mark.parametrize("broken", ["step_weight", "target_row"])
+def test_ttt_comparison_catches_a_broken_fused_step(monkeypatch, broken):
+    """The same comparison fails for a fused step with a wrong weight (0.8 ** (k + 1) instead
+    of 0.8 ** k) or with each row learning the next row's target."""
+    import dspark_ops.train.eagle3 as eagle3_module
+
+    draft, inputs = _ttt_case("qwen3")
+    want = _ttt_run(draft, inputs, False)
+    real = eagle3_module.soft_cross_entropy
+
+    def wrong(hidden, weight, target, row_weights, **kwargs):
+        if broken == "step_weight":
+            row_weights = row_weights * draft.config.step_loss_decay
+        else:
+            target = torch.roll(target, 1, 0)
+        return real(hidden, weight, target, row_weights, **kwargs)
+
+    monkeypatch.setattr(eagle3_module, "soft_cross_entropy", wrong)
+    with pytest.raises(AssertionError):
+        _assert_ttt_equal(_ttt_run(draft, inputs, True), want)
+
+
+def _saved_vocabulary_rows(draft, inputs, fused: bool) -> int:
+    """Elements of the tensors autograd saves for the TTT backward whose last dimension is the
+    vocabulary (no other dimension of the tiny case is 96)."""
+    from dspark_ops.train.eagle3 import eagle3_ttt_loss
+
+    saved = []
+
+    def pack(t):
+        if t.dim() and t.shape[-1] == draft.config.vocab_size:
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        eagle3_ttt_loss(draft, *inputs, fused=fused, chunk_rows=4)
+    return sum(saved)
+
+
+def test_fused_ttt_loss_saves_no_vocabulary_wide_tensor():
+    """Nothing of width V is kept for the backward by the fused loss (the frozen head is
+    [V, d]), whereas the eager one keeps [B, L, V] tensors at every step."""
+    draft, inputs = _ttt_case("qwen3")
+    batch, length = inputs[0].shape
+    assert _saved_vocabulary_rows(draft, inputs, True) == 0
+    steps = draft.config.ttt_length
+    assert _saved_vocabulary_rows(draft, inputs, False) >= steps * batch * length * 96
+
+
+# --------------------------------------------------------------------------------------------
 # Training: python -m dspark_ops.train --arch eagle3
 
 

@@ -632,10 +632,12 @@ def test_trainer_trains_a_gemma4_draft_for_a_gemma4_target(transformers, tmp_pat
     assert draft.config.mask_token_id == 4 and draft.config.target_layer_ids == (0, 1, 2)
 
 
-def test_gemma4_target_with_kv_shared_layers_and_per_layer_inputs(transformers):
+@pytest.mark.parametrize("per_layer_input", [8, 0])
+def test_gemma4_target_with_kv_shared_layers(transformers, per_layer_input):
     """The Gemma4 layout of the small models: the last layers reuse earlier layers' K/V
-    (num_kv_shared_layers) and every layer takes a per-layer input. Plain and speculative greedy
-    decoding through HFTarget give the model's own generate output."""
+    (num_kv_shared_layers), with every layer taking a per-layer input or none (transformers
+    runs both). Plain and speculative greedy decoding through HFTarget give the model's own
+    generate output."""
     from dspark_ops.hf import HFTarget
 
     config = transformers.Gemma4TextConfig(
@@ -643,7 +645,8 @@ def test_gemma4_target_with_kv_shared_layers_and_per_layer_inputs(transformers):
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
         num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=3,
         layer_types=["sliding_attention", "full_attention"] * 3, final_logit_softcapping=30.0,
-        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=per_layer_input, vocab_size_per_layer_input=96,
+        num_kv_shared_layers=2,
         pad_token_id=0, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.Gemma4ForCausalLM(config)

@@ -81,6 +81,51 @@ def test_resumable_and_trainable(target, tmp_path):
                           "--calibration-samples", "0", "--batch-tokens", "512"))
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_rows_without_a_response_token_are_dropped(target, tmp_path, monkeypatch, capsys, chat):
+    """An answer that is only the end-of-turn token trains nothing: its row is not written,
+    and the summary counts it (and a multi-turn row with one empty turn is kept)."""
+    import dspark_ops.prepare_data as prepare
+
+    real = prepare._generate
+
+    def generate(model, tok, prompts, args, stop, seed):
+        answers = real(model, tok, prompts, args, stop, seed)
+        # The sky prompt and the first turn of "a" (its second turn repeats the first as
+        # history) are answered with the end token alone.
+        texts = [tok.decode(p) for p in prompts]
+        return [[EOT] if "sky" in t or "hello" in t and "then" not in t else a
+                for t, a in zip(texts, answers)]
+
+    monkeypatch.setattr(prepare, "_generate", generate)
+    out = str(tmp_path / "data.jsonl")
+    if chat:
+        path, flags = _prompts(tmp_path / "p.jsonl"), []
+    else:  # single-turn prompts: plain text has no turns to keep apart
+        path, flags = tmp_path / "p.txt", ["--no-chat-template"]
+        path.write_text("why is the sky blue?\na plain line\n")
+    main(["--target", target, "--prompts", str(path), "--out", out, "--max-new-tokens", "8",
+          "--no-progress", "--temperature", "0", *flags])
+    rows = _rows(out)
+    assert [r["id"] for r in rows] == (["a", "4"] if chat else ["2"])
+    assert all(any(r["loss_mask"]) for r in rows)
+    if chat:  # "a": its first answer empty, its second not
+        assert rows[0]["conversations"][1]["content"] == ""
+    assert "; dropped 1 with no response token" in capsys.readouterr().out
+
+
+def test_rows_cut_before_their_answer_are_dropped(target, tmp_path, capsys):
+    """--max-length shorter than every prompt: nothing of any answer is left, nothing is
+    written, and the summary says so."""
+    out = str(tmp_path / "data.jsonl")
+    main(["--target", target, "--prompts", _prompts(tmp_path / "p.jsonl"), "--out", out,
+          "--max-new-tokens", "4", "--max-length", "3", "--no-progress", "--temperature", "0"])
+    assert _rows(out) == []
+    summary = capsys.readouterr().out
+    assert "wrote 0 samples (0 response tokens)" in summary
+    assert "dropped 3 with no response token" in summary and "--max-length 3" in summary
+
+
 def test_plain_text_without_template(target, tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("first prompt\nsecond\n")

@@ -194,7 +194,8 @@ class DSparkDraft(DraftBackbone):
     def training_forward(self, input_ids: torch.Tensor, target_features: torch.Tensor,
                          loss_mask: torch.Tensor, target_last_hidden=None, **options):
         """The teacher-forced, anchor-parallel training forward:
-        :func:`dspark_ops.train.training_forward` with this draft (same arguments and result)."""
+        :func:`dspark_ops.train.training_forward` with this draft (same arguments and result;
+        ``num_anchors`` defaults to ``config.num_anchors``)."""
         from ..train.forward import training_forward
 
         return training_forward(self, input_ids, target_features, loss_mask, target_last_hidden,

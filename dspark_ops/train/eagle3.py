@@ -22,8 +22,18 @@ Metrics (DeepSpec's): per step, ``accept_rate@k`` = the mean of ``1 - TV(q, p)``
 step's masked rows, and ``tau_probabilistic`` = ``1 +`` the sum over steps of the running
 product of those acceptances, over the rows valid at step 0.
 
-Every step keeps its ``[B, L, V]`` logits for the backward, as DeepSpec's eager path would (its
-fused Triton loss keeps two scalars per row instead).
+The loss of a step never holds its ``[B, L, V]`` logits: the rows the step trains (mask set) are
+gathered and passed to :func:`dspark_ops.train.loss.soft_cross_entropy`, which runs them in
+chunks, recomputing each chunk's logits, and keeps an ``[N, d]`` gradient and ``O(N)`` scalars
+for the backward (DeepSpec's fused Triton loss keeps two scalars per row). ``fused=False`` is the
+eager formula, which keeps every step's ``[B, L, V]`` logits and the target's ``[B, L, V]``
+distribution: the reference the fused path is tested against.
+
+The rows a step does not train carry no loss: row ``i`` of step ``k`` trains when the loss mask
+of ``i + k`` is set, and the mask is cleared at each sequence's last valid token, so a trained row
+learns the target at ``i + k + 1`` inside the sequence. The rows past the end, whose target
+DeepSpec sets to the uniform distribution, are never trained (the eager formula gives them that
+distribution and a zero weight).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import dataclasses
 import torch
 
 from ..models.gemma4 import soft_cap
+from .loss import soft_cross_entropy
 
 __all__ = ["Eagle3Batch", "eagle3_ttt_loss"]
 
@@ -68,10 +79,31 @@ def _shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
     return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], 1)
 
 
+def _fused_step(draft, hidden: torch.Tensor, target_last_hidden: torch.Tensor,
+                mask_k: torch.Tensor, k: int, cap, chunk_rows):
+    """Step ``k``'s ``sum_i mask_k[i] * CE_i / (B * L)`` over the rows it trains, and its
+    acceptance ``1 - TV`` per row (``[B, L]``, 0 on untrained rows), without ``[B, L, V]``
+    logits. ``compute_logits(h) = cap(lm_head(norm(h)))``: the rows are normed here and the
+    head and cap are applied chunk by chunk."""
+    batch, length, width = hidden.shape
+    with torch.no_grad():
+        rows = mask_k.reshape(-1).nonzero().squeeze(1)
+        # A trained row (b, i) learns the target at (b, i + k + 1), in the same sequence.
+        targets = rows + (k + 1)
+        weights = mask_k.reshape(-1)[rows].float() / (batch * length)
+    normed = draft.norm(hidden.reshape(-1, width).index_select(0, rows))
+    target = target_last_hidden.reshape(batch * length, -1).index_select(0, targets)
+    head = draft.lm_head.weight
+    loss, accept_rows = soft_cross_entropy(normed, head, target.to(head.dtype), weights, cap=cap,
+                                           chunk_rows=chunk_rows)
+    accept = accept_rows.new_zeros(batch * length).index_copy_(0, rows, accept_rows)
+    return loss.float(), accept.view(batch, length)  # float32, as the eager step loss
+
+
 def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tensor,
                     loss_mask: torch.Tensor, target_last_hidden: torch.Tensor,
-                    valid: torch.Tensor, *, ttt_length=None, step_loss_decay=None
-                    ) -> Eagle3Batch:
+                    valid: torch.Tensor, *, ttt_length=None, step_loss_decay=None,
+                    fused: bool = True, chunk_rows=None) -> Eagle3Batch:
     """The TTT loss of ``draft`` (:class:`dspark_ops.models.Eagle3Draft`) on one batch.
 
     Parameters
@@ -88,6 +120,12 @@ def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tenso
         bool ``[B, L]``: the real tokens (a prefix of each row).
     ttt_length, step_loss_decay : optional
         Default the draft config's (7 and 0.8 in DeepSpec).
+    fused : bool
+        True: each step's soft cross-entropy through
+        :func:`~dspark_ops.train.loss.soft_cross_entropy` (no ``[B, L, V]`` tensor); False: the
+        eager formula (the reference).
+    chunk_rows : int, optional
+        Rows per chunk of the fused loss (its default: 64 MiB of float32 logits).
     """
     config = draft.config
     steps = int(ttt_length or config.ttt_length)
@@ -98,10 +136,12 @@ def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tenso
     device = input_ids.device
     lengths = valid.long().sum(-1)
     rows = torch.arange(length, device=device)
+    cap = config.final_logit_softcapping
     with torch.no_grad():
-        target_logits = soft_cap(draft.lm_head(target_last_hidden.to(draft.lm_head.weight.dtype)),
-                                 config.final_logit_softcapping)
-        target_probs = torch.softmax(target_logits.float(), -1)
+        if not fused:
+            target_logits = soft_cap(
+                draft.lm_head(target_last_hidden.to(draft.lm_head.weight.dtype)), cap)
+            target_probs = torch.softmax(target_logits.float(), -1)
         # Row i of step k learns the target's distribution at i + k + 1.
         mask0 = loss_mask.float() * valid.float()
         mask0[torch.arange(batch, device=device), (lengths - 1).clamp_min(0)] = 0.0
@@ -127,17 +167,24 @@ def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tenso
             enable_gqa=attn.num_heads != attn.num_kv_heads)
         attended = attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1).to(hidden.dtype))
         hidden = layer.after_attention(hidden, attended)
-        logits = draft.compute_logits(hidden).float()
         with torch.no_grad():
-            probs_k = _shift_left(target_probs, k + 1)
-            probs_k[:, length - k - 1:] = 1.0 / probs_k.shape[-1]  # DeepSpec's uniform tail
             mask_k = _shift_left(mask0, k)
-        soft_ce = -(probs_k * torch.log_softmax(logits, -1)).sum(-1)
-        step_loss = (soft_ce * mask_k).sum() / (batch * length)
+        if fused:
+            step_loss, accept = _fused_step(draft, hidden, target_last_hidden, mask_k, k, cap,
+                                            chunk_rows)
+        else:
+            logits = draft.compute_logits(hidden).float()
+            with torch.no_grad():
+                probs_k = _shift_left(target_probs, k + 1)
+                probs_k[:, length - k - 1:] = 1.0 / probs_k.shape[-1]  # DeepSpec's uniform tail
+            soft_ce = -(probs_k * torch.log_softmax(logits, -1)).sum(-1)
+            step_loss = (soft_ce * mask_k).sum() / (batch * length)
+            with torch.no_grad():
+                accept = (1 - 0.5 * (torch.softmax(logits, -1) - probs_k).abs().sum(-1)
+                          ).clamp(0, 1)
         total = total + step_loss * decay**k
         step_losses.append(step_loss.detach())
         with torch.no_grad():
-            accept = (1 - 0.5 * (torch.softmax(logits, -1) - probs_k).abs().sum(-1)).clamp(0, 1)
             accept_sum.append((accept * mask_k).sum().double())
             accept_count.append(mask_k.sum().double())
             accept_rows.append(accept * (mask_k > 0))

@@ -455,7 +455,8 @@ def _check_inputs(draft, input_ids, target_features, loss_mask, target_last_hidd
 def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features: torch.Tensor,
                      loss_mask: torch.Tensor, target_last_hidden: Optional[torch.Tensor] = None,
                      *, anchor_positions: Optional[torch.Tensor] = None,
-                     block_keep_mask: Optional[torch.Tensor] = None, num_anchors: int = 512,
+                     block_keep_mask: Optional[torch.Tensor] = None,
+                     num_anchors: Optional[int] = None,
                      generator: Optional[torch.Generator] = None,
                      attention: Optional[str] = None) -> TrainingBatch:
     """The teacher-forced training forward of a DSpark (or DFlash) draft over anchor blocks.
@@ -484,8 +485,9 @@ def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features:
         padding blocks are replaced by 0.
     block_keep_mask : torch.Tensor, optional
         bool ``[B, A]`` with ``anchor_positions`` (default: every block kept); only with it.
-    num_anchors : int
-        ``A`` when sampling (512 in DeepSpec's configs).
+    num_anchors : int, optional
+        ``A`` when sampling; default the draft config's ``num_anchors`` (512 in DeepSpec's
+        configs), as DeepSpec's model samples its config's count.
     generator : torch.Generator, optional
         Random source of the anchor sampling (:func:`sample_anchor_positions`).
     attention : {"sdpa", "flex"} or None
@@ -507,6 +509,8 @@ def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features:
     if anchor_positions is None:
         if block_keep_mask is not None:
             raise ValueError("block_keep_mask is given without anchor_positions")
+        if num_anchors is None:
+            num_anchors = config.num_anchors
         anchor_positions, block_keep_mask = sample_anchor_positions(loss_mask, num_anchors,
                                                                     generator)
     else:

@@ -40,7 +40,7 @@ from ..outputs import LossOutput
 from .forward import TrainingBatch, position_weights
 
 __all__ = ["block_metrics", "draft_loss", "flatten_batch", "loss_coefficients", "loss_weights",
-           "softcapped_dspark_loss"]
+           "soft_cross_entropy", "softcapped_dspark_loss"]
 
 
 def loss_coefficients(draft: nn.Module, ce_weight: Optional[float] = None,
@@ -217,3 +217,187 @@ def block_metrics(accept_rate: Optional[torch.Tensor], batch: TrainingBatch
     out["accept_sum"] = accept.reshape(-1, block).sum(0)
     out["tau_sum"] = ((accept.cumprod(-1).sum(-1) + 1.0) * blocks).sum()
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Soft cross-entropy against a target distribution, chunked over rows (Eagle3's TTT loss)
+
+# Elements of one chunk's [rows, V] logits: 64 MiB in float32, a few such tensors live at a time.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _capped_logits(rows: torch.Tensor, weight: torch.Tensor, cap: Optional[float],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``cap * tanh(rows @ weight.T / cap)`` (no cap: the product) in the operands' dtype, as the
+    eager model computes it, then in ``dtype``."""
+    logits = torch.nn.functional.linear(rows, weight)
+    if cap is not None:
+        logits.div_(cap).tanh_().mul_(cap)
+    return logits.to(dtype)
+
+
+def _chunk_logit_grad(z, p, q, row_weights, cap):
+    """``d(sum_i w_i * CE_i) / d(pre-cap logits)`` of a chunk: ``w (p * sum(q) - q)`` (the
+    gradient of ``-sum_j q_j log p_j``; ``sum(q)`` is kept rather than taken as 1, as autograd
+    of the eager formula does), times ``1 - tanh^2 = 1 - (z / cap)^2`` under a cap. Written
+    over ``p`` (and ``z``), which the chunk no longer needs: one ``[rows, V]`` buffer fewer."""
+    grad = p.mul_(q.sum(-1, keepdim=True)).sub_(q).mul_(row_weights[:, None])
+    if cap is not None:
+        grad.mul_(z.div_(cap).square_().neg_().add_(1))
+    return grad
+
+
+def _chunk(hidden, weight, target_hidden, target_weight, row_weights, cap, dtype, want_grad):
+    """One chunk of rows: ``CE`` and the acceptance per row, and (``want_grad``) the gradient
+    with respect to the head's product, ``[rows, V]`` in ``dtype``. At most three ``[rows, V]``
+    buffers live at once (the capped logits, the draft's log-probabilities, then probabilities,
+    then gradient, in one buffer, and the target's probabilities), plus one temporary."""
+    z = _capped_logits(hidden, weight, cap, dtype)
+    log_p = torch.log_softmax(z, -1)
+    if cap is None:
+        z = None  # only the cap's slope reads it again
+    q = torch.softmax(_capped_logits(target_hidden, target_weight, cap, dtype), -1)
+    losses = -(q * log_p).sum(-1)
+    p = log_p.exp_()
+    accept = torch.sub(p, q).abs_().sum(-1).mul_(-0.5).add_(1).clamp_(0, 1).float()
+    grad = _chunk_logit_grad(z, p, q, row_weights, cap) if want_grad else None
+    return losses, accept, grad
+
+
+class _ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """``sum_i w_i * (-sum_j q_ij log p_ij)`` over row chunks; see :func:`soft_cross_entropy`.
+
+    The forward computes the gradient with respect to ``hidden`` chunk by chunk while the
+    chunk's logits are at hand (one more product per chunk instead of recomputing both logits in
+    the backward) and keeps it, ``[N, d]``, with the per-row losses; the weight's gradient, when
+    asked for, is computed in the backward by recomputing each chunk's logits. No ``[N, V]``
+    tensor outlives its chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_hidden, target_weight, row_weights, cap,
+                chunk_rows):
+        rows = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        need_row_weights = ctx.needs_input_grad[4]
+        losses = torch.empty(rows, dtype=dtype, device=hidden.device)
+        accept = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        w = row_weights.to(dtype)
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            losses[start:end], accept[start:end], grad = _chunk(
+                hidden[start:end], weight, target_hidden[start:end], target_weight,
+                w[start:end], cap, dtype, need_hidden)
+            if need_hidden:
+                grad_hidden[start:end] = grad.to(weight.dtype) @ weight
+            del grad
+        ctx.cap, ctx.chunk_rows, ctx.row_weights_dtype = cap, chunk_rows, row_weights.dtype
+        ctx.save_for_backward(grad_hidden, losses if need_row_weights else None,
+                              *((hidden, weight, target_hidden, target_weight, row_weights)
+                                if need_weight else (None,) * 5))
+        ctx.mark_non_differentiable(accept)
+        return (losses * w).sum(), accept
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_accept):
+        del grad_accept  # the acceptance is a metric, not differentiable
+        (grad_hidden, losses, hidden, weight, target_hidden, target_weight,
+         row_weights) = ctx.saved_tensors
+        grads = [None] * 7
+        if grad_hidden is not None:
+            grads[0] = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if losses is not None:
+            grads[4] = (losses * grad_loss).to(ctx.row_weights_dtype)
+        if hidden is not None:  # the weight's gradient: each chunk's logits recomputed
+            dtype = torch.promote_types(hidden.dtype, torch.float32)
+            w = row_weights.to(dtype)
+            grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+            for start in range(0, hidden.shape[0], ctx.chunk_rows):
+                end = min(start + ctx.chunk_rows, hidden.shape[0])
+                _, _, grad = _chunk(hidden[start:end], weight, target_hidden[start:end],
+                                    target_weight, w[start:end], ctx.cap, dtype, True)
+                grad_weight += grad.T @ hidden[start:end].to(dtype)
+            grads[1] = (grad_weight * grad_loss).to(weight.dtype)
+        return tuple(grads)
+
+
+def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_hidden: torch.Tensor,
+                       row_weights: torch.Tensor, *, cap: Optional[float] = None,
+                       target_weight: Optional[torch.Tensor] = None,
+                       chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The weighted soft cross-entropy of draft rows against target rows through one LM head,
+    without the ``[N, V]`` logits: ``sum_i w_i * (-sum_j q_ij log p_ij)``.
+
+    ``p_i = softmax(cap(W h_i))`` is the draft's distribution and ``q_i = softmax(cap(W_t g_i))``
+    the target's, a constant (no gradient reaches ``g`` or ``W_t``, which defaults to ``W``
+    detached: the eager loss computes it under ``no_grad``), ``cap(x) =
+    cap * tanh(x / cap)`` (Gemma4's soft cap) or the identity. The rows are processed
+    ``chunk_rows`` at a time; what is kept for the backward is ``O(N)`` scalars and an ``[N, d]``
+    gradient (plus the inputs when ``weight`` needs a gradient), never a chunk's logits.
+    Eagle3's training-time-test loss (:func:`dspark_ops.train.eagle3_ttt_loss`) calls it once
+    per step; the formula is in ``docs/semantics.md`` §3.7b.
+
+    Parameters
+    ----------
+    hidden : torch.Tensor
+        ``[N, d]``: the draft's final-normed hidden states.
+    weight : torch.Tensor
+        ``[V, d]``: the LM head (frozen in Eagle3; its gradient is computed when it needs one).
+    target_hidden : torch.Tensor
+        ``[N, d]``: the target's final-normed hidden state whose distribution row ``i`` learns.
+    row_weights : torch.Tensor
+        ``[N]``: ``w_i`` (differentiable: its gradient is the per-row loss).
+    cap : float, optional
+        The logit soft cap of both distributions (``final_logit_softcapping``).
+    target_weight : torch.Tensor, optional
+        ``[V, d]``: the LM head of the target's distribution (default: ``weight``, detached).
+    chunk_rows : int, optional
+        Rows per chunk (default: ``2**24 // V``, 64 MiB of float32 logits).
+
+    Returns
+    -------
+    loss : torch.Tensor
+        Scalar, float32 (float64 for float64 inputs).
+    accept : torch.Tensor
+        float32 ``[N]``, no gradient: ``clamp(1 - TV(p_i, q_i), 0, 1)``, the expected acceptance
+        of a draft sampled from ``p_i`` against the target ``q_i``.
+
+    Notes
+    -----
+    Under autocast the products run in the autocast dtype, as the model's ``lm_head`` would;
+    the softmaxes and the loss are float32.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, d] and weight [V, d], got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if tuple(target_hidden.shape) != tuple(hidden.shape):
+        raise ValueError(f"target_hidden must have hidden's shape {tuple(hidden.shape)}, got "
+                         f"{tuple(target_hidden.shape)}")
+    if tuple(row_weights.shape) != (hidden.shape[0],):
+        raise ValueError(f"row_weights must be [N] with N = {hidden.shape[0]}, got "
+                         f"{tuple(row_weights.shape)}")
+    if target_weight is None:
+        target_weight = weight
+    if tuple(target_weight.shape) != tuple(weight.shape):
+        raise ValueError(f"target_weight must have weight's shape {tuple(weight.shape)}, got "
+                         f"{tuple(target_weight.shape)}")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"cap must be > 0 or None, got {cap}")
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    elif chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the eager lm_head's product dtype
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = weight.dtype
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedSoftCrossEntropy.apply(hidden.to(dtype), weight.to(dtype),
+                                              target_hidden.detach().to(dtype),
+                                              target_weight.detach().to(dtype), row_weights,
+                                              None if cap is None else float(cap),
+                                              int(chunk_rows))
