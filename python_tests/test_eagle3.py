@@ -449,8 +449,8 @@ def test_eval_command_runs_an_eagle3_draft(tmp_path, capsys):
                     + json.dumps({"turns": ["what is two plus two?"]}) + "\n")
     output = tmp_path / "results.json"
     main(["--target", target_dir, "--draft", draft_dir, "--data", str(data),
-          "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float64", "--batch-size",
-          "2", "--output", str(output), "--no-progress"])
+          "--max-new-tokens", "12", "--scheduler", "fixed", "--device", "cpu", "--dtype",
+          "float64", "--batch-size", "2", "--output", str(output), "--no-progress"])
     result = json.loads(output.read_text())
     row = result["results"][0]
     assert result["settings"]["draft_kind"] == "eagle3"

@@ -344,8 +344,8 @@ def test_eval_command(saved_models, tmp_path, capsys):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     output = tmp_path / "results.json"
     main(["--target", target_dir, "--draft", draft_dir, "--data", str(data),
-          "--max-new-tokens", "16", "--device", "cpu", "--dtype", "float64", "--batch-size",
-          "2", "--output", str(output), "--no-progress"])
+          "--max-new-tokens", "16", "--scheduler", "fixed", "--device", "cpu", "--dtype",
+          "float64", "--batch-size", "2", "--output", str(output), "--no-progress"])
     printed = capsys.readouterr().out
     assert "chat.jsonl" in printed and "wrote" in printed
     result = json.loads(output.read_text())
