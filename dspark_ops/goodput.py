@@ -35,41 +35,84 @@ __all__ = ["AcceptanceEstimate", "GoodputPolicy", "expected_tokens", "plan_goodp
 
 class AcceptanceEstimate:
     """Running per-position conditional acceptance: ``c[i]`` estimates P(draft ``i + 1`` is
-    accepted | drafts ``1..i`` were), an EMA over verified rounds, per request and pooled.
+    accepted | drafts ``1..i`` were), per request and pooled over requests.
 
-    A request starts from the pooled estimate, so a decoder that has served earlier requests
-    starts each new one from what its draft achieved on them.
+    Each position keeps exponentially decayed counts of what verification saw there (``hits``
+    and ``seen``, both decayed by ``1 - rate`` per observation of that position), and counts a
+    base as ``strength`` observations made before the first, decaying like the others::
+
+        c[i] = (hits[i] + w[i] * base[i]) / (seen[i] + w[i]),   w[i] = strength * (1 - rate)^n[i]
+
+    with ``n[i]`` the observations of position ``i``.
+
+    - Decayed counts, not a plain EMA from the prior: the first observations are averaged
+      rather than pulled toward a guess, and once ``seen`` nears ``1 / rate`` each new
+      observation weighs ``rate``, as in an EMA of that rate.
+    - The base of the pooled estimate at position 1 is ``prior``; at a deeper position it is the
+      estimate of the position before, so a position that is rarely reached (a draft mostly
+      rejected early) follows its predecessor instead of staying at the prior.
+    - A request's base at every position is the pooled estimate when it began, so a new request
+      starts from what the draft achieved on earlier ones and moves to its own rate as it runs.
 
     Parameters
     ----------
     max_drafts : int
         Positions tracked.
     prior : float
-        The pooled estimate before any round.
+        The pooled estimate of position 1 before any round.
     rate : float
-        Weight of one observation (SGLang uses 0.2, SmartSpec 0.15).
+        Decay per observation: the weight of one observation once a position has seen
+        ``1 / rate`` of them.
+    strength : float
+        Pseudo-observations of the base.
     """
 
-    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.2):
-        if not 0 <= prior <= 1 or not 0 < rate <= 1:
-            raise ValueError(f"AcceptanceEstimate: need 0 <= prior <= 1 and 0 < rate <= 1, got "
-                             f"{prior} and {rate}")
-        self.rate = rate
-        self.pooled = [float(prior)] * max_drafts
+    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.1,
+                 strength: float = 2.0):
+        if not 0 <= prior <= 1 or not 0 < rate <= 1 or not strength > 0:
+            raise ValueError(f"AcceptanceEstimate: need 0 <= prior <= 1, 0 < rate <= 1 and "
+                             f"strength > 0, got {prior}, {rate} and {strength}")
+        self.max_drafts, self.prior, self.rate, self.strength = max_drafts, prior, rate, strength
+        self._pooled_counts = self._no_counts()
+        self.pooled = self._estimate(self._pooled_counts, None)
         self.per_request: List[List[float]] = []
+        self._counts: List[tuple] = []
+        self._bases: List[List[float]] = []
+
+    def _no_counts(self):
+        """``(hits, seen, w)`` before any observation."""
+        return ([0.0] * self.max_drafts, [0.0] * self.max_drafts,
+                [self.strength] * self.max_drafts)
+
+    def _estimate(self, counts, base: Optional[Sequence[float]]) -> List[float]:
+        """``c`` from the counts; ``base`` None: the pooled rule (prior, then the predecessor)."""
+        hits, seen, weight = counts
+        out: List[float] = []
+        for i in range(self.max_drafts):
+            b = base[i] if base is not None else (out[i - 1] if i else self.prior)
+            out.append((hits[i] + weight[i] * b) / (seen[i] + weight[i]))
+        return out
 
     def begin(self, batch: int) -> None:
         """New requests, each starting from the pooled estimate."""
+        self._bases = [list(self.pooled) for _ in range(batch)]
+        self._counts = [self._no_counts() for _ in range(batch)]
         self.per_request = [list(self.pooled) for _ in range(batch)]
 
     def observe(self, request: int, verified: int, accepted: int) -> None:
         """One round of ``request``: ``verified`` drafts checked, the first ``accepted``
         accepted. Positions ``1..accepted`` saw an acceptance, ``accepted + 1`` (if verified) a
-        rejection; later positions were not reached and learn nothing."""
-        for estimate in (self.per_request[request], self.pooled):
-            for i in range(min(verified, accepted + 1, len(estimate))):
-                hit = 1.0 if i < accepted else 0.0
-                estimate[i] += self.rate * (hit - estimate[i])
+        rejection; later positions were not reached and learn nothing directly."""
+        reached = min(verified, accepted + 1, self.max_drafts)
+        keep = 1 - self.rate
+        for hits, seen, weight in (self._counts[request], self._pooled_counts):
+            for i in range(reached):
+                hits[i] = keep * hits[i] + (1.0 if i < accepted else 0.0)
+                seen[i] = keep * seen[i] + 1.0
+                weight[i] *= keep
+        self.pooled = self._estimate(self._pooled_counts, None)
+        self.per_request[request] = self._estimate(self._counts[request],
+                                                   self._bases[request])
 
     def conditional(self, request: int) -> List[float]:
         return self.per_request[request]
@@ -122,7 +165,7 @@ class GoodputPolicy:
 
     def __init__(self, costs: CostTable, max_drafts: int, *, margin: float = 1.1,
                  probe_every: int = 8, probe_max: int = 128, prior: float = 0.5,
-                 rate: float = 0.2):
+                 rate: float = 0.1):
         if max_drafts < 1:
             raise ValueError(f"GoodputPolicy: 'max_drafts' must be >= 1, got {max_drafts}")
         if max_drafts > costs.max_drafts:

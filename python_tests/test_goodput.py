@@ -207,19 +207,49 @@ def test_probe_schedule_backs_off_and_resets():
 
 
 def test_acceptance_estimate_learns_only_what_was_verified():
-    estimate = AcceptanceEstimate(4, prior=0.5, rate=0.5)
+    estimate = AcceptanceEstimate(4, prior=0.5, rate=0.5, strength=1.0)
     estimate.begin(2)
     estimate.observe(0, verified=3, accepted=1)  # position 1 accepted, 2 rejected, 3 unseen
-    assert estimate.conditional(0) == [0.75, 0.25, 0.5, 0.5]
+    # one observation against the base's strength, decayed once: (hit + 0.5 * base) / 1.5; the
+    # request's base is the pooled estimate when it began, 0.5 everywhere
+    assert estimate.conditional(0) == pytest.approx([1.25 / 1.5, 0.25 / 1.5, 0.5, 0.5])
     assert estimate.conditional(1) == [0.5] * 4  # another request: untouched
-    assert estimate.pooled == [0.75, 0.25, 0.5, 0.5]
+    # the pooled estimate's base is the position before: 3 and 4 follow 2
+    c1 = 1.25 / 1.5
+    c2 = 0.5 * c1 / 1.5
+    assert estimate.pooled == pytest.approx([c1, c2, c2, c2])
     estimate.observe(1, verified=2, accepted=2)  # all accepted: nothing learnt past 2
-    assert estimate.conditional(1) == [0.75, 0.75, 0.5, 0.5]
-    assert estimate.survival(1) == pytest.approx([0.75, 0.5625, 0.28125, 0.140625])
+    assert estimate.conditional(1) == pytest.approx([c1, c1, 0.5, 0.5])
+    assert estimate.survival(1) == pytest.approx([c1, c1 ** 2, c1 ** 2 / 2, c1 ** 2 / 4])
+    # pooled counts decay by 1 - rate per observation: position 1 saw hit, hit; 2 miss, hit
+    p1 = (1.5 + 0.25 * 0.5) / 1.75
+    p2 = (1.0 + 0.25 * p1) / 1.75
+    assert estimate.pooled == pytest.approx([p1, p2, p2, p2])
     estimate.begin(1)  # a new request starts from the pooled estimate
     assert estimate.conditional(0) == estimate.pooled
     with pytest.raises(ValueError, match="0 < rate <= 1"):
         AcceptanceEstimate(4, rate=0.0)
+    with pytest.raises(ValueError, match="strength > 0"):
+        AcceptanceEstimate(4, strength=0.0)
+
+
+def test_acceptance_estimate_converges_and_forgets():
+    """Averaged from the first observation (no pull toward the prior beyond its pseudo-counts),
+    then an EMA of weight ``rate``: it follows a draft that changes."""
+    estimate = AcceptanceEstimate(2, prior=0.5, rate=0.1, strength=2.0)
+    estimate.begin(1)
+    for _ in range(3):
+        estimate.observe(0, verified=2, accepted=0)  # position 1 rejected three times
+    seen, weight = 1 + 0.9 + 0.81, 2 * 0.9 ** 3
+    assert estimate.conditional(0)[0] == pytest.approx(0.5 * weight / (seen + weight))
+    assert estimate.conditional(0)[1] == 0.5  # never reached: the request's start
+    assert estimate.pooled[1] == pytest.approx(estimate.pooled[0])  # follows position 1
+    for _ in range(200):
+        estimate.observe(0, verified=2, accepted=2)
+    assert estimate.conditional(0) == pytest.approx([1.0, 1.0], abs=0.02)
+    for _ in range(200):
+        estimate.observe(0, verified=2, accepted=0)
+    assert estimate.conditional(0)[0] == pytest.approx(0.0, abs=0.02)
 
 
 def test_policy_errors():

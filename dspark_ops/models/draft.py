@@ -25,6 +25,7 @@ from ..modules import DraftBackbone
 from ..ops.draft import DraftOutput, draft_confidence, markov_draft, rnn_draft
 from .checkpoint import load_state_dict_file, save_safetensors
 from .config import DSparkConfig
+from .vocab import DraftVocabulary
 
 if TYPE_CHECKING:
     from .target import TinyTarget
@@ -48,10 +49,13 @@ class MarkovHead(nn.Module):
             raise ValueError(f"unsupported markov_head_type {config.markov_head_type!r}; "
                              "this library implements 'vanilla' and 'rnn'")
 
-    def sample(self, base_logits, anchor, hidden, temperature, seed, position, **filters):
+    def sample(self, base_logits, anchor, hidden, temperature, seed, position, *, w1=None,
+               w2=None, **filters):
         """The block's tokens and draft logits: :func:`markov_draft` or :func:`rnn_draft`
-        (``filters``: their ``top_k`` / ``top_p`` / ``min_p``)."""
-        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
+        (``filters``: their ``top_k`` / ``top_p`` / ``min_p``). ``w1`` / ``w2`` replace the
+        head's own rows (a draft vocabulary's, :mod:`~dspark_ops.models.vocab`)."""
+        w1 = self.markov_w1.weight if w1 is None else w1
+        w2 = self.markov_w2.weight if w2 is None else w2
         if self.is_rnn:
             return rnn_draft(base_logits, anchor, hidden.to(w1.dtype), w1, w2,
                              self.joint_proj.weight, self.joint_proj.bias, temperature, seed,
@@ -112,6 +116,9 @@ class DSparkDraft(DraftBackbone):
         self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
+        #: The :class:`~dspark_ops.models.vocab.DraftVocabulary` decoding drafts from (None: the
+        #: whole vocabulary); :meth:`from_pretrained` reads a checkpoint's.
+        self.draft_vocabulary = None
         self.confidence_head = None
         if config.enable_confidence_head:
             width = config.hidden_size
@@ -145,6 +152,7 @@ class DSparkDraft(DraftBackbone):
             raise FileNotFoundError(f"none of {', '.join(names)} in {path}")
         model = cls(config)
         model.load_state_dict(load_state_dict_file(weights), strict=True)
+        model.draft_vocabulary = DraftVocabulary.load(path)
         return model.to(device=device, dtype=dtype)
 
     def save_pretrained(self, path: str) -> None:
@@ -158,6 +166,8 @@ class DSparkDraft(DraftBackbone):
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         save_safetensors(self.state_dict(), os.path.join(path, "model.safetensors"))
+        if self.draft_vocabulary is not None:
+            self.draft_vocabulary.save(path)
 
     def share_target_embeddings(self, target: "TinyTarget") -> None:
         """Copies the target's token embedding and LM head (frozen, as DSpark trains them)."""
@@ -168,10 +178,15 @@ class DSparkDraft(DraftBackbone):
         self.lm_head.requires_grad_(False)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The block's base logits from its final-normed hidden states: ``lm_head(hidden)``
-        (a family may transform them, e.g. Gemma4's soft cap; the sequential head's bias is
-        added to this result)."""
-        return self.lm_head(hidden)
+        """The block's base logits from its final-normed hidden states:
+        ``transform_logits(lm_head(hidden))`` (the sequential head's bias is added to this
+        result)."""
+        return self.transform_logits(self.lm_head(hidden))
+
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a family does to the LM head's logits, elementwise (Gemma4: a soft cap);
+        the identity here."""
+        return logits
 
     def block_hidden(self, anchor: torch.Tensor, block_size: int) -> torch.Tensor:
         """Embeddings of the block ``[x0, MASK, ..., MASK]``, ``[B, G, hidden]``."""
@@ -182,14 +197,15 @@ class DSparkDraft(DraftBackbone):
 
     def propose(self, base_logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor,
                 temperature: torch.Tensor, seed: torch.Tensor,
-                position: torch.Tensor, **filters) -> DraftOutput:
+                position: torch.Tensor, *, w1=None, w2=None, **filters) -> DraftOutput:
         """The block's drafts and the logits they were sampled from: the Markov or RNN head, or
         for a DFlash draft (no head) the base logits themselves (:func:`sample_base_logits`);
-        ``filters`` are the sampling filters (``top_k``, ``top_p``, ``min_p``) of both."""
+        ``filters`` are the sampling filters (``top_k``, ``top_p``, ``min_p``) of both, ``w1`` /
+        ``w2`` the Markov rows to use instead of the head's (:meth:`MarkovHead.sample`)."""
         if self.markov_head is None:
             return sample_base_logits(base_logits, temperature, seed, position, **filters)
         return self.markov_head.sample(base_logits, anchor, hidden, temperature, seed, position,
-                                       **filters)
+                                       w1=w1, w2=w2, **filters)
 
     def training_forward(self, input_ids: torch.Tensor, target_features: torch.Tensor,
                          loss_mask: torch.Tensor, target_last_hidden=None, **options):

@@ -496,7 +496,7 @@ class Gemma4DSparkDraft(DSparkDraft):
             raise TypeError(f"config must be a Gemma4DSparkConfig, got {type(config).__name__}")
         super().__init__(config)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``cap * tanh(lm_head(hidden) / cap)`` (``final_logit_softcapping``); the Markov
-        bias is added to this, after the cap, as DeepSpec does."""
-        return soft_cap(self.lm_head(hidden), self.config.final_logit_softcapping)
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap * tanh(logits / cap)`` (``final_logit_softcapping``); the Markov bias is added
+        to this, after the cap, as DeepSpec does."""
+        return soft_cap(logits, self.config.final_logit_softcapping)

@@ -6,6 +6,9 @@ block, so a shorter block would change every slot), but the LM head, the Markov 
 the confidence head run over the first ``k`` slots only: no logits are computed for a slot that
 cannot be verified. A slot's draft does not depend on later slots, so the first ``k`` drafts are
 those a full block would have drawn, on the same random streams.
+
+A draft with a draft vocabulary (``draft.draft_vocabulary``) computes its LM head and Markov rows
+over that subset only (:class:`~dspark_ops.models.vocab.VocabularyHeads`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from ..costs import digest
+from ..models.vocab import VocabularyHeads
 from ..steps import part
 from .base import Proposal, Proposer
 
@@ -44,6 +48,8 @@ class BlockDraftProposer(Proposer):
         self.max_drafts = self.block_size
         self.has_confidence = draft.confidence_head is not None
         self.calib = calib_temperature
+        vocabulary = getattr(draft, "draft_vocabulary", None)
+        self.vocab_heads = None if vocabulary is None else VocabularyHeads(draft, vocabulary)
         if calib_temperature is not None and calib_temperature.numel() < self.block_size:
             raise ValueError(f"calib_temperature has {calib_temperature.numel()} temperatures, "
                              f"the block {self.block_size} slots")
@@ -54,8 +60,11 @@ class BlockDraftProposer(Proposer):
 
     def identity(self) -> str:
         dtype = str(self.draft.fc.weight.dtype).replace("torch.", "")
+        vocab = ""
+        if self.vocab_heads is not None:  # the draft's cost depends on its vocabulary
+            vocab = f"/vocab={self.vocab_heads.size}:{digest(self.vocab_heads.d2t.tolist())}"
         return (f"{type(self.draft).__name__}/{self.kind}/G={self.block_size}/{dtype}/"
-                f"{digest(self.draft.config.to_dict())}")
+                f"{digest(self.draft.config.to_dict())}{vocab}")
 
     def start(self, prompts, features, prompt_len, anchor, length) -> None:
         draft = self.draft
@@ -93,10 +102,11 @@ class BlockDraftProposer(Proposer):
             hidden = draft(draft.block_hidden(anchor, self.block_size), block_positions=None,
                            k_caches=self.k_caches, v_caches=self.v_caches,
                            cache_seqlens=self.cache_len)[:, :k]
+        heads = self.vocab_heads or draft
         with part("draft_lm_head"):
-            base_logits = draft.base_logits(hidden)
+            base_logits = heads.base_logits(hidden)
         with part("markov_drafting"):
-            drafts, draft_logits = draft.propose(base_logits, anchor, hidden, temperature, seed,
+            drafts, draft_logits = heads.propose(base_logits, anchor, hidden, temperature, seed,
                                                  position, **filters)
         confidence = None
         if self.has_confidence:
