@@ -166,13 +166,15 @@ def _decoder(args: argparse.Namespace, target, proposer, stop, calib) -> Specula
 
 
 def draft_kind(draft) -> str:
-    """``"eagle3"``, ``"dflash"`` (no sequential head), ``"dspark"`` or ``"prompt-lookup"``."""
-    from .models import Eagle3Draft
+    """``"eagle3"`` (a chain-drafting family, by its name), ``"dflash"`` (no sequential head),
+    ``"dspark"`` or ``"prompt-lookup"``."""
+    from .models.registry import family_of
 
     if isinstance(draft, PromptLookupProposer):
         return PROMPT_LOOKUP
-    if isinstance(draft, Eagle3Draft):
-        return "eagle3"
+    family = family_of(draft)
+    if family.drafting == "chain":
+        return family.name
     return "dflash" if draft.config.is_dflash else "dspark"
 
 

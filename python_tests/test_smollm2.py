@@ -203,7 +203,8 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
     from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
     from dspark_ops.hf import HFTarget
     from dspark_ops.proposers import OracleProposer, PromptLookupProposer, make_proposer
-    from dspark_ops.train.trainer import build_draft_config, init_draft, parse_args
+    from dspark_ops.train.draft_config import build_draft_config, init_draft
+    from dspark_ops.train.trainer import parse_args
 
     model, tokenizer = model_and_tokenizer
     prompts = [chat_prompt(tokenizer, "Write a Python function that adds two numbers."),
