@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import re
 
+import pytest
+
 from source_tree import (
     CSRC, ROOT, family_of_file, header_ops, op_families, registrations, strip_comments,
 )
@@ -356,10 +358,12 @@ def _import_circles(graph: dict) -> list:
     return circles
 
 
-def test_no_import_circles():
-    """The package's modules import one another without a circle: each module can be read
-    knowing only what it imports."""
-    assert not _import_circles(_module_imports()), _import_circles(_module_imports())
+@pytest.mark.parametrize("package", ["dspark_ops", "bench"])
+def test_no_import_circles(package):
+    """The modules of the package and of the benchmarks import one another without a circle:
+    each module can be read knowing only what it imports."""
+    circles = _import_circles(_module_imports(package))
+    assert not circles, circles
 
 
 def test_the_circle_check_sees_a_circle():
