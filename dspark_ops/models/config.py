@@ -12,7 +12,7 @@ from . import registry
 from .backbone import DraftConfig
 from .registry import GEMMA4_MODEL_TYPES
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES"]
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "rope_theta_of"]
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
@@ -35,7 +35,7 @@ _COPIED_FIELDS = _REQUIRED_FIELDS + ("attention_bias", "target_hidden_size", "nu
                                      "max_position_embeddings")
 
 
-def _rope_theta(values: dict) -> float:
+def rope_theta_of(values: dict) -> float:
     """The RoPE base from either layout: transformers 5.x ``rope_parameters`` or 4.x
     ``rope_theta`` (+ ``rope_scaling``). Only plain (``"default"``) RoPE is implemented."""
     theta = values.get("rope_theta")
@@ -178,7 +178,7 @@ class DSparkConfig(DraftConfig):
             raise ValueError("config field 'sliding_window' is set: sliding-window draft layers "
                              "are not implemented")
         kwargs = {name: values[name] for name in _COPIED_FIELDS if values.get(name) is not None}
-        kwargs["rope_theta"] = _rope_theta(values)
+        kwargs["rope_theta"] = rope_theta_of(values)
         if values.get("num_target_layers") is not None:
             kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
         head_dim = values.get("head_dim")

@@ -42,7 +42,7 @@ from torch import nn
 from .backbone import DraftMLP, RMSNorm, apply_rope
 from ..ops.attention import append_context_kv
 from .checkpoint import load_state_dict_file, save_safetensors, weights_file
-from .config import _INFERENCE_NEUTRAL_FIELDS, _rope_theta
+from .config import _INFERENCE_NEUTRAL_FIELDS, rope_theta_of
 from .registry import GEMMA4_MODEL_TYPES
 from .gemma4 import (
     _GEMMA4_NEUTRAL_FIELDS, Gemma4DraftMLP, GemmaRMSNorm, ScaledEmbedding, _rope, gemma4_rope,
@@ -176,7 +176,7 @@ class Eagle3Config:
             if values.get("use_sliding_window", False):
                 raise ValueError("config field 'use_sliding_window' is true: sliding-window "
                                  "draft layers are not implemented")
-            kwargs["rope_theta"] = _rope_theta(values)
+            kwargs["rope_theta"] = rope_theta_of(values)
             head_dim = values.get("head_dim")
             kwargs["head_dim"] = (int(head_dim) if head_dim is not None
                                   else values["hidden_size"] // values["num_attention_heads"])

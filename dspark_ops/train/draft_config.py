@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..models import DSparkConfig, Eagle3Config, Gemma4DSparkConfig
+from ..models.config import rope_theta_of
 from ..models.registry import GEMMA4_MODEL_TYPES, family_of, family_of_config, family_to_train
 
 __all__ = ["build_draft_config", "check_draft_fits_target", "check_target_layers",
@@ -54,17 +55,16 @@ def check_target_layers(ids: Sequence[int], depth: int) -> List[int]:
     return ids
 
 
-def _rope_theta(config) -> float:
-    """The target's RoPE base; plain RoPE only."""
-    spec = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind != "default":
-        raise SystemExit(f"the target uses RoPE scaling {kind!r}: the draft implements plain "
-                         "RoPE only")
-    theta = spec.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise SystemExit("the target's config has no rope_theta")
-    return float(theta)
+def _rope_theta(text) -> float:
+    """The target's RoPE base, by the rule every draft config reads it with
+    (:func:`dspark_ops.models.config.rope_theta_of`: either transformers layout, plain RoPE
+    only)."""
+    values = {name: getattr(text, name, None)
+              for name in ("rope_theta", "rope_parameters", "rope_scaling")}
+    try:
+        return rope_theta_of(values)
+    except ValueError as error:
+        raise SystemExit(f"--target: {error}") from None
 
 
 def mask_token_id(tokenizer, vocab_size: int) -> int:
