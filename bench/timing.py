@@ -16,14 +16,12 @@ import functools
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from bench.common import log, synchronize
-
-if TYPE_CHECKING:
-    from bench.report import Row
+from bench.row import Row
 
 
 def _use_the_build_cuda_root() -> None:
@@ -193,8 +191,8 @@ def _decisive(samples: Dict[str, List[float]]) -> List[str]:
     return ["ours"] + ([min(others, key=others.get)] if others else [])
 
 
-def measure(row: "Row", competitors: Dict[str, Optional[Callable[[], Any]]], device: torch.device,
-            timing: "Timing", *, budgets: Optional[Dict[str, dict]] = None) -> "Row":
+def measure(row: Row, competitors: Dict[str, Optional[Callable[[], Any]]], device: torch.device,
+            timing: "Timing", *, budgets: Optional[Dict[str, dict]] = None) -> Row:
     """Times a row's competitors on the same inputs, interleaved, and fills the row in.
 
     Parameters

@@ -74,7 +74,7 @@ __all__ = [
     "schedule_verify",
     "verify",
 ]
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 
 def __getattr__(name):

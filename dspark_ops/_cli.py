@@ -16,6 +16,7 @@ import torch
 from .costs import CostTable, cost_key, load_or_profile_costs
 from .decoder import SCHEDULERS, SpeculativeDecoder, generate_target_only
 from .models import DSparkDraft, load_draft
+from .prompts import chat_prompt, stop_token_ids
 from .proposers import PromptLookupProposer, make_proposer
 
 #: ``--draft``'s value for prompt lookup (no draft model).
@@ -92,17 +93,6 @@ class Models:
     stop_token_ids: List[int]
 
 
-def stop_token_ids(model, tokenizer) -> List[int]:
-    """The generation config's EOS ids (one or several), else the tokenizer's, as DeepSpec's
-    evaluator resolves them."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else list(dict.fromkeys(int(t) for t in eos))
-
-
 def load_models(args: argparse.Namespace) -> Models:
     """The target (:class:`dspark_ops.hf.HFTarget`), its tokenizer and the draft (any family:
     :func:`dspark_ops.load_draft`), checked against each other."""
@@ -166,13 +156,15 @@ def _decoder(args: argparse.Namespace, target, proposer, stop, calib) -> Specula
 
 
 def draft_kind(draft) -> str:
-    """``"eagle3"``, ``"dflash"`` (no sequential head), ``"dspark"`` or ``"prompt-lookup"``."""
-    from .models import Eagle3Draft
+    """``"eagle3"`` (a chain-drafting family, by its name), ``"dflash"`` (no sequential head),
+    ``"dspark"`` or ``"prompt-lookup"``."""
+    from .models.registry import family_of
 
     if isinstance(draft, PromptLookupProposer):
         return PROMPT_LOOKUP
-    if isinstance(draft, Eagle3Draft):
-        return "eagle3"
+    family = family_of(draft)
+    if family.drafting == "chain":
+        return family.name
     return "dflash" if draft.config.is_dflash else "dspark"
 
 
@@ -191,14 +183,6 @@ def load_calibration(args: argparse.Namespace, draft: DSparkDraft) -> Optional[t
     if not isinstance(temps, list) or len(temps) < block:
         raise SystemExit(f"{path}: 'calib_temperature' must list at least {block} temperatures")
     return torch.tensor(temps[:block], dtype=torch.float32)
-
-
-def chat_prompt(tokenizer, text: str) -> List[int]:
-    """``text`` as the user's turn through the tokenizer's chat template, with the assistant's
-    turn opened and thinking off (as DeepSpec's evaluator encodes it)."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)
-    return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
 def _sync(device) -> None:

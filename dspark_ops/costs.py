@@ -240,7 +240,7 @@ def _device_name(device) -> str:
 def cost_key(target, proposer, *, device, dtype, batch_sizes: Sequence[int] = (1,)) -> dict:
     """What a cost table depends on: the target, the proposer (its kind, configuration and
     most drafts), the device, the dtype, the CPU threads and the library and torch versions."""
-    from . import __version__
+    from ._version import __version__
 
     return {"target": target_identity(target), "proposer": proposer.identity(),
             "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),

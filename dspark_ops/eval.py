@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _cli
+from .prompts import chat_prompt
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -67,7 +68,7 @@ def read_first_turns(path: str) -> List[str]:
 
 def evaluate_file(models: _cli.Models, path: str, args: argparse.Namespace) -> dict:
     turns = read_first_turns(path)[: args.max_samples]
-    prompts = [_cli.chat_prompt(models.tokenizer, t) for t in turns]
+    prompts = [chat_prompt(models.tokenizer, t) for t in turns]
     block = models.decoder.block_size
     request_rounds = emitted = verified_total = 0
     verified_at, accepted_at = [0] * block, [0] * block

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _cli
+from .prompts import chat_prompt
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -41,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.no_chat_template or not getattr(tokenizer, "chat_template", None):
         prompt = tokenizer(args.prompt, add_special_tokens=False).input_ids
     else:
-        prompt = _cli.chat_prompt(tokenizer, args.prompt)
+        prompt = chat_prompt(tokenizer, args.prompt)
     _cli.warm_up(models, args)
     result = _cli.compare(models, [prompt], args)
     out = result.speculative

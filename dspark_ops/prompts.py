@@ -1,5 +1,7 @@
 """``python -m dspark_ops.prompts``: offline, deterministic prompt sets for training and evaluating
-drafts: math, code and chat, with held-out evaluation sets disjoint from training.
+drafts: math, code and chat, with held-out evaluation sets disjoint from training; and a prompt as
+a chat model reads it (:func:`chat_prompt`) with the ids its answer stops at
+(:func:`stop_token_ids`).
 
 Every prompt comes from a *unit*, and the units of a category are split once, independently of
 the seed, into training units and held-out units; a held-out file draws only from held-out units,
@@ -47,7 +49,8 @@ import re
 import sys
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["CATEGORIES", "Unit", "build", "held_out", "main", "units", "write"]
+__all__ = ["CATEGORIES", "Unit", "build", "chat_prompt", "held_out", "main", "stop_token_ids", "units",
+           "write"]
 
 CATEGORIES = ("math", "code", "chat")
 
@@ -72,6 +75,26 @@ class Unit:
     key: str
     held_out: bool
     stream: Callable[[random.Random], Iterator[str]]
+
+
+def chat_prompt(tokenizer, text: str) -> List[int]:
+    """``text`` as the user's turn through the tokenizer's chat template, with the assistant's
+    turn opened and thinking off (as DeepSpec's evaluator encodes it; generate, eval and the
+    real-model benchmarks encode every prompt so)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def stop_token_ids(model, tokenizer) -> List[int]:
+    """The generation config's EOS ids (one or several), else the tokenizer's, as DeepSpec's
+    evaluator resolves them."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else list(dict.fromkeys(int(t) for t in eos))
 
 
 def held_out(category: str, key: str) -> bool:

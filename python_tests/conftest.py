@@ -8,9 +8,11 @@ Run with ``python -m pytest python_tests`` from the repository root. CUDA cases 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
+from source_tree import op_families
 
 import dspark_ops  # noqa: F401  (loads the operator library before any test runs)
 
@@ -23,6 +25,40 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "sim: runs the CUDA kernels in the SIMT emulator (python_tests/emulator.py)"
     )
+    for family in sorted(set(op_families().values())):
+        config.addinivalue_line(
+            "markers", f"{family}: a test of the {family} op family (set from the file and test "
+                       f"names; `make test-family F={family}`)")
+
+
+# Files whose tests span every op: their tests are of the family their name or parameters name.
+_ALL_OP_FILES = ("test_registration", "test_compile", "test_fuzz")
+
+
+def _named_family(text: str, ops: dict):
+    """The family of the first op, else of the first family, that ``text`` names as a word
+    (underscores, dashes and brackets separate words)."""
+    names = sorted(ops, key=len, reverse=True) + sorted(set(ops.values()), key=len, reverse=True)
+    for name in names:
+        if re.search(rf"(?<![a-z0-9]){name}(?![a-z0-9])", text):
+            return ops.get(name, name)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks each test with its op family: test_<family>*.py and test_sim_<family>*.py by the
+    file name, the op-wide files' tests by the op or family their name or parameters name."""
+    ops = op_families()
+    for item in items:
+        stem = item.path.stem
+        if stem in _ALL_OP_FILES:
+            family = _named_family(item.name, ops)
+        else:
+            rest = stem.removeprefix("test_").removeprefix("sim_")
+            family = next((f for f in set(ops.values())
+                           if rest == f or rest.startswith(f + "_")), None)
+        if family is not None:
+            item.add_marker(getattr(pytest.mark, family))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from dspark_ops.models.gemma4 import (
     Gemma4DSparkConfig, Gemma4DSparkDraft, GemmaRMSNorm, ScaledEmbedding, block_attention_torch,
     proportional_inv_freq,
 )
-from dspark_ops.modules import RMSNorm
+from dspark_ops.models.backbone import RMSNorm
 from dspark_ops.ops.attention import block_draft_attention
 
 from cases.gemma4 import (HIDDEN, TARGET_LAYERS, deepspec_config, hf_generate,  # noqa: E402

@@ -233,7 +233,7 @@ def test_draft_rope_matches_transformers_rope_of_the_loaded_base(theta):
     RoPE of that config does (the DeepSpec draft's own rotary embedding)."""
     from transformers.models.qwen3 import modeling_qwen3
 
-    from dspark_ops.modules import apply_rope
+    from dspark_ops.models.backbone import apply_rope
 
     values = transformers.Qwen3Config(hidden_size=128, num_attention_heads=2, head_dim=64,
                                       rope_parameters={"rope_type": "default",

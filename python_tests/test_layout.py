@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import re
 
+import pytest
+
 from source_tree import (
     CSRC, ROOT, family_of_file, header_ops, op_families, registrations, strip_comments,
 )
@@ -299,3 +301,97 @@ def test_the_import_check_sees_a_test_file_import(tmp_path):
     path = tmp_path / "test_example.py"
     path.write_text("import os\n\ndef helper():\n    from test_verify import make_case\n")
     assert set(_imported_modules(path)) == {"os", "test_verify"}
+
+
+def _module_imports(package: str = "dspark_ops") -> dict:
+    """Each module of ``package`` and the modules of ``package`` it imports, at any depth of its
+    code (a lazy import inside a function counts: it is still a dependency)."""
+    paths = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        paths[".".join(parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:  # `from . import x` imports the module x
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in paths else base)
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _import_circles(graph: dict) -> list:
+    """The strongly connected sets of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            members = []
+            while not members or members[-1] != node:
+                members.append(stack.pop())
+                on_stack.discard(members[-1])
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+@pytest.mark.parametrize("package", ["dspark_ops", "bench"])
+def test_no_import_circles(package):
+    """The modules of the package and of the benchmarks import one another without a circle:
+    each module can be read knowing only what it imports."""
+    circles = _import_circles(_module_imports(package))
+    assert not circles, circles
+
+
+def test_the_circle_check_sees_a_circle():
+    assert _import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_models_import_only_models_and_ops():
+    """dspark_ops.models (the draft families, their backbone, the tiny target) stands on the ops
+    alone: the decoder, the proposers and the trainer build on it, never the other way."""
+    allowed = ("dspark_ops.models", "dspark_ops.ops", "dspark_ops.outputs",
+               "dspark_ops.sampling", "dspark_ops._library", "dspark_ops._fake_checks")
+    offending = sorted(f"{name} imports {target}"
+                       for name, targets in _module_imports().items()
+                       if name.startswith("dspark_ops.models") for target in targets
+                       if not target.startswith(allowed))
+    assert not offending, offending
+
+
+def test_one_registry_chooses_the_draft_family():
+    """Only dspark_ops.models.registry names a family's classes to choose between them: no
+    isinstance test against a draft or config class outside the family's own module."""
+    family_classes = {"Eagle3Draft", "Eagle3Config", "Gemma4DSparkDraft", "Gemma4DSparkConfig"}
+    offending = []
+    for path in sorted((ROOT / "dspark_ops").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                    and len(node.args) == 2):
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if named & family_classes and path.stem not in ("eagle3", "gemma4"):
+                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offending, offending

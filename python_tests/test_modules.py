@@ -1,4 +1,4 @@
-"""The draft-layer wiring in dspark_ops.modules: ops against a dense computation of the same layer."""
+"""The draft-layer wiring in dspark_ops.models.backbone: ops against a dense computation of the same layer."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import doctest
 
 import torch
 
-import dspark_ops.modules as modules
+import dspark_ops.models.backbone as modules
 from dspark_ops import reference
-from dspark_ops.modules import DraftBackbone, DraftConfig
+from dspark_ops.models.backbone import DraftBackbone, DraftConfig
 
 
 def test_docstring_example_runs():

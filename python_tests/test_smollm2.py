@@ -167,7 +167,7 @@ def test_converted_config(model_and_tokenizer, hf_dir):
 def test_hf_target_greedy_equals_generate(model_and_tokenizer):
     """Two chat prompts of different lengths, batched through HFTarget: the same greedy tokens
     as the model's own generate, one prompt at a time; and the answer is the right one."""
-    from dspark_ops._cli import chat_prompt, stop_token_ids
+    from dspark_ops.prompts import chat_prompt, stop_token_ids
     from dspark_ops.decoder import generate_target_only
     from dspark_ops.hf import HFTarget
 
@@ -198,12 +198,13 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
     are checked the same way by ``bench.e2e``). The goodput decoders get a cost table that makes
     drafting pay (drafting free, verifying cheap) so that they speculate, and one whose drafting
     never pays, so that plain and probe rounds alternate."""
-    from dspark_ops._cli import chat_prompt, stop_token_ids
+    from dspark_ops.prompts import chat_prompt, stop_token_ids
     from dspark_ops.costs import CostTable
     from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
     from dspark_ops.hf import HFTarget
     from dspark_ops.proposers import OracleProposer, PromptLookupProposer, make_proposer
-    from dspark_ops.train.trainer import build_draft_config, init_draft, parse_args
+    from dspark_ops.train.draft_config import build_draft_config, init_draft
+    from dspark_ops.train.trainer import parse_args
 
     model, tokenizer = model_and_tokenizer
     prompts = [chat_prompt(tokenizer, "Write a Python function that adds two numbers."),

@@ -19,7 +19,8 @@ from dspark_ops import DSparkDraft, SpeculativeDecoder  # noqa: E402
 from dspark_ops.decoder import generate_target_only  # noqa: E402
 from dspark_ops.models import load_state_dict_file  # noqa: E402
 from dspark_ops.train.data import Schedule, Sample  # noqa: E402
-from dspark_ops.train.trainer import default_target_layers, lr_factor, main  # noqa: E402
+from dspark_ops.train.draft_config import default_target_layers  # noqa: E402
+from dspark_ops.train.trainer import lr_factor, main  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -343,17 +344,17 @@ class _Tokenizer:
 
 
 def test_mask_token_choice():
-    from dspark_ops.train.trainer import _mask_token_id
+    from dspark_ops.train.draft_config import mask_token_id
 
-    assert _mask_token_id(_Tokenizer({}, 10, mask=7), 12) == 7  # the tokenizer's own
-    assert _mask_token_id(_Tokenizer({}, 10), 12) == 10  # a row no text maps to
+    assert mask_token_id(_Tokenizer({}, 10, mask=7), 12) == 7  # the tokenizer's own
+    assert mask_token_id(_Tokenizer({}, 10), 12) == 10  # a row no text maps to
     # every row is text (SmolLM2): the last added token that is not BOS/EOS/PAD and that the
     # chat template does not write
     added = {"<s>": 1, "</s>": 2, "<|im_start|>": 3, "<spare>": 4, "<other>": 5}
     tok = _Tokenizer(added, 12, template="{{ '<|im_start|>' + m['content'] + '<other>' }}")
-    assert _mask_token_id(tok, 12) == 4
+    assert mask_token_id(tok, 12) == 4
     with pytest.raises(SystemExit, match="pass --mask-token-id"):
-        _mask_token_id(_Tokenizer({"<s>": 1, "</s>": 2}, 12), 12)
+        mask_token_id(_Tokenizer({"<s>": 1, "</s>": 2}, 12), 12)
 
 
 def test_collate_drops_padding_blocks_only():

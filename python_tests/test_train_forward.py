@@ -559,35 +559,18 @@ def test_docstring_example_runs():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_draft_method_is_the_function():
-    """DSparkDraft.training_forward is dspark_ops.train.training_forward with the draft."""
-    draft = _draft()
-    input_ids, features, loss_mask, last = _inputs(1, 16)
-    options = dict(num_anchors=4, attention="sdpa")
-    with torch.no_grad():
-        a = draft.training_forward(input_ids, features, loss_mask, last,
-                                   generator=torch.Generator().manual_seed(1), **options)
-        b = training_forward(draft, input_ids, features, loss_mask, last,
-                             generator=torch.Generator().manual_seed(1), **options)
-    assert torch.equal(a.hidden, b.hidden) and torch.equal(a.anchor_positions, b.anchor_positions)
-
-
 @pytest.mark.parametrize("anchors", [3, 6])
 def test_anchor_count_defaults_to_the_config(anchors):
     """Without num_anchors, the forward samples the draft config's num_anchors blocks per
-    sequence (DeepSpec's model reads its config's count), through the function and the draft's
-    method alike; an explicit num_anchors still wins."""
+    sequence (DeepSpec's model reads its config's count); an explicit num_anchors still wins."""
     draft = _draft(num_anchors=anchors)
     input_ids, features, _, last = _inputs(2, 24)
     loss_mask = torch.ones(2, 24)  # 23 candidates per sequence: more than either count
     with torch.no_grad():
-        for out in (training_forward(draft, input_ids, features, loss_mask, last,
-                                     attention="sdpa"),
-                    draft.training_forward(input_ids, features, loss_mask, last,
-                                           attention="sdpa")):
-            assert out.anchor_positions.shape == (2, anchors)
-            assert out.hidden.shape[:3] == (2, anchors, BLOCK)
-            assert bool(out.block_keep_mask.all())
+        out = training_forward(draft, input_ids, features, loss_mask, last, attention="sdpa")
+        assert out.anchor_positions.shape == (2, anchors)
+        assert out.hidden.shape[:3] == (2, anchors, BLOCK)
+        assert bool(out.block_keep_mask.all())
         out = training_forward(draft, input_ids, features, loss_mask, last, num_anchors=5,
                                attention="sdpa")
     assert out.anchor_positions.shape == (2, 5)

@@ -8,7 +8,21 @@ import os
 
 import torch
 
-__all__ = ["load_state_dict_file", "save_safetensors"]
+__all__ = ["load_state_dict_file", "save_safetensors", "weights_file"]
+
+#: The weights files a checkpoint directory may hold, in the order they are looked for.
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "model.pt")
+
+
+def weights_file(path: str) -> str:
+    """The weights file of the checkpoint directory ``path``: the first of
+    :data:`WEIGHTS_FILES` it holds."""
+    for name in WEIGHTS_FILES:
+        weights = os.path.join(path, name)
+        if os.path.exists(weights):
+            return weights
+    raise FileNotFoundError(f"none of {', '.join(WEIGHTS_FILES)} in {path}")
 
 
 _SAFETENSORS_DTYPES = {

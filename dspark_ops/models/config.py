@@ -8,15 +8,14 @@ import dataclasses
 import warnings
 from typing import Optional
 
-from ..modules import DraftConfig
+from . import registry
+from .backbone import DraftConfig
+from .registry import GEMMA4_MODEL_TYPES
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES"]
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "rope_theta_of"]
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
-# model_type values of Gemma4 drafts: DeepSpec copies the target's text config, whose type is
-# one of these (Gemma4 or its unified variant, top-level or text).
-GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 
 # Fields of DeepSpec's draft configs (a copy of the target's transformers config plus its own)
 # that do not change what the draft computes at inference: read and dropped.
@@ -36,7 +35,7 @@ _COPIED_FIELDS = _REQUIRED_FIELDS + ("attention_bias", "target_hidden_size", "nu
                                      "max_position_embeddings")
 
 
-def _rope_theta(values: dict) -> float:
+def rope_theta_of(values: dict) -> float:
     """The RoPE base from either layout: transformers 5.x ``rope_parameters`` or 4.x
     ``rope_theta`` (+ ``rope_scaling``). Only plain (``"default"``) RoPE is implemented."""
     theta = values.get("rope_theta")
@@ -125,10 +124,9 @@ class DSparkConfig(DraftConfig):
                              "(markov_rank > 0)")
 
     def draft_class(self):
-        """The draft model class of this config's family (:class:`DSparkDraft` for Qwen3)."""
-        from .draft import DSparkDraft
-
-        return DSparkDraft
+        """The draft model class of this config's family (:class:`DSparkDraft` for Qwen3), from
+        :mod:`.registry`."""
+        return registry.family_of(self).draft_class
 
     @property
     def is_dflash(self) -> bool:
@@ -142,16 +140,16 @@ class DSparkConfig(DraftConfig):
         Raises ``ValueError`` naming the field for anything not implemented here (RoPE scaling,
         sliding-window layers, tied embeddings, an activation other than SiLU, a Markov head
         other than vanilla/rnn, a model other than Qwen3's or Gemma4's) and for missing required
-        fields; a Gemma4 config (``model_type`` in ``GEMMA4_MODEL_TYPES``) is read by
-        :meth:`dspark_ops.models.gemma4.Gemma4DSparkConfig.from_dict`;
+        fields; called on this class, a config of another block family (:mod:`.registry`: a
+        Gemma4 ``model_type``) is read by that family's config class;
         fields that do not affect inference (token ids, dtype, training-only settings) are
         dropped, and unknown fields are dropped with a warning.
         """
         values = dict(values)
-        if cls is DSparkConfig and values.get("model_type") in GEMMA4_MODEL_TYPES:
-            from .gemma4 import Gemma4DSparkConfig
-
-            return Gemma4DSparkConfig.from_dict(values)
+        if cls is DSparkConfig:
+            family_class = registry.family_of_config(values, drafting="block").config_class
+            if family_class is not cls:
+                return family_class.from_dict(values)
         missing = [name for name in _REQUIRED_FIELDS if name not in values]
         if missing:
             raise ValueError(f"config is missing the field(s) {missing}")
@@ -180,7 +178,7 @@ class DSparkConfig(DraftConfig):
             raise ValueError("config field 'sliding_window' is set: sliding-window draft layers "
                              "are not implemented")
         kwargs = {name: values[name] for name in _COPIED_FIELDS if values.get(name) is not None}
-        kwargs["rope_theta"] = _rope_theta(values)
+        kwargs["rope_theta"] = rope_theta_of(values)
         if values.get("num_target_layers") is not None:
             kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
         head_dim = values.get("head_dim")

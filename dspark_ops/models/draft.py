@@ -1,4 +1,4 @@
-"""The DSpark draft model: the parallel backbone of :mod:`dspark_ops.modules` plus the shared
+"""The DSpark draft model: the parallel backbone of :mod:`dspark_ops.models.backbone` plus the shared
 (frozen) token embedding and LM head, the Markov head and the confidence head.
 
 :class:`DSparkDraft` holds the Markov head (``markov_head.markov_w1`` / ``markov_w2``, optionally
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from ..modules import DraftBackbone
+from .backbone import DraftBackbone
 from ..ops.draft import DraftOutput, draft_confidence, markov_draft, rnn_draft
-from .checkpoint import load_state_dict_file, save_safetensors
+from .checkpoint import load_state_dict_file, save_safetensors, weights_file
 from .config import DSparkConfig
 from .vocab import DraftVocabulary
 
@@ -142,16 +142,8 @@ class DSparkDraft(DraftBackbone):
             config = DSparkConfig.from_dict(json.load(f))
         if cls is DSparkDraft:  # the family's class: a Gemma4 config builds a Gemma4 draft
             cls = config.draft_class()
-        names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "model.pt")
-        for name in names:
-            weights = os.path.join(path, name)
-            if os.path.exists(weights):
-                break
-        else:
-            raise FileNotFoundError(f"none of {', '.join(names)} in {path}")
         model = cls(config)
-        model.load_state_dict(load_state_dict_file(weights), strict=True)
+        model.load_state_dict(load_state_dict_file(weights_file(path)), strict=True)
         model.draft_vocabulary = DraftVocabulary.load(path)
         return model.to(device=device, dtype=dtype)
 
@@ -206,16 +198,6 @@ class DSparkDraft(DraftBackbone):
             return sample_base_logits(base_logits, temperature, seed, position, **filters)
         return self.markov_head.sample(base_logits, anchor, hidden, temperature, seed, position,
                                        w1=w1, w2=w2, **filters)
-
-    def training_forward(self, input_ids: torch.Tensor, target_features: torch.Tensor,
-                         loss_mask: torch.Tensor, target_last_hidden=None, **options):
-        """The teacher-forced, anchor-parallel training forward:
-        :func:`dspark_ops.train.training_forward` with this draft (same arguments and result;
-        ``num_anchors`` defaults to ``config.num_anchors``)."""
-        from ..train.forward import training_forward
-
-        return training_forward(self, input_ids, target_features, loss_mask, target_last_hidden,
-                                **options)
 
     def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor,
                    calib_temperature: Optional[torch.Tensor] = None) -> torch.Tensor:

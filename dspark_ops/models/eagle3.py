@@ -39,16 +39,17 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ..modules import DraftMLP, RMSNorm, apply_rope
+from .backbone import DraftMLP, RMSNorm, apply_rope
 from ..ops.attention import append_context_kv
-from .checkpoint import load_state_dict_file, save_safetensors
-from .config import _INFERENCE_NEUTRAL_FIELDS, GEMMA4_MODEL_TYPES, _rope_theta
+from .checkpoint import load_state_dict_file, save_safetensors, weights_file
+from .config import _INFERENCE_NEUTRAL_FIELDS, rope_theta_of
+from .registry import GEMMA4_MODEL_TYPES
 from .gemma4 import (
     _GEMMA4_NEUTRAL_FIELDS, Gemma4DraftMLP, GemmaRMSNorm, ScaledEmbedding, _rope, gemma4_rope,
     soft_cap,
 )
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "cache_attention", "load_draft"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "cache_attention"]
 
 ARCHITECTURES = {"qwen3": "Qwen3Eagle3Model", "gemma4": "Gemma4Eagle3Model"}
 
@@ -175,7 +176,7 @@ class Eagle3Config:
             if values.get("use_sliding_window", False):
                 raise ValueError("config field 'use_sliding_window' is true: sliding-window "
                                  "draft layers are not implemented")
-            kwargs["rope_theta"] = _rope_theta(values)
+            kwargs["rope_theta"] = rope_theta_of(values)
             head_dim = values.get("head_dim")
             kwargs["head_dim"] = (int(head_dim) if head_dim is not None
                                   else values["hidden_size"] // values["num_attention_heads"])
@@ -375,7 +376,7 @@ class Eagle3Draft(nn.Module):
         with open(os.path.join(path, "config.json")) as f:
             config = Eagle3Config.from_dict(json.load(f))
         model = cls(config)
-        model.load_state_dict(load_state_dict_file(_weights_file(path)), strict=True)
+        model.load_state_dict(load_state_dict_file(weights_file(path)), strict=True)
         return model.to(device=device, dtype=dtype)
 
     def save_pretrained(self, path: str) -> None:
@@ -424,27 +425,3 @@ class Eagle3Draft(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(h))``, soft-capped for a Gemma4 draft."""
         return soft_cap(self.lm_head(self.norm(hidden)), self.config.final_logit_softcapping)
-
-
-def _weights_file(path: str) -> str:
-    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-             "model.pt")
-    for name in names:
-        weights = os.path.join(path, name)
-        if os.path.exists(weights):
-            return weights
-    raise FileNotFoundError(f"none of {', '.join(names)} in {path}")
-
-
-def load_draft(path: str, *, dtype: Optional[torch.dtype] = None, device=None):
-    """Loads any draft checkpoint directory this library runs, by its ``config.json``:
-    an :class:`Eagle3Draft` for ``Qwen3Eagle3Model`` / ``Gemma4Eagle3Model``, else a DSpark or
-    DFlash draft (:meth:`dspark_ops.models.DSparkDraft.from_pretrained`: Qwen3 or Gemma4)."""
-    from .draft import DSparkDraft
-
-    with open(os.path.join(path, "config.json")) as f:
-        architectures = json.load(f).get("architectures") or []
-    if any(a in ARCHITECTURES.values() for a in architectures):
-        return Eagle3Draft.from_pretrained(path, dtype=dtype, device=device)
-    return DSparkDraft.from_pretrained(path, dtype=dtype, device=device)
-

@@ -42,9 +42,10 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ..modules import DraftAttention, DraftLayer, DraftMLP
-from .config import _COPIED_FIELDS, _INFERENCE_NEUTRAL_FIELDS, GEMMA4_MODEL_TYPES, DSparkConfig
+from .backbone import DraftAttention, DraftLayer, DraftMLP
+from .config import _COPIED_FIELDS, _INFERENCE_NEUTRAL_FIELDS, DSparkConfig
 from .draft import DSparkDraft
+from .registry import GEMMA4_MODEL_TYPES
 
 __all__ = [
     "Gemma4DSparkConfig",
@@ -255,9 +256,6 @@ class Gemma4DSparkConfig(DSparkConfig):
             raise ValueError("Gemma4 draft layers are all full attention: sliding_window must be "
                              "None")
 
-    def draft_class(self):
-        return Gemma4DSparkDraft
-
     @classmethod
     def from_dict(cls, values: dict) -> "Gemma4DSparkConfig":
         """Reads DeepSpec's Gemma4 draft ``config.json`` (a copy of the target's Gemma4 text
@@ -458,7 +456,7 @@ class Gemma4DraftMLP(DraftMLP):
 class Gemma4DraftLayer(DraftLayer):
     """A Gemma4 draft decoder layer: ``h += post_attention_layernorm(attn(input_layernorm(h)))``,
     ``h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``, ``h *= layer_scalar``.
-    The context enters through the K/V cache as in :class:`~dspark_ops.modules.DraftLayer`."""
+    The context enters through the K/V cache as in :class:`~dspark_ops.models.backbone.DraftLayer`."""
 
     def __init__(self, config: Gemma4DSparkConfig, layer_index: int = 0):
         nn.Module.__init__(self)

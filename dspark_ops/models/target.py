@@ -1,4 +1,4 @@
-"""A tiny Qwen3-style causal target model, built from :mod:`dspark_ops.modules`.
+"""A tiny Qwen3-style causal target model, built from :mod:`dspark_ops.models.backbone`.
 
 :class:`TinyTarget` (embedding, decoder layers with per-head q/k RMSNorm and RoPE, final norm, LM
 head) has a K/V cache, is small enough to run offline on CPU, and returns the raw outputs of
@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..modules import DraftAttention, DraftMLP, RMSNorm
+from .backbone import DraftAttention, DraftMLP, RMSNorm
 from ..ops.attention import append_context_kv
 
 __all__ = ["TargetConfig", "TinyTarget", "forward_ragged"]

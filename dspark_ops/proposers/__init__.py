@@ -18,12 +18,13 @@ __all__ = ["BlockDraftProposer", "ChainProposer", "OracleProposer", "PromptLooku
 
 
 def make_proposer(draft, *, block_size=None, calib_temperature=None) -> Proposer:
-    """A draft model as a proposer: an Eagle3 draft drafts a chain, any other a block. A
-    :class:`Proposer` is returned as it is."""
+    """A draft model as a proposer: a chain for a family that drafts one token per step
+    (Eagle3, :mod:`dspark_ops.models.registry`), else a block. A :class:`Proposer` is returned
+    as it is."""
     if isinstance(draft, Proposer):
         return draft
-    from ..models.eagle3 import Eagle3Draft
+    from ..models.registry import family_of
 
-    if isinstance(draft, Eagle3Draft):
+    if family_of(draft).drafting == "chain":
         return ChainProposer(draft, block_size)
     return BlockDraftProposer(draft, block_size, calib_temperature)

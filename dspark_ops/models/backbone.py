@@ -30,7 +30,7 @@ to these modules (load with ``strict=False`` or strip those keys).
 Example
 -------
 >>> import torch
->>> from dspark_ops.modules import DraftBackbone, DraftConfig
+>>> from dspark_ops.models.backbone import DraftBackbone, DraftConfig
 >>> config = DraftConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
 ...                      head_dim=64, intermediate_size=512, num_hidden_layers=2,
 ...                      target_layer_ids=(1, 3, 5))
@@ -59,7 +59,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .ops.attention import append_context_kv, block_draft_attention
+from ..ops.attention import append_context_kv, block_draft_attention
 
 __all__ = [
     "ContextProjection",
