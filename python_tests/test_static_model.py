@@ -237,7 +237,9 @@ def test_real_binary_end_to_end(tmp_path):
     # The emit kernel is a programmatic dependent launch (its launcher says so in the plan).
     assert greedy["kernels"][1]["overhead_us"] == pytest.approx(H200.dependent_launch_s * 1e6)
     assert greedy["kernels"][0]["overhead_us"] >= H200.launch_s * 1e6
-    assert stats["loops"][0]["elems_per_iter"] % 16 == 0
+    # The target row alone: kTargetGroups groups of 8 elements a thread per iteration.
+    assert stats["loops"][0]["elems_per_iter"] == (kernels.constant("kTargetGroups")
+                                                  * kernels.constant("kElementsPerThread"))
     for row in data["rows"]:
         assert row["model_us"] > 0 and row["bound"] in ("memory", "issue", "latency", "chain",
                                                         "overhead", "library")
@@ -311,16 +313,19 @@ def test_chain_is_a_bound_and_every_launch_pays_its_launch():
     assert big.time_s == pytest.approx(4e9 / H200.dram_bytes_per_s + H200.launch_s)
 
 
-def test_verify_row_chain_counts_its_stream_tail():
-    # 9504-element chunks (V = 151936 over 16), 256 threads, 2 groups of 8: two whole
-    # iterations of 4096, then a tail read element by element, one wait per group and row.
-    greedy = kernels.verify_row_chain(9504, 256, 2, 8, greedy=True)
-    sampled = kernels.verify_row_chain(9504, 256, 2, 8, greedy=False)
-    assert greedy.dram_waits == 2 + 2 and sampled.dram_waits == 2 + 2 * 2
-    assert kernels.verify_row_chain(8192, 256, 2, 8, greedy=False).dram_waits == 2
-    # Two fences (the partial's, the decider's) and two L2 round trips (arrival, merge) a row.
-    assert greedy.fences == 2 and greedy.l2_waits == 2
-    assert sampled.dependent_instrs == kernels.PHILOX_CHAIN and greedy.dependent_instrs == 0
+def test_verify_item_chain_waits_once_per_iteration():
+    # 9504-element chunks (V = 151936 over 16), 256 threads: five groups of 8 (the target row
+    # alone) cover the chunk in one iteration, one HBM wait; three groups (with the draft row)
+    # need two iterations; 8192 elements in four groups, exactly one.
+    assert kernels.verify_item_chain(9504, 256, 5, 8).dram_waits == 1
+    assert kernels.verify_item_chain(9504, 256, 3, 8).dram_waits == 2
+    assert kernels.verify_item_chain(8192, 256, 4, 8).dram_waits == 1
+    # No sequentially consistent fence: the scalars' round trip, and the acq_rel arrival's
+    # membar (the partial's store) and atomic are the item's L2 waits.
+    item = kernels.verify_item_chain(9504, 256, 3, 8)
+    assert item.fences == 0 and item.l2_waits == 3
+    assert kernels.verify_decide_chain(greedy=False).dependent_instrs == kernels.PHILOX_CHAIN
+    assert kernels.verify_decide_chain(greedy=True).dependent_instrs == 0
 
 
 def test_rows_decided_is_a_distribution_with_the_floor_s_mean():
@@ -329,21 +334,6 @@ def test_rows_decided_is_a_distribution_with_the_floor_s_mean():
         assert len(probs) == 9 and sum(probs) == pytest.approx(1.0)
         mean = sum(k * p for k, p in enumerate(probs, start=1))
         assert mean == pytest.approx(sum(alpha ** i for i in range(9)))
-
-
-def test_request_makespan_follows_rows_requests_and_residency():
-    # Every draft accepted: each request's blocks decide G + 1 rows. 64 requests x 16 chunks on
-    # 396 resident blocks run in 3 rounds on the slot that finishes last.
-    seconds, rows, tails = kernels.request_makespan(64, 16, 396, 1.0, 8, 1.0, 0.5)
-    assert rows == pytest.approx(3 * 9) and tails == pytest.approx(3)
-    assert seconds == pytest.approx(3 * 9 + 3 * 0.5)
-    assert kernels.request_makespan(64, 16, 396, 1.0, 4, 1.0, 0.0)[1] == pytest.approx(3 * 5)
-    # One request: one round, its own chain.
-    assert kernels.request_makespan(1, 16, 396, 1.0, 8, 1.0, 0.0)[1] == pytest.approx(9)
-    # Every first row rejected: one row per request per round.
-    assert kernels.request_makespan(64, 16, 396, 0.0, 8, 1.0, 0.0)[1] == pytest.approx(3)
-    # Twice the resident blocks: fewer rounds.
-    assert kernels.request_makespan(64, 16, 792, 1.0, 8, 1.0, 0.0)[1] == pytest.approx(2 * 9)
 
 
 def test_draft_slot_chain_pays_each_column_tile_on_every_tile():

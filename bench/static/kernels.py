@@ -9,9 +9,7 @@ numbers for the wrong code: update the selector here together with the kernel.""
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
-import random
 import re
 from typing import Dict, List, Optional, Tuple
 
@@ -253,50 +251,28 @@ def rows_decided(alpha: float, block: int) -> List[float]:
     return probs + [alpha ** block]
 
 
-# Seeded draws of acceptance for the expected makespan: fixed, so the model is deterministic.
-MAKESPAN_TRIALS, MAKESPAN_SEED = 200, 0x5eed
-
-
-def request_makespan(batch: int, chunks: int, slots: int, alpha: float, block: int,
-                     row_s: float, tail_s: float) -> Tuple[float, float, float]:
-    """Expected (seconds, rows, tails) on the critical path of verify's statistics grid: block
-    (c, b) holds one of `slots` resident places for request b's whole chain (rows decided one
-    after another, `row_s` each, then `tail_s`: the race), and the hardware hands the grid's
-    blocks out in order (c fastest) as places free up. rows and tails: those of the slot that
-    finishes last, averaged over seeded draws of every request's rows."""
-    rng = random.Random(MAKESPAN_SEED)
-    probs = rows_decided(alpha, block)
-    ks = list(range(1, block + 2))
-    total = [0.0, 0.0, 0.0]
-    for _ in range(MAKESPAN_TRIALS):
-        places = [(0.0, 0, 0)] * min(slots, batch * chunks)  # (free at, rows, tails) per place
-        heapq.heapify(places)
-        last = (0.0, 0, 0)
-        for rows in rng.choices(ks, probs, k=batch):
-            for _ in range(chunks):
-                at, r, t = heapq.heappop(places)
-                done = (at + rows * row_s + tail_s, r + rows, t + 1)
-                heapq.heappush(places, done)
-                last = max(last, done)
-        total = [a + b for a, b in zip(total, last)]
-    return tuple(v / MAKESPAN_TRIALS for v in total)
-
-
 # One Philox-4x32-10 draw on thread 0's decision path: ten rounds of a dependent multiply, its
 # high half and the key's XOR (common/philox.h).
 PHILOX_CHAIN = 10 * 3
 
 
-def verify_row_chain(chunk: int, threads: int, groups: int, elems_per_thread: int,
-                     greedy: bool) -> Chain:
-    """The decider's path through one row of verify_row_stats_kernel (see verify_op): its chunk
-    in whole iterations of `groups` 16-byte loads per row and thread (one HBM wait each), the
-    tail element by element (one wait per group and row read), then the block reduction, two
-    fences, the arrival atomic and the partials' merge from L2, and five barriers."""
-    whole, tail = divmod(chunk, threads * elems_per_thread * groups)
-    streams = 1 if greedy else 2          # the target row, and the draft row when sampled
-    return Chain(dram_waits=whole + (groups * streams if tail else 0), l2_waits=2, fences=2,
-                 dependent_instrs=0 if greedy else PHILOX_CHAIN, barrier_stages=5)
+def verify_item_chain(chunk: int, threads: int, groups: int, elems_per_thread: int) -> Chain:
+    """One (row, chunk) item of verify_row_stats_kernel, the block's path: the request's scalars
+    with the mark and the decider's draft-id loads (issued together: one L2 round trip) and the
+    barrier that shares the skip; its chunk in iterations of `groups` 16-byte loads per row and
+    thread, all issued before any is used (one HBM wait each); the block reduction (three
+    barriers); the partial's store and the arrival, one acq_rel atomic: MEMBAR.ALL.GPU, ATOM,
+    CCTL.IVALL in the SASS. ASSUMED: that membar (not the sequentially consistent MEMBAR.SC.GPU
+    the fitted fence_s prices) waits for the thread's own outstanding store, the partial, so it
+    costs one L2 round trip, and the atomic another."""
+    waits = -(-chunk // (threads * elems_per_thread * groups))
+    return Chain(l2_waits=3, dram_waits=waits, barrier_stages=4)
+
+
+def verify_decide_chain(greedy: bool) -> Chain:
+    """What the last block of a row adds: the C partials merged from L2 (one round trip), two
+    barriers, thread 0's Philox draw (sampled), the result's store."""
+    return Chain(l2_waits=1, barrier_stages=2, dependent_instrs=0 if greedy else PHILOX_CHAIN)
 
 
 def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: int,
@@ -314,101 +290,97 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
     chunks = stats_launch.fields["num_chunks"]
     threads = stats_launch.threads
     rows = block + 1
+    elems = constant("kElementsPerThread")
     t_rows = sum(alpha ** i for i in range(rows))        # rows up to the first rejection
     d_rows = 0.0 if greedy else sum(alpha ** i for i in range(block))
     floor = batch * vocab * (t_rows * BF16 + d_rows * F32)
+    # bf16 target beside a float32 draft: the mixed pair's group count (stats_groups).
+    groups = constant("kTargetGroups") if greedy else constant("kMixedStatsGroups")
     if greedy:
-        stream = LoopSpec("stream target row", {r"^LDG\.E\.128": 2, BF16_HIGH: 8,
-                                                r"^FSETP\.GT": 16}, 16, (BF16_HIGH, 8))
+        stream = LoopSpec("stream target row", {r"^LDG\.E\.128": groups, BF16_HIGH: 4 * groups,
+                                                r"^FSETP\.GT": 8 * groups}, 8, (BF16_HIGH, 4))
     else:
         stream = LoopSpec("stream target+draft rows",
-                          {r"^LDG\.E\.128": 6, BF16_HIGH: 8, r"^FSETP\.GT": 32,
-                           r"^MUFU\.EX2": 32}, 16, (BF16_HIGH, 8))
+                          {r"^LDG\.E\.128": 3 * groups, BF16_HIGH: 4 * groups,
+                           r"^FSETP\.GT": 16 * groups, r"^MUFU\.EX2": 16 * groups}, 8,
+                          (BF16_HIGH, 4))
     stats_bytes = batch * vocab * (t_rows * BF16 + d_rows * F32)
 
-    # The decider's path through one row (kernels/verify.cuh, verify_row_stats_kernel), which the
-    # next row's decision waits for: its chunk of the row in thread_row_stats' iterations (each
-    # issues its 16-byte loads, kStatsGroups per row, and uses them before the next: one HBM
-    # wait; the tail past the last whole iteration loads 8 elements of one row at a time and
-    # uses them, one wait per group and row), the block reduction, the partial's fence and
-    # returning arrival atomic, then the decision: a fence, the merge of the C partials from L2,
-    # thread 0's Philox draw, and five barriers in all.
+    # Rows are decided independently: a (row, chunk) item's block streams its chunk, publishes
+    # its partial and leaves; the row's last block decides it. No block waits for another, so
+    # the grid's critical path is the items the busiest resident slot runs one after another:
+    # the items of needed rows (up to the first rejection; blocks start row-major, so a
+    # request's later rows start after its earlier ones were decided and are skipped: the
+    # run-ahead is assumed nil), the skipped items (their request's scalars and the mark), and
+    # the rows' decisions, the grid's items spread evenly over its slots; then the decision of
+    # the last row, which waits for everything.
     chunk = vocab // chunks + (vocab % chunks > 0)
     chunk = -(-chunk // 16) * 16                          # chunks start at multiples of 16
-    row_chain = verify_row_chain(chunk, threads, constant("kStatsGroups"),
-                                 constant("kElementsPerThread"), greedy)
-    note = "decided rows in series per request, requests over the resident blocks"
+    item = verify_item_chain(chunk, threads, groups, elems)
+    skip = Chain(l2_waits=1, barrier_stages=1)
+    decide = verify_decide_chain(greedy)
+    note = "rows decided independently: items in series per resident slot"
     if filtered:
-        # top-k + top-p (kernels/filter.cuh): every warp's maximum is published behind a fence,
-        # and the decider gathers the row's candidates from top-k's floor in one pass over the
-        # row (from L2: the C blocks just streamed it), one 16-byte load per thread and
-        # iteration, used before the next; then both thresholds' digits on chip (top-k's first
-        # from the floor, its other kFilterDigits - 1, top-p's kFilterDigits; four barriers
-        # each) and the gather's two barriers.
+        # top-k + top-p (kernels/filter.cuh): the decider gathers the row's candidates from
+        # top-k's floor in one pass over the row (from L2: the C blocks just streamed it), one
+        # 16-byte load per thread and iteration, used before the next; then both thresholds'
+        # digits on chip (top-k's first from the floor, its other kFilterDigits - 1, top-p's
+        # kFilterDigits; four barriers each) and the gather's two barriers.
         visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
                          (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
         gather = term(binary, stats, visit, vocab)
         digits = constant("kFilterDigits")
-        # A thread's share of the row, in waits of the bytes its gather loop keeps in flight.
         share = vocab / threads
-        row_chain = row_chain + Chain(
-            fences=1, l2_waits=math.ceil(share * BF16 / gather.in_flight),
+        decide = decide + Chain(
+            l2_waits=math.ceil(share * BF16 / gather.in_flight),
             dependent_instrs=share * gather.instr_per_elem,
             barrier_stages=4 * (2 * digits) + 2)
-        note += "; each decided row's filters gather the row from L2 in one block"
-    # A rejected final row's result is fenced before its mark.
-    reject_chain = Chain(fences=1)
-
-    with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
-                                               PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
-                      (r"^LDG\.E\.128", 3))
-    no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
-                                           PHILOX: 2 * PHILOX_PER_BLOCK}, 8, (r"^LDG\.E\.128", 1))
+        note += "; each decided row's filters gather the row from L2 in its decider block"
+    slots = occ_of(stats, threads, stats_launch.shared).blocks_per_sm * H200.sms
+    needed = batch * chunks * t_rows
+    skipped = batch * chunks * rows - needed
+    decided = batch * t_rows
+    stats_chain = (item.scaled(needed / slots) + skip.scaled(skipped / slots)
+                   + decide.scaled(decided / slots) + decide)
+    note += (f": {needed / slots:.1f} items, {skipped / slots:.1f} skipped and "
+             f"{decided / slots:.2f} decisions per slot ({slots} resident blocks), then the "
+             "last row's decision")
     stats_terms = [term(binary, stats, stream, batch * vocab * t_rows)]
+
+    # The emit kernel: block 0 of a request reads the mark and row j*'s result (two L2 round
+    # trips) and, greedy, writes the outputs. Sampled, each of the C blocks races its chunk of
+    # row j* over max(p - q, 0), read again (ASSUMED from HBM: rows stream row-major, so a
+    # request's final row is rarely still in L2), then publishes its partial and arrives; the
+    # last merges the C partials and writes.
     emit_terms, emit_bytes = [], 0.0
-    race_chain, emit_chain = Chain(), Chain(l2_waits=1)   # emit: the final row's index
+    emit_chain = Chain(l2_waits=2, barrier_stages=1)
     if not greedy:
         p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
-        # The blocks of a request that see its rejection race one chunk each of row j* as they
-        # stop, re-reading it from L2: between a chunk's stream and its race the GPU reads about
-        # one row step of the resident blocks (3 x 132 x 57 KB = 23 MB, under the 50 MB L2). A
-        # request that accepts every draft leaves C - 1 of its C chunks to the emit kernel (its
-        # other blocks finished before the bonus row was decided), which reads them from HBM.
-        bonus_in_emit = 1 - 1 / chunks
-        stats_terms += [term(binary, stats, with_q, batch * vocab * p_draft),
-                        term(binary, stats, no_q, batch * vocab * (1 - p_draft) / chunks)]
-        emit_terms = [term(binary, emit, with_q, 0.0),
-                      term(binary, emit, no_q, batch * vocab * (1 - p_draft) * bonus_in_emit)]
-        emit_bytes = batch * vocab * BF16 * (1 - p_draft) * bonus_in_emit
-        # race_chunk: a claim (returning atomic), the chunk in thread_race's iterations (8
-        # elements a thread, each load used by its iteration's Philox and exponentials), two
-        # block reductions, the partial's fence and arrival atomic; the last block's fence,
-        # the C partials from L2 and two more reductions (ten barriers in all).
-        race = stats_terms[1]
-        race_iters = math.ceil(chunk / (threads * constant("kElementsPerThread")))
-        per_iter = race.path_instrs * constant("kElementsPerThread") / race.elems_per_iter
-        race_pass = Chain(dependent_instrs=race_iters * per_iter)
-        race_sync = Chain(l2_waits=3, fences=2, barrier_stages=10)
-        race_chain = race_pass + race_sync + Chain(l2_waits=race_iters)
-        # The emit kernel's path: the claim read behind a fence and the arrival atomic, and when
-        # some request accepted every draft, its race of a bonus-row chunk from HBM.
-        any_bonus = 1 - (1 - alpha ** block) ** batch
-        emit_chain = emit_chain + Chain(l2_waits=1, fences=2) + (
-            race_pass + race_sync + Chain(dram_waits=race_iters)).scaled(any_bonus)
-    slots = occ_of(stats, threads, stats_launch.shared).blocks_per_sm * H200.sms
-    row_s = row_chain.time_s()
-    tail_s = (race_chain + reject_chain).time_s() if not greedy else reject_chain.time_s()
-    _, path_rows, path_tails = request_makespan(batch, chunks, slots, alpha, block, row_s, tail_s)
-    stats_chain = row_chain.scaled(path_rows) + (race_chain + reject_chain).scaled(path_tails)
-    note += (f": {path_rows:.1f} rows and {path_tails:.1f} request tails on the longest "
-             f"path ({slots} resident blocks, {chunks} per request)")
-    launches = [planned(stats_launch, "row statistics + decide"
-                        + (" + filters" if filtered else "") + ("" if greedy else " + race"),
+        with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
+                                                   PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
+                          (r"^LDG\.E\.128", 3))
+        no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
+                                               PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
+                        (r"^LDG\.E\.128", 1))
+        emit_terms = [term(binary, emit, with_q, batch * vocab * p_draft),
+                      term(binary, emit, no_q, batch * vocab * (1 - p_draft))]
+        emit_bytes = batch * vocab * (BF16 + F32 * p_draft)
+        # race_chunk: the chunk in thread_race's iterations (8 elements a thread, each load used
+        # by its iteration's Philox and exponentials: an HBM wait each), two block reductions,
+        # the partial's arrival (acq_rel: two L2 round trips, as an item's); the last block's
+        # merge of the C partials from L2 and two more reductions (twelve barriers in all).
+        race = emit_terms[0]
+        race_iters = math.ceil(chunk / (threads * elems))
+        per_iter = race.path_instrs * elems / race.elems_per_iter
+        emit_chain = emit_chain + Chain(dram_waits=race_iters,
+                                        dependent_instrs=race_iters * per_iter,
+                                        l2_waits=3, barrier_stages=12)
+    launches = [planned(stats_launch, "row items: statistics + decide"
+                        + (" + filters" if filtered else ""),
                         stats_terms, stats_bytes + batch * rows * 8 + batch * 16,
                         chain=stats_chain, note=note)]
-    launches.append(planned(emit_launch, "emit (greedy: nothing left)" if greedy else
-                            "emit (race on row j*: the chunks left)", emit_terms, emit_bytes,
-                            chain=emit_chain))
+    launches.append(planned(emit_launch, "emit (greedy: the argmax of row j*)" if greedy else
+                            "emit (race on row j*)", emit_terms, emit_bytes, chain=emit_chain))
     shape = f"B={batch} G={block} V={vocab}"
     label = ("greedy" if greedy else "sampled") + f" a={alpha:g}" + \
         (" (every row)" if alpha == 1 else "") + (" top-k 50 top-p 0.9" if filtered else "")

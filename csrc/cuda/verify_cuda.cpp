@@ -88,12 +88,10 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // Zero at the start and the end of every call (common/stream_counters.h): no fill.
   const at::Tensor counters =
-      StreamCounters::get(a.target, (rows + 4 * a.batch) * int64_t{sizeof(int32_t)}, stream);
+      StreamCounters::get(a.target, (rows + 2 * a.batch) * int64_t{sizeof(int32_t)}, stream);
   p.row_arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>());
   p.reject_marks = p.row_arrivals + rows;
-  p.race_claims = p.reject_marks + a.batch;
-  p.race_arrivals = p.race_claims + a.batch;
-  p.emit_arrivals = p.race_arrivals + a.batch;
+  p.race_arrivals = p.reject_marks + a.batch;
   auto workspace = at::empty({kernels::verify_workspace_bytes(p)},
                             a.target.options().dtype(at::kByte));
   kernels::bind_verify_workspace(p, workspace.data_ptr());

@@ -16,7 +16,7 @@ int64_t region_bytes(int64_t count) {
 }
 
 struct WorkspaceLayout {
-  int64_t partial_bytes, result_bytes, race_bytes, final_bytes, maxima_bytes;
+  int64_t partial_bytes, result_bytes, race_bytes, maxima_bytes;
 };
 
 WorkspaceLayout workspace_layout(const VerifyParams& p) {
@@ -25,7 +25,6 @@ WorkspaceLayout workspace_layout(const VerifyParams& p) {
   w.partial_bytes = region_bytes<RowPartial>(rows * p.num_chunks);
   w.result_bytes = region_bytes<RowResult>(rows);
   w.race_bytes = region_bytes<RacePartial>(int64_t{p.batch} * p.num_chunks);
-  w.final_bytes = region_bytes<int32_t>(p.batch);
   // Top-k's floor: the warps' maxima of every chunk of every row (only when top-k is given).
   w.maxima_bytes = p.top_k ? region_bytes<float>(rows * p.num_chunks * kVerifyWarps) : 0;
   return w;
@@ -34,13 +33,17 @@ WorkspaceLayout workspace_layout(const VerifyParams& p) {
 template <typename TT, typename DT>
 cudaError_t launch_verify_typed(const VerifyParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  const dim3 grid(p.num_chunks, p.batch);
-  DSPARK_LAUNCH(grid, kVerifyThreads, verify_shared_bytes(has_filters(p)), stream,
+  // One block per (row, chunk) item; x (request and chunk) varies fastest, so blocks start in
+  // row-major order: row j of every request before row j + 1 of any, and a request's later rows
+  // start once its earlier ones are decided, when a rejection lets them be skipped.
+  const dim3 items(p.num_chunks * p.batch, p.block + 1);
+  DSPARK_LAUNCH(items, kVerifyThreads, verify_shared_bytes(has_filters(p)), stream,
                 verify_row_stats_kernel<TT, DT>)(p);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   // Dependent: its launch overlaps the statistics kernel's last blocks (sm_90 and later).
-  DSPARK_LAUNCH_DEPENDENT(grid, kVerifyThreads, 0, stream, verify_emit_kernel<TT, DT>)(p);
+  DSPARK_LAUNCH_DEPENDENT(dim3(p.num_chunks, p.batch), kVerifyThreads, 0, stream,
+                          verify_emit_kernel<TT, DT>)(p);
   return cudaGetLastError();
 }
 
@@ -48,7 +51,7 @@ cudaError_t launch_verify_typed(const VerifyParams& p, cudaStream_t stream) {
 
 int64_t verify_workspace_bytes(const VerifyParams& p) {
   const WorkspaceLayout w = workspace_layout(p);
-  return w.partial_bytes + w.result_bytes + w.race_bytes + w.final_bytes + w.maxima_bytes;
+  return w.partial_bytes + w.result_bytes + w.race_bytes + w.maxima_bytes;
 }
 
 void bind_verify_workspace(VerifyParams& p, void* workspace) {
@@ -57,9 +60,8 @@ void bind_verify_workspace(VerifyParams& p, void* workspace) {
   p.partials = reinterpret_cast<RowPartial*>(base);
   p.results = reinterpret_cast<RowResult*>(base + w.partial_bytes);
   p.race_partials = reinterpret_cast<RacePartial*>(base + w.partial_bytes + w.result_bytes);
-  p.final_rows = reinterpret_cast<int32_t*>(base + w.partial_bytes + w.result_bytes + w.race_bytes);
   p.part_maxima = p.top_k ? reinterpret_cast<float*>(base + w.partial_bytes + w.result_bytes +
-                                                     w.race_bytes + w.final_bytes)
+                                                     w.race_bytes)
                           : nullptr;
 }
 

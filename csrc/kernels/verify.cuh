@@ -4,39 +4,36 @@
 // the ATen glue in cuda/verify_cuda.cpp checks shapes, dtypes and devices. Values are not trusted:
 // out-of-range rows and draft ids are rejected and reported, never used as addresses.
 //
-// Geometry: grid (C, B): the vocabulary of each request is split into C chunks, C a function of V
-// alone (verify_num_chunks: at most 16; one block per request, as FlashInfer's chain kernel does,
-// cannot reach HBM bandwidth at B <= 132). Blocks never wait for each other, so a grid of several
-// waves is fine. Two launches, no host work in between:
+// Geometry: the vocabulary of each request is split into C chunks, C a function of V alone
+// (verify_num_chunks: at most 16; one block per request, as FlashInfer's chain kernel does,
+// cannot reach HBM bandwidth at B <= 132). Row j's accept test needs only row j's statistics and
+// its own uniform, so rows are decided independently and the first rejected row is the minimum
+// over the rejected ones. Blocks never wait for each other, so no co-residency is needed. Two
+// launches, no host work in between:
 //
-//  1. verify_row_stats_kernel: block (c, b) walks rows j = 0..n of request b over its chunk,
-//     reading the target row and (when the draft is a distribution) the draft row in one loop, and
-//     publishes partial softmax statistics (max, sum of weights, argmax). The last block to finish
-//     a row (an atomic arrival counter after a __threadfence: the CUDA "threadFenceReduction"
-//     pattern) merges the C partials and decides the row. Blocks never wait for each other, so no
-//     co-residency is needed. Rows are decided in order, since the decider of row j is among the
-//     blocks row j+1 must wait for; a decider that rejects publishes the row and stops, so the
-//     first rejected row is the only one ever decided as rejected, and rows after it never
-//     complete. The other blocks of the request are then already streaming the next row (they
-//     arrived at the rejected row before it was decided); they poll the published rejection as
-//     they stream and abandon that row part-way. Whatever a block does on a row past the first
-//     rejection is never used, so reading the rejection late only costs bandwidth.
-//     The block that decides a request's final row j* (its first rejection, or the bonus row n)
-//     writes the outputs of a greedy request (the argmax just merged). A sampled request's token is
-//     drawn by the exponential race over r = max(p - q, 0) on row j*, split into the C chunks:
-//     each block that knows j* (its decider, and the blocks that stop on seeing the rejection)
-//     claims one unraced chunk (an atomic counter) and races it right after streaming the row,
-//     so the re-read comes from L2 and overlaps other requests' streaming. The block that
-//     publishes the last chunk merges them in chunk order and writes the outputs.
-//  2. verify_emit_kernel: races the chunks no block claimed, typically those of requests that
-//     accepted every draft (their other blocks had finished before the bonus row was decided):
-//     claims hand out chunks in order, so block c races chunk c if c is past them, and every chunk
-//     is raced exactly once. Who races a chunk does not change its result, so the outcome does
-//     not depend on the timing. It also returns to zero the counters the statistics kernel leaves
-//     set (every counter's last user resets it, so the counters need no fill before a call:
-//     common/stream_counters.h keeps one buffer per stream). It is a dependent launch
-//     (launch.cuh): on sm_90 its blocks start as the statistics kernel's last ones finish and wait
-//     for that grid to complete, instead of paying a launch after it.
+//  1. verify_row_stats_kernel, grid (B * C, G + 1): block (b * C + c, j) is the item (row j of
+//     request b, chunk c). Blocks start in the order of their index, x fastest, so row j of every
+//     request is streamed before row j + 1 of any (row-major): by the time a request's row j + 1
+//     starts, its row j has mostly been decided. An item reads the target row (and when the
+//     draft is a distribution the draft row) over its chunk in one loop, its loads issued in
+//     groups before any is used, and publishes partial softmax statistics (max, sum of weights,
+//     argmax) with one release/acquire arrival atomic. The last block to arrive at a row (the CUDA
+//     "threadFenceReduction" pattern, without the fence) merges the C partials in chunk order and
+//     decides the row; a rejection raises the request's mark (the largest G + 1 - j over its
+//     rejected rows). An item of a row past a published rejection is skipped, and a block
+//     streaming one polls the mark and abandons it part-way; whatever happens to a row past the
+//     first rejection is never used, so reading the mark late only costs bandwidth. Every row up
+//     to the first rejection is always decided, since nothing skips or abandons it.
+//  2. verify_emit_kernel, grid (C, B): the final row j* of each request is the first rejected
+//     row (from the mark) or the bonus row n. A greedy request's block 0 writes the argmax of row
+//     j*. A sampled request's token is drawn by the exponential race over r = max(p - q, 0) on row
+//     j*, split into the C chunks: block c races chunk c, and the block that publishes the last
+//     chunk merges them in chunk order and writes the outputs. It also returns to zero the
+//     counters the statistics kernel leaves set (every counter's last user resets it, so the
+//     counters need no fill before a call: common/stream_counters.h keeps one buffer per
+//     stream). It is a dependent launch (launch.cuh): on sm_90 its blocks start as the statistics
+//     kernel's last ones finish and wait for that grid to complete, instead of paying a launch
+//     after it; that wait also makes every decision visible, so the mark needs no fence.
 //
 // Sampling filters: the allowed-token bitmask is applied as the rows stream in (one 32-bit word
 // per 32 elements). A request with top-k / top-p / min-p has its filters computed by the block
@@ -49,7 +46,7 @@
 // which saves it the first-digit pass over the row.
 //
 // Each element of a needed row is read once from HBM; the race reads row j* of a sampled request
-// again (from L2 when raced in step 1). Chunks start at multiples of 16 elements, so rows whose
+// again. Chunks start at multiples of 16 elements, so rows whose
 // start is 16-byte aligned use 16-byte vector loads, all issued before any is used. Rows starting
 // past a boundary (odd V in 16-bit types, sliced rows): the emit kernel's race uses 16-byte loads
 // re-cut in registers; the statistics kernel (80 registers) loads one element at a time. Either
@@ -63,6 +60,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cuda/atomic>
 
 #include "convert.cuh"
 #include "filter.cuh"
@@ -76,10 +74,27 @@ namespace dspark_ops::kernels {
 constexpr int kVerifyThreads = 256;
 constexpr int kVerifyWarps = kVerifyThreads / 32;
 constexpr int kElementsPerThread = 8;  // two Philox blocks; one 16-byte load of 16-bit logits
-// The statistics pass keeps two such groups of the target row and of the draft row in flight per
-// thread: at 3-4 resident blocks per SM (64-80 registers) that is 36-72 KB of loads per SM, above
-// the ~25 KB an H200 SM needs to cover HBM latency.
-constexpr int kStatsGroups = 2;
+// Groups whose loads one iteration of the statistics pass issues before using any: with a draft
+// row, three of the target row and three of the draft row (two when one row is 16-bit and the
+// other float32: three spilled at the register cap of three blocks per SM; bf16 + float32 then
+// keeps 96 bytes a thread in flight, 74 KB per SM at three blocks, three times the ~25 KB an
+// H200 SM needs to cover HBM latency); without one, about 80 bytes of the target row, in the
+// registers the draft's would take: five groups of a 16-bit row, which cover a 9,504-element
+// chunk (V = 151,936) in one iteration, one HBM wait per item; two of a float32 row.
+constexpr int kStatsGroups = 3;
+constexpr int kMixedStatsGroups = 2;
+constexpr int kTargetGroups = 5;
+
+template <typename TT>
+constexpr int target_groups() {
+  return sizeof(TT) == 2 ? kTargetGroups : kTargetGroups * 2 / 4;
+}
+
+template <typename TT, typename DT>
+constexpr int stats_groups() {
+  return sizeof(TT) != sizeof(DT) && sizeof(TT) + sizeof(DT) == 6 ? kMixedStatsGroups
+                                                                  : kStatsGroups;
+}
 
 struct RowPartial {
   SoftmaxStats target;
@@ -319,64 +334,80 @@ __device__ __forceinline__ void accumulate8(SoftmaxStats& s, const float (&v)[kE
   }
 }
 
-// This thread's statistics of the target row and (if drow) the draft row over [x0, x1), read in
-// one loop so both rows' loads are in flight together. Stops early once `*reject_mark` exceeds
-// `abandon_above` (an earlier row was rejected, so this row will never be decided); the load is
+// This thread's statistics of the target row and (if kDraft) the draft row over [x0, x1), in
+// iterations of kGroups groups of 8 elements whose 16-byte loads are all issued before any is
+// used (one HBM wait per iteration; the chunk's tail too, where whole 16-byte words remain; only
+// elements past a 16-byte boundary are read one at a time). Group g of an iteration is 8
+// elements at base + g * kGroupStride: a warp's 16-byte loads cover 512 contiguous bytes (whole
+// sectors). Every thread folds its groups in the order of their index whatever kGroups is, so
+// the sums do not depend on how many groups are in flight. Stops early once `*reject_mark`
+// exceeds `abandon_above` (an earlier row was rejected, so this row is not needed); the poll is
 // issued at the top of an iteration and used at its end, so its latency hides behind the row's.
+template <int kGroups, bool kDraft, typename TT, typename DT>
+__device__ __forceinline__ void stream_row(const TT* trow, const int32_t* mrow, const DT* drow,
+                                           int64_t x0, int64_t x1, const Request& r,
+                                           const int32_t* reject_mark, int32_t abandon_above,
+                                           RowPartial& s) {
+  const bool t_sum = r.need_distribution, d_sum = !r.draft_greedy;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(trow) | reinterpret_cast<uintptr_t>(drow)) &
+                        15) == 0;
+  // blockDim.x is kVerifyThreads: constant strides keep registers free under the cap.
+  constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
+  for (int64_t base = x0 + int64_t{threadIdx.x} * kElementsPerThread; base < x1;
+       base += kGroupStride * kGroups) {
+    const int32_t mark = *reinterpret_cast<const volatile int32_t*>(reject_mark);
+    Raw8<TT> t_raw[kGroups];
+    Raw8<DT> d_raw[kDraft ? kGroups : 1];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t x = base + g * kGroupStride;
+      if (aligned && x + kElementsPerThread <= x1) {
+        if (trow) issue8(trow, x, t_raw[g]);
+        if constexpr (kDraft) issue8(drow, x, d_raw[g]);
+      }
+    }
+    float v[kElementsPerThread];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t x = base + g * kGroupStride;
+      if (x >= x1) break;  // the groups past the end would add nothing
+      const bool vector = aligned && x + kElementsPerThread <= x1;
+      if (trow) {
+        if (vector) {
+          unpack8(t_raw[g], v);
+        } else {
+          load8(trow, x, x1, kSingleLoads, v);
+        }
+        drop_disallowed8(mrow, x, x1, v);
+        accumulate8(s.target, v, x, t_sum, r.inv_t);
+      }
+      if constexpr (kDraft) {
+        if (vector) {
+          unpack8(d_raw[g], v);
+        } else {
+          load8(drow, x, x1, kSingleLoads, v);
+        }
+        accumulate8(s.draft, v, x, d_sum, r.inv_td);
+      }
+    }
+    if (mark > abandon_above) break;
+  }
+}
+
+// This thread's statistics of the target row and (if drow) the draft row over [x0, x1): both
+// rows' loads in flight together, or, without a draft row, more of the target row's in the
+// registers the draft's would take.
 template <typename TT, typename DT>
 __device__ RowPartial thread_row_stats(const TT* trow, const int32_t* mrow, const DT* drow,
                                        int64_t x0, int64_t x1, const Request& r,
                                        const int32_t* reject_mark, int32_t abandon_above) {
   RowPartial s{empty_stats(), empty_stats()};
-  const bool t_sum = r.need_distribution, d_sum = !r.draft_greedy;
-  const bool aligned = ((reinterpret_cast<uintptr_t>(trow) | reinterpret_cast<uintptr_t>(drow)) &
-                        15) == 0;
-  // Group g of an iteration is 8 elements at base + g * kGroupStride: a warp's 16-byte loads
-  // cover 512 contiguous bytes (whole sectors), not every other 16 bytes. (blockDim.x is
-  // kVerifyThreads: constant strides keep registers free under the cap of 80.)
-  constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
-  constexpr int64_t kLastGroup = (kStatsGroups - 1) * kGroupStride;
-  for (int64_t base = x0 + int64_t{threadIdx.x} * kElementsPerThread; base < x1;
-       base += kGroupStride * kStatsGroups) {
-    const int32_t mark = *reinterpret_cast<const volatile int32_t*>(reject_mark);
-    float v[kElementsPerThread];
-    if (aligned && base + kLastGroup + kElementsPerThread <= x1) {
-      Raw8<TT> t_raw[kStatsGroups];
-      Raw8<DT> d_raw[kStatsGroups];
-#pragma unroll
-      for (int g = 0; g < kStatsGroups; ++g) {
-        if (trow) issue8(trow, base + g * kGroupStride, t_raw[g]);
-        if (drow) issue8(drow, base + g * kGroupStride, d_raw[g]);
-      }
-#pragma unroll
-      for (int g = 0; g < kStatsGroups; ++g) {
-        const int64_t x = base + g * kGroupStride;
-        if (trow) {
-          unpack8(t_raw[g], v);
-          drop_disallowed8(mrow, x, x1, v);
-          accumulate8(s.target, v, x, t_sum, r.inv_t);
-        }
-        if (drow) {
-          unpack8(d_raw[g], v);
-          accumulate8(s.draft, v, x, d_sum, r.inv_td);
-        }
-      }
-    } else {  // a row past a 16-byte boundary, or the tail
-#pragma unroll
-      for (int g = 0; g < kStatsGroups; ++g) {
-        const int64_t x = base + g * kGroupStride;
-        if (trow) {
-          load8(trow, x, x1, kSingleLoads, v);
-          drop_disallowed8(mrow, x, x1, v);
-          accumulate8(s.target, v, x, t_sum, r.inv_t);
-        }
-        if (drow) {
-          load8(drow, x, x1, kSingleLoads, v);
-          accumulate8(s.draft, v, x, d_sum, r.inv_td);
-        }
-      }
-    }
-    if (mark > abandon_above) break;
+  if (drow) {
+    stream_row<stats_groups<TT, DT>(), true>(trow, mrow, drow, x0, x1, r, reject_mark,
+                                             abandon_above, s);
+  } else {
+    stream_row<target_groups<TT>(), false>(trow, mrow, drow, x0, x1, r, reject_mark,
+                                          abandon_above, s);
   }
   return s;
 }
@@ -468,37 +499,52 @@ __device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int 
 struct RaceShared {
   RaceCandidate candidates[32];
   float mass[32];
-  int32_t claim;
+  int32_t final_row;
   bool last;
 };
 
-// A row's result as another block of this launch published it (read through L2).
-__device__ __forceinline__ RowResult load_result(const RowResult* at) {
-  static_assert(sizeof(RowResult) % 4 == 0, "RowResult is copied as 32-bit words");
-  RowResult out;
-  const int32_t* from = reinterpret_cast<const int32_t*>(at);
-  int32_t* to = reinterpret_cast<int32_t*>(&out);
-#pragma unroll
-  for (int i = 0; i < int{sizeof(RowResult) / 4}; ++i) to[i] = __ldcg(from + i);
-  return out;
+// Counts a block as arrived at `counter` (thread 0): a release of what the block wrote before
+// its last barrier, and an acquire of what the blocks that arrived earlier released, in one
+// atomic (atom.acq_rel.gpu) instead of a sequentially consistent __threadfence and a relaxed
+// atomic. Returns the blocks that arrived before this one.
+__device__ __forceinline__ int32_t arrive(int32_t* counter) {
+  return cuda::atomic_ref<int32_t, cuda::thread_scope_device>(*counter).fetch_add(
+      1, cuda::memory_order_acq_rel);
 }
 
-// Hands this block of the statistics kernel the next unraced chunk of request b's final row
-// (block-uniform; -1: none left): chunks 0, 1, ... in order. Claims count past C once every chunk
-// is taken; the emit kernel races the chunks past the last one taken.
-__device__ __forceinline__ int claim_race_chunk(const VerifyParams& p, int b, RaceShared& sh) {
-  if (threadIdx.x == 0) sh.claim = atomicAdd(p.race_claims + b, 1);
-  __syncthreads();
-  return sh.claim < p.num_chunks ? sh.claim : -1;
+// Returns request b's counters to zero once nothing of this call reads them any more: the
+// rejection mark and the arrivals at rows past the final row j (rows whose blocks stopped or
+// were skipped after the rejection; the decider of every completed row reset its own).
+__device__ __forceinline__ void reset_request_counters(const VerifyParams& p, int b, int j) {
+  const int rows = p.block + 1;
+  for (int k = j + 1 + threadIdx.x; k < rows; k += blockDim.x) {
+    p.row_arrivals[int64_t{b} * rows + k] = 0;
+  }
+  if (threadIdx.x == 0) p.reject_marks[b] = 0;
 }
 
-// Request b ended at row j (its first rejection, or its bonus row n) with result `res`, its
-// target row valid: races chunk k of row j over r = max(p - q, 0) and publishes the chunk's mass
-// and winner. The block that publishes the request's last chunk merges them in chunk order (so
-// the outcome does not depend on which blocks raced which chunks) and writes the outputs.
+// The outputs of a request whose final row j needs no race: a greedy request (the row's argmax)
+// or a row without a valid target (0, reported invalid).
+__device__ __forceinline__ void write_unraced(const VerifyParams& p, int b, const Request& r,
+                                              int j, const RowResult& res) {
+  const SoftmaxStats t = res.target;
+  const bool target_invalid = res.decision & kTargetInvalid;
+  write_outputs(p, b, j, target_invalid ? 0 : t.argmax,
+                !(res.decision & (kTargetInvalid | kDraftInvalid)), [&] {
+                  return target_invalid ? -INFINITY
+                                        : logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t));
+                });
+}
+
+// Sampled request b ended at row j (its first rejection, or its bonus row n) with result `res`:
+// block k races chunk k of row j over r = max(p - q, 0) (nothing when the row has no valid
+// target) and publishes the chunk's mass and winner. The block that publishes the request's last
+// chunk merges them in chunk order and writes the outputs, and returns the request's counters to
+// zero (every block of the request has read the mark by then).
 template <bool kRecut, typename TT, typename DT>
 __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j,
                            const RowResult& res, int k, RaceShared& sh) {
+  const bool target_valid = !(res.decision & kTargetInvalid);
   const bool valid = !(res.decision & kDraftInvalid);
   const SoftmaxStats& t = res.target;
   Proposal q{Proposal::kNone, -1, res.draft, r.inv_td};
@@ -519,19 +565,24 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
 
   float mass = 0.f;
   RaceCandidate best = empty_candidate();
-  thread_race<kRecut>(trow, drow, x0, x1, mrow, r.filtered, res.filter, t, r.inv_t, q, r.seed,
-                      position, mass, best);
-  mass = block_reduce(mass, add, 0.f, sh.mass);
-  best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
+  if (target_valid) {  // request-uniform
+    thread_race<kRecut>(trow, drow, x0, x1, mrow, r.filtered, res.filter, t, r.inv_t, q, r.seed,
+                        position, mass, best);
+    mass = block_reduce(mass, add, 0.f, sh.mass);
+    best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
+  }
   if (threadIdx.x == 0) {
     p.race_partials[int64_t{b} * p.num_chunks + k] = RacePartial{mass, best};
-    __threadfence();
-    sh.last = atomicAdd(p.race_arrivals + b, 1) == p.num_chunks - 1;
+    sh.last = arrive(p.race_arrivals + b) == p.num_chunks - 1;
   }
   __syncthreads();
   if (!sh.last) return;
-  __threadfence();
   if (threadIdx.x == 0) p.race_arrivals[b] = 0;  // every chunk has arrived: back to zero
+  reset_request_counters(p, b, j);
+  if (!target_valid) {
+    write_unraced(p, b, r, j, res);
+    return;
+  }
   mass = 0.f;
   best = empty_candidate();
   for (int c = threadIdx.x; c < p.num_chunks; c += blockDim.x) {
@@ -558,11 +609,11 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
   });
 }
 
-// Resident blocks per SM the statistics kernel is compiled for: the decider's filter code and the
-// race must not cost the streaming loop its occupancy. Three on sm_90, two before (where three
-// would make the race spill); two for float32 target and draft rows, whose wider loads keep twice
-// the bytes in flight per thread and need the registers. The bytes-in-flight arithmetic behind
-// each count: docs/performance-model.md, "Why the launch constants are what they are".
+// Resident blocks per SM the statistics kernel is compiled for: the decider's filter code must
+// not cost the streaming loop its occupancy. Three on sm_90, two before; two for float32 target
+// and draft rows, whose wider loads keep twice the bytes in flight per thread and need the
+// registers. The bytes-in-flight arithmetic behind each count: docs/performance-model.md, "Why
+// the launch constants are what they are".
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kStatsBlocksPerSM = 2;
 #else
@@ -574,232 +625,178 @@ constexpr int stats_blocks_per_sm() {
   return sizeof(TT) == 4 && sizeof(DT) == 4 ? 2 : kStatsBlocksPerSM;
 }
 
+// Block (b * C + c, j) streams chunk c of row j of request b and publishes its partial; the
+// last of the row's C blocks to arrive merges them and decides the row. See the file header.
 template <typename TT, typename DT>
 __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
     verify_row_stats_kernel(const VerifyParams p) {
   // The emit kernel may start launching once every block has begun (it waits for this grid).
   allow_dependent_launch();
-  const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
+  const int j = blockIdx.y, rows = p.block + 1;
+  const int b = blockIdx.x / p.num_chunks, c = blockIdx.x - b * p.num_chunks;
   const Request r = load_request(p, b);
-  const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
+  if (j > r.n) return;  // request-uniform: the request has no such row
   const auto merge = [&](RowPartial a, RowPartial s) {
     return RowPartial{merge_stats(a.target, s.target, r.inv_t), merge_stats(a.draft, s.draft, r.inv_td)};
   };
   const RowPartial empty{empty_stats(), empty_stats()};
   __shared__ RowPartial scratch[32];
   __shared__ RowPartial merged;
-  __shared__ bool stop, last;
-  __shared__ RowResult decided;  // the row this block decided, for the whole block
-  __shared__ int final_row;      // the request's first rejected row or n, if this block decided it
-  __shared__ int race_row;       // ... or learnt it from the published rejection
-  __shared__ RaceShared race;
-  if (threadIdx.x == 0) final_row = -1;
+  __shared__ bool skip, last;
   // Dynamic shared memory: sizeof(FilterShared) when the call has filters, else none.
   DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
   auto* const filter_shared = reinterpret_cast<FilterShared*>(filter_shared_raw);  // null: none
 
-  for (int j = 0; j <= r.n; ++j) {
-    const int64_t row = r.start + j;
-    const bool row_ok = row >= 0 && row < p.target_rows;
-    const bool need_draft = r.use_draft && j < r.n;
-    const TT* trow = row_ok ? target_row<TT>(p, row) : nullptr;
-    const int32_t* mrow = mask_row(p, row);
-    const DT* drow = need_draft ? draft_row<DT>(p, b, j) : nullptr;
+  const int64_t row = r.start + j;
+  const bool row_ok = row >= 0 && row < p.target_rows;
+  const bool need_draft = r.use_draft && j < r.n;
+  const TT* trow = row_ok ? target_row<TT>(p, row) : nullptr;
+  const int32_t* mrow = mask_row(p, row);
+  const DT* drow = need_draft ? draft_row<DT>(p, b, j) : nullptr;
 
-    // Thread 0 may decide the row: issue its loads of the draft id and the two logits at that id
-    // now, so their latency hides behind the streaming pass.
-    int64_t x = -1;
-    float t_x = -INFINITY, d_x = -INFINITY;
-    if (threadIdx.x == 0 && j < r.n) {
+  // Thread 0 may decide the row: issue its loads of the draft id and the two logits at that id
+  // now, so their latency hides behind the streaming pass. It also reads the request's mark: an
+  // earlier row already rejected makes this row unneeded (one thread reads it, so the whole block
+  // skips or none of it does).
+  int64_t x = -1;
+  float t_x = -INFINITY, d_x = -INFINITY;
+  if (threadIdx.x == 0) {
+    skip = *reinterpret_cast<const volatile int32_t*>(p.reject_marks + b) > rows - j;
+    if (j < r.n) {
       x = draft_token(p, b, j);
       if (x >= 0 && x < p.vocab) {
         if (trow && allowed(mrow, x)) t_x = to_float(trow[x]);
         if (drow) d_x = to_float(drow[x]);
       }
     }
-
-    const RowPartial mine =
-        thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j);
-    const int64_t slot = int64_t{b} * rows + j;
-    if (p.part_maxima && r.filtered && r.spec.top_k > 0) {  // request-uniform
-      float m = mine.target.max;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      }
-      if ((threadIdx.x & 31) == 0) {
-        p.part_maxima[(slot * p.num_chunks + c) * kVerifyWarps + (threadIdx.x >> 5)] = m;
-        __threadfence();  // published before the barrier that precedes this block's arrival
-      }
-    }
-    const RowPartial part = block_reduce(mine, merge, empty, scratch);
-
-    if (threadIdx.x == 0) {
-      p.partials[slot * p.num_chunks + c] = part;
-      __threadfence();  // publish the partial before counting this block as arrived
-      last = atomicAdd(p.row_arrivals + slot, 1) == p.num_chunks - 1;
-      if (last) p.row_arrivals[slot] = 0;  // every block has arrived: back to zero
-      // A rejection of this row or an earlier one: stop after this row (a hint, see the header).
-      stop = *reinterpret_cast<volatile int32_t*>(p.reject_marks + b) > rows - (j + 1);
-    }
-    __syncthreads();
-    if (last) {  // block-uniform: this block decides the row
-      __threadfence();
-      if (threadIdx.x < 32) {
-        // Merge every chunk's partial (read through L2: __ldcg).
-        RowPartial m = empty;
-        for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
-          const RowPartial* q = p.partials + slot * p.num_chunks + k;
-          m = merge(m, RowPartial{
-                           SoftmaxStats{__ldcg(&q->target.max), __ldcg(&q->target.sum),
-                                        __ldcg(&q->target.argmax)},
-                           SoftmaxStats{__ldcg(&q->draft.max), __ldcg(&q->draft.sum),
-                                        __ldcg(&q->draft.argmax)}});
-        }
-        m = warp_reduce(m, merge);
-        if (threadIdx.x == 0) merged = m;
-      }
-      __syncthreads();
-      SoftmaxStats mt = merged.target;
-      const SoftmaxStats md = merged.draft;
-      FilterResult filter{-INFINITY, 0.f, mt.sum};
-      if (r.filtered && row_ok && mt.max != -INFINITY) {
-        const int mis = misalignment16(trow) == 0 ? 0 : kSingleLoads;
-        const auto masked8 = [&](int64_t at, float (&v)[kElementsPerThread]) {
-          load8(trow, at, p.vocab, mis, v);
-          drop_disallowed8(mrow, at, p.vocab, v);
-        };
-        int parts = 0;  // the warps' maxima of every chunk: top-k's floor
-        if (p.part_maxima && r.spec.top_k > 0) {
-          parts = p.num_chunks * kVerifyWarps;
-          const float* maxima = p.part_maxima + slot * parts;
-          for (int i = threadIdx.x; i < parts; i += blockDim.x) {
-            filter_shared->candidate_key[i] = logit_key(__ldcg(maxima + i));
-          }
-          if (threadIdx.x == 0) filter_shared->candidates = parts;
-          __syncthreads();
-        }
-        filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared,
-                                  parts);
-        mt.sum = filter.kept_sum;
-      }
-      if (threadIdx.x == 0) {
-        if (r.filtered && t_x != -INFINITY &&
-            !filter_keeps(filter, finite_or_neg_inf(t_x), softmax_weight(t_x, mt.max, r.inv_t))) {
-          t_x = -INFINITY;  // the filters drop the draft: p = 0
-        }
-        int32_t decision = kRowUndecided;
-        if (!row_ok || mt.max == -INFINITY) {
-          decision = int32_t{kRowRejected} | kTargetInvalid;
-        } else if (j < r.n) {
-          if (x < 0 || x >= p.vocab || (need_draft && md.max == -INFINITY)) {
-            decision = int32_t{kRowRejected} | kDraftInvalid;
-          } else if (r.greedy) {
-            decision = x == mt.argmax ? kRowAccepted : kRowRejected;
-          } else {
-            const float p_x = softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t);
-            float q_x = 1.f;
-            if (need_draft) {
-              q_x = r.draft_greedy ? (x == md.argmax ? 1.f : 0.f)
-                                   : softmax_prob(d_x, md.max, 1.f / md.sum, r.inv_td);
-            }
-            const int64_t draw_at = offset_position(r.position, 1 + j);
-            const float u = philox_uniform(r.seed, draw_at, kPurposeAccept, 0);
-            decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
-          }
-        }
-        decided = RowResult{mt, md, decision, filter};
-        p.results[slot] = decided;
-        if (p.logprobs && decision == kRowAccepted) {
-          p.logprobs[slot] = logf(softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t));
-        }
-        if (decision & kRowRejected) {
-          __threadfence();  // the result is visible before the rejection that points to it
-          atomicMax(p.reject_marks + b, rows - j);
-          stop = true;
-        }
-        if ((decision & kRowRejected) || j == r.n) {
-          final_row = j;
-          p.final_rows[b] = j;
-        }
-      }
-    }
-    __syncthreads();  // `stop`, `last` and `scratch` are rewritten for the next row
-    if (stop) break;
-  }
-
-  // final_row >= 0: this block decided the request's final row (`decided`).
-  const int decided_row = final_row;
-  if (decided_row >= 0 && (r.greedy || (decided.decision & kTargetInvalid))) {
-    // Nothing to race: the emitted token is the argmax (greedy) or 0 (no valid target row).
-    const SoftmaxStats t = decided.target;
-    const bool target_invalid = decided.decision & kTargetInvalid;
-    write_outputs(p, b, decided_row, target_invalid ? 0 : t.argmax,
-                  !(decided.decision & (kTargetInvalid | kDraftInvalid)), [&] {
-                    return target_invalid ? -INFINITY
-                                          : logf(softmax_prob(t.max, t.max, 1.f / t.sum, r.inv_t));
-                  });
-    return;
-  }
-  // A sampled request's final row is raced chunk by chunk by the blocks that know it (the one
-  // that decided it, and those that saw the rejection), one chunk each, right after streaming
-  // it (from L2, typically); verify_emit_kernel takes the chunks left over.
-  if (r.greedy) return;  // request-uniform
-  if (threadIdx.x == 0) {
-    int j = decided_row;
-    if (j < 0) {
-      const int32_t mark = *reinterpret_cast<const volatile int32_t*>(p.reject_marks + b);
-      if (mark > 0) {
-        __threadfence();  // the mark was published after the result it points to
-        j = min(rows - mark, r.n);
-      }
-    }
-    race_row = j;
   }
   __syncthreads();
-  const int j = race_row;
-  if (j < 0) return;
-  const RowResult res = load_result(p.results + int64_t{b} * rows + j);
-  if (res.decision & kTargetInvalid) return;  // written by its decider
-  const int k = claim_race_chunk(p, b, race);
-  if (k >= 0) race_chunk</*kRecut=*/false, TT, DT>(p, b, r, j, res, k, race);
+  if (skip) return;
+
+  const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
+  const RowPartial mine = thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j);
+  const int64_t slot = int64_t{b} * rows + j;
+  if (p.part_maxima && r.filtered && r.spec.top_k > 0) {  // request-uniform
+    float m = mine.target.max;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    }
+    // Published by thread 0's arrival below, after the reduction's barriers.
+    if ((threadIdx.x & 31) == 0) {
+      p.part_maxima[(slot * p.num_chunks + c) * kVerifyWarps + (threadIdx.x >> 5)] = m;
+    }
+  }
+  const RowPartial part = block_reduce(mine, merge, empty, scratch);
+
+  if (threadIdx.x == 0) {
+    p.partials[slot * p.num_chunks + c] = part;
+    last = arrive(p.row_arrivals + slot) == p.num_chunks - 1;
+    if (last) p.row_arrivals[slot] = 0;  // every block has arrived: back to zero
+  }
+  __syncthreads();
+  if (!last) return;  // block-uniform: the last block to arrive decides the row
+
+  if (threadIdx.x < 32) {
+    // Merge every chunk's partial in chunk order (read through L2: __ldcg).
+    RowPartial m = empty;
+    for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
+      const RowPartial* q = p.partials + slot * p.num_chunks + k;
+      m = merge(m, RowPartial{
+                       SoftmaxStats{__ldcg(&q->target.max), __ldcg(&q->target.sum),
+                                    __ldcg(&q->target.argmax)},
+                       SoftmaxStats{__ldcg(&q->draft.max), __ldcg(&q->draft.sum),
+                                    __ldcg(&q->draft.argmax)}});
+    }
+    m = warp_reduce(m, merge);
+    if (threadIdx.x == 0) merged = m;
+  }
+  __syncthreads();
+  SoftmaxStats mt = merged.target;
+  const SoftmaxStats md = merged.draft;
+  FilterResult filter{-INFINITY, 0.f, mt.sum};
+  if (r.filtered && row_ok && mt.max != -INFINITY) {
+    const int mis = misalignment16(trow) == 0 ? 0 : kSingleLoads;
+    const auto masked8 = [&](int64_t at, float (&v)[kElementsPerThread]) {
+      load8(trow, at, p.vocab, mis, v);
+      drop_disallowed8(mrow, at, p.vocab, v);
+    };
+    int parts = 0;  // the warps' maxima of every chunk: top-k's floor
+    if (p.part_maxima && r.spec.top_k > 0) {
+      parts = p.num_chunks * kVerifyWarps;
+      const float* maxima = p.part_maxima + slot * parts;
+      for (int i = threadIdx.x; i < parts; i += blockDim.x) {
+        filter_shared->candidate_key[i] = logit_key(__ldcg(maxima + i));
+      }
+      if (threadIdx.x == 0) filter_shared->candidates = parts;
+      __syncthreads();
+    }
+    filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared, parts);
+    mt.sum = filter.kept_sum;
+  }
+  if (threadIdx.x != 0) return;
+  if (r.filtered && t_x != -INFINITY &&
+      !filter_keeps(filter, finite_or_neg_inf(t_x), softmax_weight(t_x, mt.max, r.inv_t))) {
+    t_x = -INFINITY;  // the filters drop the draft: p = 0
+  }
+  int32_t decision = kRowUndecided;
+  if (!row_ok || mt.max == -INFINITY) {
+    decision = int32_t{kRowRejected} | kTargetInvalid;
+  } else if (j < r.n) {
+    if (x < 0 || x >= p.vocab || (need_draft && md.max == -INFINITY)) {
+      decision = int32_t{kRowRejected} | kDraftInvalid;
+    } else if (r.greedy) {
+      decision = x == mt.argmax ? kRowAccepted : kRowRejected;
+    } else {
+      // Row j's test needs row j's statistics and its own uniform only: no other row's outcome.
+      const float p_x = softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t);
+      float q_x = 1.f;
+      if (need_draft) {
+        q_x = r.draft_greedy ? (x == md.argmax ? 1.f : 0.f)
+                             : softmax_prob(d_x, md.max, 1.f / md.sum, r.inv_td);
+      }
+      const int64_t draw_at = offset_position(r.position, 1 + j);
+      const float u = philox_uniform(r.seed, draw_at, kPurposeAccept, 0);
+      decision = accept_draft(u, p_x, q_x) ? kRowAccepted : kRowRejected;
+    }
+  }
+  p.results[slot] = RowResult{mt, md, decision, filter};
+  if (p.logprobs && decision == kRowAccepted) {
+    p.logprobs[slot] = logf(softmax_prob(t_x, mt.max, 1.f / mt.sum, r.inv_t));
+  }
+  // The first rejected row is the minimum over the rejected rows: the mark keeps the largest
+  // rows - j. Relaxed: in this kernel the mark only lets later blocks skip unneeded rows; the
+  // emit kernel reads it, and the results, after this grid has completed.
+  if (decision & kRowRejected) atomicMax(p.reject_marks + b, rows - j);
 }
 
-// Races what is left of each sampled request's final row: the chunks the statistics kernel did not
-// take (typically those of requests that accepted every draft, whose other blocks had finished
-// before the bonus row was decided). Its claims handed out chunks 0, 1, ... in order, so block c
-// races chunk c if c is past them. Also returns the counters the statistics kernel leaves set to
-// zero: the rejection mark, the arrivals at rows past j* (blocks that had moved on), the claims.
-// Three blocks per SM, as the statistics kernel (without a minimum, ptxas capped the registers at
-// 64 and spilled).
+// The final row of each request and its outputs: j* = the first rejected row (from the mark), or
+// n when every draft was accepted. A greedy request's block 0 writes the row's argmax; a sampled
+// request's C blocks race the C chunks of row j* (race_chunk). Every row of a request up to j*
+// was decided (a block skips a row only past a rejection), so row j*'s result is this call's.
+// Also returns the counters the statistics kernel leaves set to zero. Three blocks per SM
+// (without a minimum, ptxas capped the registers at 64 and spilled).
 template <typename TT, typename DT>
 __global__ void __launch_bounds__(kVerifyThreads, 3) verify_emit_kernel(const VerifyParams p) {
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);  // inputs only: may precede the wait
   // Launched dependent: the statistics kernel may still run until this returns.
   wait_for_previous_grid();
-  const int j = p.final_rows[b];
-  if (c == 0) {
-    for (int k = j + 1 + threadIdx.x; k < rows; k += blockDim.x) {
-      p.row_arrivals[int64_t{b} * rows + k] = 0;
-    }
-    if (threadIdx.x == 0) p.reject_marks[b] = 0;
-  }
-  if (r.greedy) return;  // written by the block that decided the final row
-  const RowResult res = p.results[int64_t{b} * rows + j];
-  if (res.decision & kTargetInvalid) return;  // written too; no block claimed a chunk
+  if (r.greedy && c > 0) return;  // request-uniform: block 0 writes a greedy request's outputs
   __shared__ RaceShared sh;
   if (threadIdx.x == 0) {
-    sh.claim = p.race_claims[b];
-    __threadfence();  // read before this block counts as arrived
-    if (atomicAdd(p.emit_arrivals + b, 1) == p.num_chunks - 1) {  // every block has read it
-      __threadfence();
-      p.race_claims[b] = 0;
-      p.emit_arrivals[b] = 0;
-    }
+    const int32_t mark = p.reject_marks[b];
+    sh.final_row = mark > 0 ? min(rows - mark, r.n) : r.n;
   }
-  __syncthreads();
-  if (c >= sh.claim) race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh);
+  __syncthreads();  // the mark is read before any thread of the request may reset it
+  const int j = sh.final_row;
+  const RowResult res = p.results[int64_t{b} * rows + j];
+  if (r.greedy) {
+    reset_request_counters(p, b, j);
+    write_unraced(p, b, r, j, res);
+    return;
+  }
+  race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh);
 }
 
 // Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.

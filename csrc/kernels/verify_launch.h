@@ -52,14 +52,11 @@ struct VerifyParams {
   float* part_maxima;
   RowResult* results;    // [B, G+1]
   RacePartial* race_partials;  // [B, C]
-  int32_t* final_rows;         // [B]: j*, written by the block that decides it
   // Counters, zero when the call starts; each is back to zero when the call ends (its last user
   // resets it), so one buffer serves every call on a stream (see verify_cuda.cpp).
   int32_t* row_arrivals;  // [B, G+1]
   int32_t* reject_marks;  // [B]: max over rejected rows j of (G + 1 - j): 0 = none yet
-  int32_t* race_claims;   // [B]: chunks of the final row the statistics kernel took (may pass C)
-  int32_t* race_arrivals;  // [B]: chunks raced
-  int32_t* emit_arrivals;  // [B]: emit blocks that have read race_claims
+  int32_t* race_arrivals;  // [B]: chunks of the final row raced
 };
 
 // The vocabulary split: C = min(16, ceil(V / 1024)) chunks, a multiple of 16 elements long (whole
