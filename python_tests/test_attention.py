@@ -652,7 +652,7 @@ def test_appended_rows_are_attended(device, dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks: every check of csrc/args/attention_args.cpp with its message
+# Argument checks: every check of csrc/args/attention_args.{h,cpp} with its message
 # --------------------------------------------------------------------------------------------
 
 B, G, HQ, HKV, D, N, L, NMAX = 3, 4, 4, 2, 64, 5, 6, 4

@@ -967,7 +967,7 @@ def test_calibrated_confidences_feed_draft_confidence(device):
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks: every check of csrc/args/draft_args.cpp with its message
+# Argument checks: every check of csrc/args/draft_args.{h,cpp} with its message
 # --------------------------------------------------------------------------------------------
 
 B, G, V, R, D = 3, 4, 100, 8, 16
@@ -1068,7 +1068,7 @@ COMMON_ERRORS = vocabulary_errors(
      r"'w2' must have shape \[V, r\] like 'w1' = \[100, 8\], got \[8, 100\]"),
 ]
 
-# The RNN head's own arguments (check_rnn_draft_args).
+# The RNN head's own arguments (ops::rnn_draft).
 RNN_ERRORS = [
     ("hidden-float64", RNN, lambda: dict(hidden=torch.randn(B, G, D, dtype=torch.float64)),
      TypeError, r"'hidden' must have dtype Float or BFloat16 or Half, got Double"),

@@ -912,7 +912,7 @@ def test_profile_step_rate_cuda_events():
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks: every check of csrc/args/schedule_args.cpp with its message
+# Argument checks: every check of csrc/args/schedule_args.{h,cpp} with its message
 # --------------------------------------------------------------------------------------------
 
 B, G, M = 3, 4, 10

@@ -950,7 +950,7 @@ def test_op_matches_reference_on_statistical_inputs(device):
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks: every check of csrc/args/verify_args.cpp with its message
+# Argument checks: every check of csrc/args/verify_args.h with its message
 # --------------------------------------------------------------------------------------------
 
 

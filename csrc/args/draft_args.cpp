@@ -11,19 +11,6 @@ namespace {
 
 const auto kFloatTypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
-// Kernels index the last dimension with unit stride; other strides are honoured.
-at::Tensor unit_stride_last(const at::Tensor& t) {
-  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
-}
-
-// The dtype of `t` must be that of `reference` (named in the message).
-void check_dtype_like(const char* op, const char* name, const at::Tensor& t,
-                      const at::Tensor& reference, const char* reference_name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, "(): '", name,
-                   "' must have dtype ", reference.scalar_type(), " like '", reference_name,
-                   "', got ", t.scalar_type());
-}
-
 at::Tensor check_per_request(const char* op, const char* name, const at::Tensor& t,
                              std::initializer_list<at::ScalarType> dtypes,
                              const at::Tensor& reference, int64_t batch) {
@@ -33,7 +20,15 @@ at::Tensor check_per_request(const char* op, const char* name, const at::Tensor&
   return t.contiguous();
 }
 
-// w1 and w2: [V, r] in one floating dtype; returns r.
+}  // namespace
+
+void check_dtype_like(const char* op, const char* name, const at::Tensor& t,
+                      const at::Tensor& reference, const char* reference_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, "(): '", name,
+                   "' must have dtype ", reference.scalar_type(), " like '", reference_name,
+                   "', got ", t.scalar_type());
+}
+
 int64_t check_markov_weights(const char* op, const at::Tensor& w1, const at::Tensor& w2,
                              const at::Tensor& reference, const char* reference_name,
                              int64_t vocab) {
@@ -52,13 +47,14 @@ int64_t check_markov_weights(const char* op, const at::Tensor& w1, const at::Ten
   return rank;
 }
 
-DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::Tensor& anchor,
-                       const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& temperature,
-                       const at::Tensor& seed, const at::Tensor& position,
-                       const std::optional<at::Tensor>& top_k,
-                       const std::optional<at::Tensor>& top_p,
-                       const std::optional<at::Tensor>& min_p,
-                       std::optional<at::ScalarType> draft_logits_dtype) {
+DraftArgs check_markov_draft_args(const char* op, const at::Tensor& base_logits,
+                                  const at::Tensor& anchor, const at::Tensor& w1,
+                                  const at::Tensor& w2, const at::Tensor& temperature,
+                                  const at::Tensor& seed, const at::Tensor& position,
+                                  const std::optional<at::Tensor>& top_k,
+                                  const std::optional<at::Tensor>& top_p,
+                                  const std::optional<at::Tensor>& min_p,
+                                  std::optional<at::ScalarType> draft_logits_dtype) {
   DraftArgs a;
   const at::ScalarType logits_dtype = draft_logits_dtype.value_or(at::kFloat);
   TORCH_CHECK_VALUE(logits_dtype == at::kFloat || logits_dtype == at::kBFloat16, op,
@@ -93,103 +89,11 @@ DraftArgs check_common(const char* op, const at::Tensor& base_logits, const at::
   return a;
 }
 
-}  // namespace
-
-DraftArgs check_markov_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
-                                  const at::Tensor& w1, const at::Tensor& w2,
-                                  const at::Tensor& temperature, const at::Tensor& seed,
-                                  const at::Tensor& position,
-                                  const std::optional<at::Tensor>& top_k,
-                                  const std::optional<at::Tensor>& top_p,
-                                  const std::optional<at::Tensor>& min_p,
-                                  std::optional<at::ScalarType> draft_logits_dtype) {
-  return check_common("markov_draft", base_logits, anchor, w1, w2, temperature, seed, position,
-                      top_k, top_p, min_p, draft_logits_dtype);
-}
-
-DraftArgs check_rnn_draft_args(const at::Tensor& base_logits, const at::Tensor& anchor,
-                               const at::Tensor& hidden, const at::Tensor& w1,
-                               const at::Tensor& w2, const at::Tensor& joint_weight,
-                               const at::Tensor& joint_bias, const at::Tensor& temperature,
-                               const at::Tensor& seed, const at::Tensor& position,
-                               const std::optional<at::Tensor>& top_k,
-                               const std::optional<at::Tensor>& top_p,
-                               const std::optional<at::Tensor>& min_p,
-                               std::optional<at::ScalarType> draft_logits_dtype) {
-  constexpr const char* kOp = "rnn_draft";
-  auto a = check_common(kOp, base_logits, anchor, w1, w2, temperature, seed, position, top_k,
-                        top_p, min_p, draft_logits_dtype);
-  check_device(kOp, "hidden", hidden, base_logits, "base_logits");
-  check_dtype(kOp, "hidden", hidden, kFloatTypes);
-  check_dim(kOp, "hidden", hidden, {3}, "3-D [B, G, d]");
-  a.hidden_size = hidden.size(2);
-  check_shape(kOp, "hidden", hidden, {a.batch, a.block, a.hidden_size}, "[B, G, d]");
-  a.hidden = unit_stride_last(hidden);
-  check_device(kOp, "joint_weight", joint_weight, base_logits, "base_logits");
-  check_dtype_like(kOp, "joint_weight", joint_weight, w1, "w1");
-  check_shape(kOp, "joint_weight", joint_weight, {3 * a.rank, 2 * a.rank + a.hidden_size},
-              "[3r, 2r + d]");
-  a.joint_weight = unit_stride_last(joint_weight);
-  check_device(kOp, "joint_bias", joint_bias, base_logits, "base_logits");
-  check_dtype_like(kOp, "joint_bias", joint_bias, w1, "w1");
-  check_shape(kOp, "joint_bias", joint_bias, {3 * a.rank}, "[3r]");
-  a.joint_bias = joint_bias.contiguous();
-  return a;
-}
-
-std::tuple<at::Tensor, at::Tensor> allocate_draft_outputs(const DraftArgs& a) {
+DraftResult allocate_draft_outputs(const DraftArgs& a) {
   const auto options = a.base.options();
   return {at::empty({a.batch, a.block}, options.dtype(at::kLong)),
           at::empty({a.batch, a.block, a.vocab},
                     options.dtype(a.logits_bf16 ? at::kBFloat16 : at::kFloat))};
-}
-
-ConfidenceArgs check_confidence_args(const at::Tensor& hidden, const at::Tensor& prev_tokens,
-                                     const at::Tensor& w1, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias,
-                                     const std::optional<at::Tensor>& calib_temperature) {
-  constexpr const char* kOp = "draft_confidence";
-  ConfidenceArgs a;
-  check_dim(kOp, "hidden", hidden, {3}, "3-D [B, G, d]");
-  check_dtype(kOp, "hidden", hidden, kFloatTypes);
-  a.batch = hidden.size(0);
-  a.block = hidden.size(1);
-  a.hidden_size = hidden.size(2);
-  a.hidden = unit_stride_last(hidden);
-  check_device(kOp, "prev_tokens", prev_tokens, hidden, "hidden");
-  check_dtype(kOp, "prev_tokens", prev_tokens, {at::kLong, at::kInt});
-  check_shape(kOp, "prev_tokens", prev_tokens, {a.batch, a.block}, "[B, G]");
-  a.prev_tokens = prev_tokens;
-  check_dim(kOp, "w1", w1, {2}, "2-D [V, r]");
-  a.vocab = w1.size(0);
-  TORCH_CHECK_VALUE(a.vocab >= 1 && a.vocab < INT32_MAX, kOp,
-                    "(): 'w1' must have a vocabulary size in [1, 2^31 - 1), got ", a.vocab);
-  a.rank = check_markov_weights(kOp, w1, at::Tensor(), hidden, "hidden", a.vocab);
-  a.w1 = unit_stride_last(w1);
-  check_device(kOp, "weight", weight, hidden, "hidden");
-  check_dtype(kOp, "weight", weight, kFloatTypes);
-  check_shape(kOp, "weight", weight, {a.hidden_size + a.rank}, "[d + r]");
-  a.weight = weight.contiguous();
-  if (bias.has_value()) {
-    check_device(kOp, "bias", *bias, hidden, "hidden");
-    check_dtype(kOp, "bias", *bias, kFloatTypes);
-    TORCH_CHECK_VALUE(bias->numel() == 1, kOp, "(): 'bias' must have exactly one element, got shape ",
-                      bias->sizes());
-    a.bias = bias->reshape({1}).contiguous();
-  }
-  if (calib_temperature.has_value()) {
-    check_device(kOp, "calib_temperature", *calib_temperature, hidden, "hidden");
-    check_dtype(kOp, "calib_temperature", *calib_temperature, {at::kFloat});
-    check_shape(kOp, "calib_temperature", *calib_temperature, {a.block}, "[G]");
-    a.calib_temperature = calib_temperature->contiguous();
-  }
-  if (value_checks_enabled(hidden) && a.batch * a.block > 0) {
-    check_values_in_range(kOp, "prev_tokens", prev_tokens, 0, a.vocab - 1);
-  }
-  if (value_checks_enabled(hidden) && a.calib_temperature.defined()) {
-    check_finite_positive(kOp, "calib_temperature", a.calib_temperature);
-  }
-  return a;
 }
 
 }  // namespace dspark_ops

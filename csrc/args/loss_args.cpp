@@ -6,107 +6,19 @@
 #include <ATen/ops/mm.h>
 
 #include <algorithm>
-#include <cmath>
 
 #include "../common/checks.h"
 
 namespace dspark_ops {
 
-namespace {
-constexpr const char* kOp = "dspark_loss";
-
-void check_matrix(const char* name, const at::Tensor& t, const at::Tensor& hidden, int64_t rows,
-                  int64_t cols, const char* expected) {
+void check_loss_matrix(const char* name, const at::Tensor& t, const at::Tensor& hidden,
+                       int64_t rows, int64_t cols, const char* expected) {
+  constexpr const char* kOp = "dspark_loss";
   check_dim(kOp, name, t, {2}, expected);
   check_device(kOp, name, t, hidden, "hidden");
   TORCH_CHECK_TYPE(t.scalar_type() == hidden.scalar_type(), kOp, "(): '", name,
                    "' must have hidden's dtype ", hidden.scalar_type(), ", got ", t.scalar_type());
   check_shape(kOp, name, t, {rows, cols}, expected);
-}
-}  // namespace
-
-LossArgs check_dspark_loss_args(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
-                                const at::Tensor& labels, const at::Tensor& weights,
-                                const at::Tensor& term_scale,
-                                const std::optional<at::Tensor>& target_hidden,
-                                const std::optional<at::Tensor>& markov_latent,
-                                const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                                bool lm_head_grad, int64_t chunk_rows,
-                                std::optional<double> logit_softcap,
-                                int64_t default_scratch_bytes) {
-  LossArgs a;
-  check_dim(kOp, "hidden", hidden, {2}, "2-D [N, d]");
-  check_dtype(kOp, "hidden", hidden, {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble});
-  a.rows = hidden.size(0);
-  a.hidden_size = hidden.size(1);
-  check_dim(kOp, "lm_head_weight", lm_head_weight, {2}, "2-D [V, d]");
-  a.vocab = lm_head_weight.size(0);
-  TORCH_CHECK_VALUE(a.vocab >= 1, kOp, "(): 'lm_head_weight' must have at least one row (V >= 1)");
-  check_matrix("lm_head_weight", lm_head_weight, hidden, a.vocab, a.hidden_size, "[V, d]");
-
-  check_dim(kOp, "labels", labels, {1}, "1-D [N]");
-  check_device(kOp, "labels", labels, hidden, "hidden");
-  check_dtype(kOp, "labels", labels, {at::kLong, at::kInt});
-  check_shape(kOp, "labels", labels, {a.rows}, "[N]");
-  check_dim(kOp, "weights", weights, {1}, "1-D [N]");
-  check_device(kOp, "weights", weights, hidden, "hidden");
-  check_dtype(kOp, "weights", weights, {at::kFloat});
-  check_shape(kOp, "weights", weights, {a.rows}, "[N]");
-  check_device(kOp, "term_scale", term_scale, hidden, "hidden");
-  // The loss's scalars carry the precision of its sums: float64 with float64 inputs.
-  check_dtype(kOp, "term_scale", term_scale,
-              {hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat});
-  check_shape(kOp, "term_scale", term_scale, {2}, "[2]");
-
-  if (target_hidden.has_value()) {
-    check_matrix("target_hidden", *target_hidden, hidden, a.rows, a.hidden_size, "[N, d]");
-    a.target_hidden = *target_hidden;
-  }
-  TORCH_CHECK_VALUE(markov_latent.has_value() == markov_w2.has_value(), kOp,
-                    "(): 'markov_latent' and 'markov_w2' must be given together (got ",
-                    markov_latent.has_value() ? "markov_latent" : "markov_w2", " alone)");
-  if (markov_latent.has_value()) {
-    check_dim(kOp, "markov_latent", *markov_latent, {2}, "2-D [N, r]");
-    a.rank = markov_latent->size(1);
-    check_matrix("markov_latent", *markov_latent, hidden, a.rows, a.rank, "[N, r]");
-    check_matrix("markov_w2", *markov_w2, hidden, a.vocab, a.rank, "[V, r]");
-    a.markov_latent = *markov_latent;
-    a.markov_w2 = *markov_w2;
-  }
-  TORCH_CHECK_VALUE(chunk_rows >= 0, kOp, "(): 'chunk_rows' must be >= 0 (0 chooses), got ",
-                    chunk_rows);
-  if (logit_softcap.has_value()) {
-    // The kernels cap in float32 (float64 inputs in float64): s must stay finite and nonzero
-    // as a float32 too, or s tanh(x / s) would be inf * 0 or 0 * tanh(NaN).
-    const double s = *logit_softcap;
-    const float s32 = static_cast<float>(s);
-    TORCH_CHECK_VALUE(std::isfinite(s) && s > 0 && std::isfinite(s32) && s32 > 0, kOp,
-                      "(): 'logit_softcap' must be finite and > 0 as a float32 (None: no cap), "
-                      "got ", s);
-    a.softcap = s;
-  }
-
-  a.hidden = hidden;
-  a.lm_head_weight = lm_head_weight;
-  a.labels = labels.to(at::kLong).contiguous();
-  a.weights = weights.contiguous();
-  a.term_scale = term_scale.contiguous();
-  a.grad = compute_grad || lm_head_grad;
-  a.lm_head_grad = lm_head_grad;
-  // Scratch rows per chunk row: z, t with a target, the Markov bias apart with a cap.
-  const int64_t buffers = 1 + (a.target_hidden.defined() ? 1 : 0) +
-                          (a.softcap > 0 && a.markov_latent.defined() ? 1 : 0);
-  const int64_t per_row = a.vocab * static_cast<int64_t>(hidden.element_size()) * buffers;
-  a.chunk_rows =
-      chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, default_scratch_bytes / per_row);
-  a.chunk_rows = std::max<int64_t>(1, std::min(a.chunk_rows, a.rows));
-
-  // The kernels guard out-of-range labels (their row's ce is NaN); the checks say so first.
-  if (value_checks_enabled(labels)) {
-    check_values_in_range(kOp, "labels", a.labels, 0, a.vocab - 1);
-    check_finite_non_negative(kOp, "weights", a.weights);
-  }
-  return a;
 }
 
 namespace {

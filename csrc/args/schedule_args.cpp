@@ -36,39 +36,4 @@ at::Tensor check_schedule_args(const char* op, const at::Tensor& confidence,
   return max_verify->contiguous();
 }
 
-void check_budget(const at::Tensor& confidence, const at::Tensor& budget) {
-  constexpr const char* op = "allocate_verify";
-  check_device(op, "budget", budget, confidence, "confidence");
-  check_dtype(op, "budget", budget, {at::kInt});
-  check_shape(op, "budget", budget, {1}, "[1]");
-  if (value_checks_enabled(confidence)) {
-    check_values_in_range(op, "budget", budget, confidence.size(0), INT32_MAX);
-  }
-}
-
-void check_pack_verify_args(const at::Tensor& anchor, const at::Tensor& draft_tokens,
-                            const at::Tensor& num_verify, const at::Tensor& position) {
-  constexpr const char* op = "pack_verify_inputs";
-  check_dim(op, "draft_tokens", draft_tokens, {2}, "2-D [B, G]");
-  check_dtype(op, "draft_tokens", draft_tokens, {at::kLong, at::kInt});
-  const int64_t batch = draft_tokens.size(0);
-  TORCH_CHECK_VALUE(batch * (draft_tokens.size(1) + 1) <= INT32_MAX, op,
-                    "(): B*(G+1) must fit int32 cu_seqlens, got B = ", batch, ", G = ",
-                    draft_tokens.size(1));
-  check_device(op, "anchor", anchor, draft_tokens, "draft_tokens");
-  check_dtype(op, "anchor", anchor, {at::kLong, at::kInt});
-  check_shape(op, "anchor", anchor, {batch}, "[B]");
-  check_device(op, "num_verify", num_verify, draft_tokens, "draft_tokens");
-  check_dtype(op, "num_verify", num_verify, {at::kInt});
-  check_shape(op, "num_verify", num_verify, {batch}, "[B]");
-  check_device(op, "position", position, draft_tokens, "draft_tokens");
-  check_dtype(op, "position", position, {at::kLong});
-  check_shape(op, "position", position, {batch}, "[B]");
-  if (value_checks_enabled(draft_tokens) && batch > 0) {
-    check_values_in_range(op, "num_verify", num_verify, 0, draft_tokens.size(1));
-    // As verify's: positions p0 .. p0 + G must not overflow.
-    check_values_in_range(op, "position", position, 0, int64_t{1} << 62);
-  }
-}
-
 }  // namespace dspark_ops

@@ -3,6 +3,7 @@
 
 #include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +12,15 @@
 #include "element_type.h"
 
 namespace dspark_ops {
+
+// The traits an op's entry (args/<family>_args.h) reads from a CUDA backend (common/backend.h):
+// the entry makes the inputs' device current before it allocates, for the outputs, the workspace
+// and the launch. An op's backend whose kernels have limits of their own hides check().
+struct CudaBackend {
+  using Guard = c10::cuda::CUDAGuard;
+  template <typename Args>
+  static void check(const Args&) {}
+};
 
 // The kernels' runtime code (common/element_type.h) of a float32, bfloat16 or float16
 // tensor's element type.

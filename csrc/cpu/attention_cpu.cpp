@@ -23,7 +23,6 @@
 #include "convert.h"
 #include "../args/attention_args.h"
 #include "../common/dispatch.h"
-#include "../ops.h"
 
 namespace dspark_ops {
 namespace {
@@ -229,47 +228,41 @@ void attend(const AttentionArgs& a, at::Tensor& out, float* lse) {
   });
 }
 
+struct BlockDraftAttentionCpu : CpuBackend {
+  static void run(const AttentionArgs& a, AttentionResult& outputs) {
+    auto& [out, lse] = outputs;
+    dispatch_logit_type(a.q.scalar_type(), [&](auto tag) {
+      attend<decltype(tag)>(a, out, a.return_lse ? lse.data_ptr<float>() : nullptr);
+    });
+  }
+};
+
+struct AppendContextKvCpu : CpuBackend {
+  static void run(const AppendArgs& a) {
+    const at::Tensor &k_cache = a.k_cache, &v_cache = a.v_cache, &k_new = a.k_new,
+                     &v_new = a.v_new, &slots = a.cache_slot;
+    const int64_t batch = k_new.size(0), length = k_cache.size(1);
+    const auto counts = a.num_new.contiguous();
+    int32_t* seqlens = a.cache_seqlens.data_ptr<int32_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t slot = slots.defined() ? slots.const_data_ptr<int32_t>()[b] : b;
+      const int64_t start = std::clamp<int64_t>(seqlens[b], 0, length);
+      const int64_t n = std::max<int32_t>(counts.const_data_ptr<int32_t>()[b], 0);
+      const int64_t kept = std::min(n, length - start);  // rows at or past L are dropped
+      if (kept > 0) {
+        k_cache[slot].slice(0, start, start + kept).copy_(k_new[b].slice(0, 0, kept));
+        v_cache[slot].slice(0, start, start + kept).copy_(v_new[b].slice(0, 0, kept));
+      }
+      seqlens[b] = static_cast<int32_t>(std::min(start + n, length));
+    }
+  }
+};
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> block_draft_attention_cpu(
-    const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
-    const std::optional<at::Tensor>& cache_slot, std::optional<double> softmax_scale,
-    std::optional<int64_t> window, bool return_lse) {
-  const auto a = check_attention_args(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
-                                      cache_slot, softmax_scale, window);
-  auto [out, lse] = allocate_attention_outputs(a, return_lse);
-  dispatch_logit_type(q.scalar_type(), [&](auto tag) {
-    attend<decltype(tag)>(a, out, return_lse ? lse.data_ptr<float>() : nullptr);
-  });
-  return {out, lse};
-}
-
-void append_context_kv_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& k_new, const at::Tensor& v_new,
-                           const at::Tensor& num_new, const at::Tensor& cache_seqlens,
-                           const std::optional<at::Tensor>& cache_slot) {
-  const auto slots = check_append_args(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
-                                       cache_slot);
-  const int64_t batch = k_new.size(0), length = k_cache.size(1);
-  const auto counts = num_new.contiguous();
-  int32_t* seqlens = cache_seqlens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t slot = slots.defined() ? slots.const_data_ptr<int32_t>()[b] : b;
-    const int64_t start = std::clamp<int64_t>(seqlens[b], 0, length);
-    const int64_t n = std::max<int32_t>(counts.const_data_ptr<int32_t>()[b], 0);
-    const int64_t kept = std::min(n, length - start);  // rows at or past L are dropped
-    if (kept > 0) {
-      k_cache[slot].slice(0, start, start + kept).copy_(k_new[b].slice(0, 0, kept));
-      v_cache[slot].slice(0, start, start + kept).copy_(v_new[b].slice(0, 0, kept));
-    }
-    seqlens[b] = static_cast<int32_t>(std::min(start + n, length));
-  }
-}
-
 TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) {
-  m.impl("block_draft_attention", &block_draft_attention_cpu);
-  m.impl("append_context_kv", &append_context_kv_cpu);
+  m.impl("block_draft_attention", &ops::block_draft_attention<BlockDraftAttentionCpu>);
+  m.impl("append_context_kv", &ops::append_context_kv<AppendContextKvCpu>);
 }
 
 }  // namespace dspark_ops

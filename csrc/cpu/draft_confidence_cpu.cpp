@@ -1,8 +1,8 @@
 // CPU kernel of draft_confidence (docs/semantics.md §3.3): sigmoid((w . [h_j; W1[x_j]] + bias) /
 // tau_j) per (request, slot) row, the dot product in float64 (draft_dots.h) as the reference
-// computes it. Registered with the drafting ops in cpu/draft_cpu.cpp.
+// computes it. Registered with the drafting ops in cpu/draft_cpu.cpp, after the entry's checks and
+// output (args/draft_args.h).
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -13,7 +13,6 @@
 #include "../args/draft_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/draft_math.h"
-#include "../ops.h"
 
 namespace dspark_ops {
 
@@ -22,12 +21,7 @@ using draft_cpu::dot_widened2;
 using draft_cpu::round_up;
 using draft_cpu::VecD;
 
-at::Tensor draft_confidence_cpu(const at::Tensor& hidden, const at::Tensor& prev_tokens,
-                                const at::Tensor& w1, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias,
-                                const std::optional<at::Tensor>& calib_temperature) {
-  const auto a = check_confidence_args(hidden, prev_tokens, w1, weight, bias, calib_temperature);
-  auto out = at::empty({a.batch, a.block}, a.hidden.options().dtype(at::kFloat));
+void draft_confidence_cpu(const ConfidenceArgs& a, at::Tensor& out) {
   const int64_t width = a.hidden_size + a.rank, padded = round_up(width, VecD::size());
   float* confidence = out.data_ptr<float>();
   dispatch_logit_type(a.w1.scalar_type(), [&](auto w_tag) {
@@ -88,7 +82,6 @@ at::Tensor draft_confidence_cpu(const at::Tensor& hidden, const at::Tensor& prev
       });
     });
   });
-  return out;
 }
 
 }  // namespace dspark_ops

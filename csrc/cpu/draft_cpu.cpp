@@ -43,7 +43,6 @@
 #include "../args/draft_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/draft_math.h"
-#include "../ops.h"
 
 namespace dspark_ops {
 namespace draft_cpu {
@@ -337,16 +336,24 @@ using draft_cpu::embed;
 using draft_cpu::round_up;
 using draft_cpu::VecD;
 
-DraftResult markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor,
-                             const at::Tensor& w1, const at::Tensor& w2,
-                             const at::Tensor& temperature, const at::Tensor& seed,
-                             const at::Tensor& position, const std::optional<at::Tensor>& top_k,
-                             const std::optional<at::Tensor>& top_p,
-                             const std::optional<at::Tensor>& min_p,
-                             std::optional<at::ScalarType> draft_logits_dtype) {
-  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position,
-                                         top_k, top_p, min_p, draft_logits_dtype);
-  auto [tokens, draft_logits] = allocate_draft_outputs(a);
+void draft_confidence_cpu(const ConfidenceArgs& a, at::Tensor& out);  // draft_confidence_cpu.cpp
+
+namespace {
+
+struct MarkovDraftCpu : CpuBackend {
+  static void run(const DraftArgs& a, DraftResult& outputs);
+};
+
+struct RnnDraftCpu : CpuBackend {
+  static void run(const DraftArgs& a, DraftResult& outputs);
+};
+
+struct DraftConfidenceCpu : CpuBackend {
+  static void run(const ConfidenceArgs& a, at::Tensor& out) { draft_confidence_cpu(a, out); }
+};
+
+void MarkovDraftCpu::run(const DraftArgs& a, DraftResult& outputs) {
+  auto& [tokens, draft_logits] = outputs;
   dispatch_draft_types(a, [&](auto w_tag, auto base_tag) {
     using W = decltype(w_tag);
     draft_block<W, decltype(base_tag)>(
@@ -355,21 +362,10 @@ DraftResult markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& an
           for (int64_t b = 0; b < a.batch; ++b) embed<W>(a.w1, prev[b], input.data() + b * padded);
         });
   });
-  return {tokens, draft_logits};
 }
 
-DraftResult rnn_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor,
-                          const at::Tensor& hidden, const at::Tensor& w1, const at::Tensor& w2,
-                          const at::Tensor& joint_weight, const at::Tensor& joint_bias,
-                          const at::Tensor& temperature, const at::Tensor& seed,
-                          const at::Tensor& position, const std::optional<at::Tensor>& top_k,
-                          const std::optional<at::Tensor>& top_p,
-                          const std::optional<at::Tensor>& min_p,
-                          std::optional<at::ScalarType> draft_logits_dtype) {
-  const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
-                                      joint_bias, temperature, seed, position, top_k, top_p, min_p,
-                                      draft_logits_dtype);
-  auto [tokens, draft_logits] = allocate_draft_outputs(a);
+void RnnDraftCpu::run(const DraftArgs& a, DraftResult& outputs) {
+  auto& [tokens, draft_logits] = outputs;
   const int64_t rank = a.rank, width = 2 * a.rank + a.hidden_size;
   const int64_t padded_width = round_up(width, VecD::size());
   dispatch_draft_types(a, [&](auto w_tag, auto base_tag) {
@@ -415,13 +411,14 @@ DraftResult rnn_draft_cpu(const at::Tensor& base_logits, const at::Tensor& ancho
           }
         });
   });
-  return {tokens, draft_logits};
 }
 
+}  // namespace
+
 TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) {
-  m.impl("markov_draft", &markov_draft_cpu);
-  m.impl("rnn_draft", &rnn_draft_cpu);
-  m.impl("draft_confidence", &draft_confidence_cpu);
+  m.impl("markov_draft", &ops::markov_draft<MarkovDraftCpu>);
+  m.impl("rnn_draft", &ops::rnn_draft<RnnDraftCpu>);
+  m.impl("draft_confidence", &ops::draft_confidence<DraftConfidenceCpu>);
 }
 
 }  // namespace dspark_ops

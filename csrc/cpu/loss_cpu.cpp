@@ -21,7 +21,6 @@
 #include "../args/loss_args.h"
 #include "../common/dispatch.h"
 #include "../kernels/loss_math.h"
-#include "../ops.h"
 #include "convert.h"
 
 namespace dspark_ops {
@@ -221,32 +220,24 @@ void loss_rows(const LossChunk& c) {
   });
 }
 
-void loss_rows_cpu(const LossChunk& chunk) {
-  const auto dtype = chunk.z.scalar_type();
-  if (dtype == at::kDouble) {
-    loss_rows<double>(chunk);
-  } else {
-    dispatch_logit_type(dtype, [&](auto tag) { loss_rows<decltype(tag)>(chunk); });
+struct DsparkLossCpu : CpuBackend {
+  static constexpr bool kTakesFloat64 = true;
+  static constexpr int64_t kScratchBytes = kLossScratchBytesCpu;
+  // The vocabulary pass of one chunk of rows.
+  static void run(const LossChunk& chunk) {
+    const auto dtype = chunk.z.scalar_type();
+    if (dtype == at::kDouble) {
+      loss_rows<double>(chunk);
+    } else {
+      dispatch_logit_type(dtype, [&](auto tag) { loss_rows<decltype(tag)>(chunk); });
+    }
   }
-}
+};
 
 }  // namespace
 
-LossResult dspark_loss_cpu(const at::Tensor& hidden, const at::Tensor& lm_head_weight,
-                           const at::Tensor& labels, const at::Tensor& weights,
-                           const at::Tensor& term_scale,
-                           const std::optional<at::Tensor>& target_hidden,
-                           const std::optional<at::Tensor>& markov_latent,
-                           const std::optional<at::Tensor>& markov_w2, bool compute_grad,
-                           bool lm_head_grad, int64_t chunk_rows,
-                           std::optional<double> logit_softcap) {
-  const auto args = check_dspark_loss_args(hidden, lm_head_weight, labels, weights, term_scale,
-                                           target_hidden, markov_latent, markov_w2, compute_grad,
-                                           lm_head_grad, chunk_rows, logit_softcap,
-                                           kLossScratchBytesCpu);
-  return run_dspark_loss(args, &loss_rows_cpu);
+TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) {
+  m.impl("dspark_loss", &ops::dspark_loss<DsparkLossCpu>);
 }
-
-TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) { m.impl("dspark_loss", &dspark_loss_cpu); }
 
 }  // namespace dspark_ops

@@ -3,10 +3,6 @@
 // pair and the admission walks are sequential; the math is kernels/schedule_math.h, shared with
 // the CUDA kernels, so both backends return identical lengths.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -16,7 +12,6 @@
 #include "../common/dispatch.h"
 #include "../common/philox.h"
 #include "../kernels/schedule_math.h"
-#include "../ops.h"
 
 namespace dspark_ops {
 namespace {
@@ -44,26 +39,37 @@ std::vector<uint64_t> ranked_pairs(const at::Tensor& confidence, const at::Tenso
 }
 
 // num_verify[r] = 1 + the largest position among the first `admitted` ranked pairs of request r.
-at::Tensor lengths_of(const std::vector<uint64_t>& keys, int64_t admitted,
-                      const at::Tensor& confidence) {
-  const int64_t batch = confidence.size(0);
-  auto out = at::zeros({batch}, confidence.options().dtype(at::kInt));
+void lengths_of(const std::vector<uint64_t>& keys, int64_t admitted, at::Tensor& out) {
+  const int64_t batch = out.size(0);
+  out.zero_();
   int32_t* lengths = out.data_ptr<int32_t>();
   for (int64_t k = 0; k < admitted; ++k) {
     const uint32_t index = key_index(keys[k]);
     const int32_t r = static_cast<int32_t>(index % batch), j = static_cast<int32_t>(index / batch);
     lengths[r] = std::max(lengths[r], j + 1);
   }
-  return out;
 }
 
-}  // namespace
+struct ScheduleVerifyCpu : CpuBackend {
+  static void run(const ScheduleArgs& a, at::Tensor& num_verify);
+};
 
-at::Tensor schedule_verify_cpu(const at::Tensor& confidence, const at::Tensor& step_rate,
-                               const std::optional<at::Tensor>& max_verify) {
-  const auto caps = check_schedule_args("schedule_verify", confidence, &step_rate, max_verify);
-  const auto keys = ranked_pairs(confidence, caps);
-  const auto rates = step_rate.contiguous();
+struct PlanVerifyBudgetCpu : CpuBackend {
+  static void run(const ScheduleArgs& a, at::Tensor& budget);
+};
+
+struct AllocateVerifyCpu : CpuBackend {
+  static void run(const ScheduleArgs& a, at::Tensor& num_verify);
+};
+
+struct PackVerifyInputsCpu : CpuBackend {
+  static void run(const PackArgs& a, std::tuple<at::Tensor, at::Tensor, at::Tensor>& outputs);
+};
+
+void ScheduleVerifyCpu::run(const ScheduleArgs& a, at::Tensor& num_verify) {
+  const at::Tensor& confidence = a.confidence;
+  const auto keys = ranked_pairs(confidence, a.max_verify);
+  const auto rates = a.step_rate.contiguous();
   const float* rate = rates.const_data_ptr<float>();
   const int64_t batch = confidence.size(0), capacity = rates.size(0);
   int64_t tau = batch * static_cast<int64_t>(kSurvivalScale), admitted = 0;
@@ -78,13 +84,13 @@ at::Tensor schedule_verify_cpu(const at::Tensor& confidence, const at::Tensor& s
     best = value;
     ++admitted;
   }
-  return lengths_of(keys, admitted, confidence);
+  lengths_of(keys, admitted, num_verify);
 }
 
-at::Tensor plan_verify_budget_cpu(const at::Tensor& confidence, const at::Tensor& step_rate) {
-  check_schedule_args("plan_verify_budget", confidence, &step_rate, std::nullopt);
+void PlanVerifyBudgetCpu::run(const ScheduleArgs& a, at::Tensor& budget) {
+  const at::Tensor& confidence = a.confidence;
   const auto keys = ranked_pairs(confidence, at::Tensor());
-  const auto rates = step_rate.contiguous();
+  const auto rates = a.step_rate.contiguous();
   const float* rate = rates.const_data_ptr<float>();
   const int64_t batch = confidence.size(0), capacity = rates.size(0);
   int64_t tau = batch * static_cast<int64_t>(kSurvivalScale), best_tokens = batch;
@@ -97,19 +103,15 @@ at::Tensor plan_verify_budget_cpu(const at::Tensor& confidence, const at::Tensor
       best_tokens = batch + k + 1;
     }
   }
-  return at::full({1}, best_tokens, confidence.options().dtype(at::kInt));
+  budget.fill_(best_tokens);
 }
 
-at::Tensor allocate_verify_cpu(const at::Tensor& confidence, const at::Tensor& budget,
-                               const std::optional<at::Tensor>& max_verify) {
-  const auto caps = check_schedule_args("allocate_verify", confidence, nullptr, max_verify);
-  check_budget(confidence, budget);
-  const auto keys = ranked_pairs(confidence, caps);
-  const int64_t want = budget.item<int32_t>() - confidence.size(0);
-  return lengths_of(keys, std::clamp<int64_t>(want, 0, keys.size()), confidence);
+void AllocateVerifyCpu::run(const ScheduleArgs& a, at::Tensor& num_verify) {
+  const auto keys = ranked_pairs(a.confidence, a.max_verify);
+  const int64_t want = a.budget.item<int32_t>() - a.confidence.size(0);
+  lengths_of(keys, std::clamp<int64_t>(want, 0, keys.size()), num_verify);
 }
 
-namespace {
 template <typename AnchorT, typename TokenT>
 void pack_rows(const at::Tensor& anchor, const at::Tensor& draft_tokens, const int32_t* lengths,
                const int64_t* starts, int64_t* ids, int64_t* pos, int32_t* cu) {
@@ -126,18 +128,15 @@ void pack_rows(const at::Tensor& anchor, const at::Tensor& draft_tokens, const i
     cu[b + 1] = static_cast<int32_t>(start + n + 1);
   }
 }
-}  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cpu(
-    const at::Tensor& anchor, const at::Tensor& draft_tokens, const at::Tensor& num_verify,
-    const at::Tensor& position) {
-  check_pack_verify_args(anchor, draft_tokens, num_verify, position);
-  const int64_t batch = draft_tokens.size(0), block = draft_tokens.size(1);
-  const auto lengths = num_verify.contiguous();
-  const auto starts = position.contiguous();
-  auto input_ids = at::zeros({batch * (block + 1)}, anchor.options().dtype(at::kLong));
-  auto positions = at::zeros_like(input_ids);
-  auto cu_seqlens = at::empty({batch + 1}, anchor.options().dtype(at::kInt));
+void PackVerifyInputsCpu::run(const PackArgs& a,
+                              std::tuple<at::Tensor, at::Tensor, at::Tensor>& outputs) {
+  auto& [input_ids, positions, cu_seqlens] = outputs;
+  const at::Tensor &anchor = a.anchor, &draft_tokens = a.draft_tokens, &lengths = a.num_verify,
+                   &starts = a.position;
+  // Rows past a request's last token stay zero.
+  input_ids.zero_();
+  positions.zero_();
   const auto pack = [&](auto anchor_tag, auto token_tag) {
     pack_rows<decltype(anchor_tag), decltype(token_tag)>(
         anchor, draft_tokens, lengths.const_data_ptr<int32_t>(), starts.const_data_ptr<int64_t>(),
@@ -148,14 +147,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_verify_inputs_cpu(
     dispatch_index_type(draft_tokens.scalar_type(),
                         [&](auto token_tag) { pack(anchor_tag, token_tag); });
   });
-  return {input_ids, positions, cu_seqlens};
 }
 
+}  // namespace
+
 TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) {
-  m.impl("schedule_verify", &schedule_verify_cpu);
-  m.impl("plan_verify_budget", &plan_verify_budget_cpu);
-  m.impl("allocate_verify", &allocate_verify_cpu);
-  m.impl("pack_verify_inputs", &pack_verify_inputs_cpu);
+  m.impl("schedule_verify", &ops::schedule_verify<ScheduleVerifyCpu>);
+  m.impl("plan_verify_budget", &ops::plan_verify_budget<PlanVerifyBudgetCpu>);
+  m.impl("allocate_verify", &ops::allocate_verify<AllocateVerifyCpu>);
+  m.impl("pack_verify_inputs", &ops::pack_verify_inputs<PackVerifyInputsCpu>);
 }
 
 }  // namespace dspark_ops

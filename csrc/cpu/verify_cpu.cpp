@@ -28,7 +28,6 @@
 #include "../common/dispatch.h"
 #include "../kernels/filter_math.h"
 #include "../kernels/sampling_math.h"
-#include "../ops.h"
 #include "convert.h"
 #include "philox_lanes.h"
 
@@ -411,23 +410,13 @@ void verify_batch(const VerifyArgs& a, at::Tensor& tokens, at::Tensor& num_accep
   });
 }
 
-}  // namespace
+struct VerifyCpu : CpuBackend {
+  static constexpr bool kKeepPaddedTarget = false;
+  static void run(const VerifyArgs& a, VerifyResult& outputs);
+};
 
-VerifyResult verify_cpu(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-                        const at::Tensor& num_draft, const at::Tensor& temperature,
-                        const at::Tensor& seed, const at::Tensor& position,
-                        const std::optional<at::Tensor>& draft_logits,
-                        const std::optional<at::Tensor>& target_start,
-                        const std::optional<at::Tensor>& draft_temperature,
-                        const std::optional<at::Tensor>& top_k,
-                        const std::optional<at::Tensor>& top_p,
-                        const std::optional<at::Tensor>& min_p,
-                        const std::optional<at::Tensor>& allowed_token_mask,
-                        bool return_logprobs) {
-  const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
-                                   position, draft_logits, target_start, draft_temperature, top_k,
-                                   top_p, min_p, allowed_token_mask, return_logprobs);
-  auto [tokens, num_accepted, valid, logprobs] = allocate_verify_outputs(a);
+void VerifyCpu::run(const VerifyArgs& a, VerifyResult& outputs) {
+  auto& [tokens, num_accepted, valid, logprobs] = outputs;
   const auto draft_dtype = a.draft_logits.defined() ? a.draft_logits.scalar_type() : at::kFloat;
   dispatch_logit_type(a.target.scalar_type(), [&](auto target_tag) {
     dispatch_logit_type(draft_dtype, [&](auto draft_tag) {
@@ -435,9 +424,10 @@ VerifyResult verify_cpu(const at::Tensor& target_logits, const at::Tensor& draft
                                                               logprobs);
     });
   });
-  return {tokens, num_accepted, valid, logprobs};
 }
 
-TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) { m.impl("verify", &verify_cpu); }
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dspark_ops, CPU, m) { m.impl("verify", &ops::verify<VerifyCpu>); }
 
 }  // namespace dspark_ops

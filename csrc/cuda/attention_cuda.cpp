@@ -1,9 +1,9 @@
-// CUDA entry points of the attention family (g++): checks, device guard, split plan, workspace,
-// launch (cuda/attention_launch.cu; the kernels live in kernels/attention.cuh).
+// CUDA backends of the attention family (g++): the CUDA kernels' own limits, then, after the
+// entries' device guard and outputs (args/attention_args.h), the split plan, workspace and launch
+// (cuda/attention_launch.cu; the kernels live in kernels/attention.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -13,33 +13,34 @@
 #include "../common/cuda_utils.h"
 #include "../common/exp2.h"
 #include "../kernels/attention_launch.h"
-#include "../ops.h"
 
 namespace dspark_ops {
-std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
-    const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
-    const std::optional<at::Tensor>& cache_slot, std::optional<double> softmax_scale,
-    std::optional<int64_t> window, bool return_lse) {
-  const auto a = check_attention_args(q, k_block, v_block, k_cache, v_cache, cache_seqlens,
-                                      cache_slot, softmax_scale, window);
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-                   "block_draft_attention(): on CUDA 'q' must have dtype Half or BFloat16, got ",
-                   q.scalar_type());
-  TORCH_CHECK_VALUE(compute_capability_major(device_index(q)) >= 8,
-                    "block_draft_attention(): the CUDA kernel needs tensor cores of compute "
-                    "capability 8.0 or newer (mma.sync m16n8k16)");
-  const int64_t row_groups =
-      (a.block * (a.heads / a.kv_heads) + kernels::kAttnRows - 1) / kernels::kAttnRows;
-  TORCH_CHECK_VALUE(a.length <= INT32_MAX - 4096 && a.batch <= 65535 &&
-                        a.kv_heads * row_groups <= 65535,
-                    "block_draft_attention(): on CUDA at most 65535 requests, 65535 KV heads x "
-                    "row groups of 16 query rows, and 2^31 - 4096 cache positions; got B = ",
-                    a.batch, ", Hkv x row groups = ", a.kv_heads * row_groups, ", L = ", a.length);
-  const c10::cuda::CUDAGuard guard(q.device());
-  auto [out, lse] = allocate_attention_outputs(a, return_lse);
+namespace {
+
+struct BlockDraftAttentionCuda : CudaBackend {
+  static void check(const AttentionArgs& a) {
+    TORCH_CHECK_TYPE(a.q.scalar_type() == at::kHalf || a.q.scalar_type() == at::kBFloat16,
+                     "block_draft_attention(): on CUDA 'q' must have dtype Half or BFloat16, got ",
+                     a.q.scalar_type());
+    TORCH_CHECK_VALUE(compute_capability_major(device_index(a.q)) >= 8,
+                      "block_draft_attention(): the CUDA kernel needs tensor cores of compute "
+                      "capability 8.0 or newer (mma.sync m16n8k16)");
+    const int64_t row_groups =
+        (a.block * (a.heads / a.kv_heads) + kernels::kAttnRows - 1) / kernels::kAttnRows;
+    TORCH_CHECK_VALUE(a.length <= INT32_MAX - 4096 && a.batch <= 65535 &&
+                          a.kv_heads * row_groups <= 65535,
+                      "block_draft_attention(): on CUDA at most 65535 requests, 65535 KV heads x "
+                      "row groups of 16 query rows, and 2^31 - 4096 cache positions; got B = ",
+                      a.batch, ", Hkv x row groups = ", a.kv_heads * row_groups, ", L = ",
+                      a.length);
+  }
+  static void run(const AttentionArgs& a, AttentionResult& outputs);
+};
+
+void BlockDraftAttentionCuda::run(const AttentionArgs& a, AttentionResult& outputs) {
+  auto& [out, lse] = outputs;
   // Nothing to compute (and the split plan below would divide by zero blocks).
-  if (a.batch == 0 || a.block == 0 || a.heads == 0) return {out, lse};
+  if (a.batch == 0 || a.block == 0 || a.heads == 0) return;
 
   kernels::AttentionParams p{};
   p.q = a.q.const_data_ptr();
@@ -59,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   p.cache_seqlens = a.cache_seqlens.const_data_ptr<int32_t>();
   p.cache_slot = a.cache_slot.defined() ? a.cache_slot.const_data_ptr<int32_t>() : nullptr;
   p.out = out.data_ptr();
-  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  p.lse = a.return_lse ? lse.data_ptr<float>() : nullptr;
   p.batch = static_cast<int>(a.batch);
   p.block = static_cast<int>(a.block);
   p.heads = static_cast<int>(a.heads);
@@ -78,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
   const int64_t rows = a.block * (a.heads / a.kv_heads);
   const int64_t groups = (rows + kernels::kAttnRows - 1) / kernels::kAttnRows;
   const int64_t base_blocks = a.batch * a.kv_heads * groups;
-  const int element = element_type(q.scalar_type()), device = device_index(q);
+  const int element = element_type(a.q.scalar_type()), device = device_index(a.q);
   const int64_t wanted =
       int64_t{kernels::attention_blocks_per_sm(element, static_cast<int>(a.dim), device)} *
       multiprocessor_count(device);
@@ -104,27 +105,28 @@ std::tuple<at::Tensor, at::Tensor> block_draft_attention_cuda(
     }
   }
   auto partial_out = at::empty({a.batch * a.kv_heads * rows * p.splits * a.dim},
-                               q.options().dtype(at::kFloat));
+                               a.q.options().dtype(at::kFloat));
   auto partial_stats = at::empty({a.batch * a.kv_heads * rows * p.splits * 2},
-                                 q.options().dtype(at::kFloat));
+                                 a.q.options().dtype(at::kFloat));
   p.partial_out = partial_out.data_ptr<float>();
   p.partial_stats = partial_stats.data_ptr<float>();
 
   C10_CUDA_CHECK(kernels::launch_block_attention(element, static_cast<int>(a.dim), p,
                                                  c10::cuda::getCurrentCUDAStream()));
-  return {out, lse};
 }
 
-void append_context_kv_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& k_new, const at::Tensor& v_new,
-                            const at::Tensor& num_new, const at::Tensor& cache_seqlens,
-                            const std::optional<at::Tensor>& cache_slot) {
-  const auto slots = check_append_args(k_cache, v_cache, k_new, v_new, num_new, cache_seqlens,
-                                       cache_slot);
-  TORCH_CHECK_VALUE(k_new.size(0) <= INT32_MAX && k_cache.size(1) <= INT32_MAX,
-                    "append_context_kv(): B and L must fit int32");
-  const c10::cuda::CUDAGuard guard(k_cache.device());
-  const auto counts = num_new.contiguous();
+struct AppendContextKvCuda : CudaBackend {
+  static void check(const AppendArgs& a) {
+    TORCH_CHECK_VALUE(a.k_new.size(0) <= INT32_MAX && a.k_cache.size(1) <= INT32_MAX,
+                      "append_context_kv(): B and L must fit int32");
+  }
+  static void run(const AppendArgs& a);
+};
+
+void AppendContextKvCuda::run(const AppendArgs& a) {
+  const at::Tensor &k_cache = a.k_cache, &v_cache = a.v_cache, &k_new = a.k_new,
+                   &v_new = a.v_new, &cache_seqlens = a.cache_seqlens, &slots = a.cache_slot;
+  const auto counts = a.num_new.contiguous();
   kernels::AppendParams p{};
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
@@ -151,9 +153,11 @@ void append_context_kv_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache
                                                    c10::cuda::getCurrentCUDAStream()));
 }
 
+}  // namespace
+
 TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) {
-  m.impl("block_draft_attention", &block_draft_attention_cuda);
-  m.impl("append_context_kv", &append_context_kv_cuda);
+  m.impl("block_draft_attention", &ops::block_draft_attention<BlockDraftAttentionCuda>);
+  m.impl("append_context_kv", &ops::append_context_kv<AppendContextKvCuda>);
 }
 
 }  // namespace dspark_ops

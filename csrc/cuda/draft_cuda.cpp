@@ -1,10 +1,9 @@
-// CUDA entry points of the drafting family (g++): checks, device guard, group plan, workspace,
-// launch (cuda/draft_launch.cu; the kernels live in kernels/draft.cuh and the draft_*.cuh files it
-// includes).
+// CUDA backends of the drafting family (g++): after the entries' checks, device guard and outputs
+// (args/draft_args.h), the group plan, workspace and launch (cuda/draft_launch.cu; the kernels
+// live in kernels/draft.cuh and the draft_*.cuh files it includes).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -14,7 +13,6 @@
 #include "../common/cuda_utils.h"
 #include "../common/stream_counters.h"
 #include "../kernels/draft_launch.h"
-#include "../ops.h"
 
 namespace dspark_ops {
 namespace {
@@ -109,60 +107,36 @@ void run_draft(bool rnn, const DraftArgs& a, at::Tensor& tokens, at::Tensor& log
   C10_CUDA_CHECK(error);
 }
 
-}  // namespace
+struct MarkovDraftCuda : CudaBackend {
+  static void run(const DraftArgs& a, DraftResult& outputs) {
+    auto& [tokens, draft_logits] = outputs;
+    if (a.batch == 0 || a.block == 0) return;
+    run_draft(/*rnn=*/false, a, tokens, draft_logits, draft_params(a, tokens, draft_logits));
+  }
+};
 
-DraftResult markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor,
-                              const at::Tensor& w1, const at::Tensor& w2,
-                              const at::Tensor& temperature, const at::Tensor& seed,
-                              const at::Tensor& position,
-                              const std::optional<at::Tensor>& top_k,
-                              const std::optional<at::Tensor>& top_p,
-                              const std::optional<at::Tensor>& min_p,
-                              std::optional<at::ScalarType> draft_logits_dtype) {
-  const auto a = check_markov_draft_args(base_logits, anchor, w1, w2, temperature, seed, position,
-                                         top_k, top_p, min_p, draft_logits_dtype);
-  const c10::cuda::CUDAGuard guard(base_logits.device());
-  auto [tokens, draft_logits] = allocate_draft_outputs(a);
-  if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
-  run_draft(/*rnn=*/false, a, tokens, draft_logits, draft_params(a, tokens, draft_logits));
-  return {tokens, draft_logits};
-}
+struct RnnDraftCuda : CudaBackend {
+  static void run(const DraftArgs& a, DraftResult& outputs) {
+    auto& [tokens, draft_logits] = outputs;
+    if (a.batch == 0 || a.block == 0) return;
+    auto p = draft_params(a, tokens, draft_logits);
+    p.hidden = a.hidden.const_data_ptr();
+    p.hidden_type = element_type(a.hidden.scalar_type());
+    p.hidden_stride_b = a.hidden.stride(0);
+    p.hidden_stride_j = a.hidden.stride(1);
+    p.hidden_size = static_cast<int>(a.hidden_size);
+    p.joint_weight = a.joint_weight.const_data_ptr();
+    p.joint_stride = a.joint_weight.stride(0);
+    p.joint_bias = a.joint_bias.const_data_ptr();
+    run_draft(/*rnn=*/true, a, tokens, draft_logits, p);
+  }
+};
 
-DraftResult rnn_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor,
-                           const at::Tensor& hidden, const at::Tensor& w1, const at::Tensor& w2,
-                           const at::Tensor& joint_weight, const at::Tensor& joint_bias,
-                           const at::Tensor& temperature, const at::Tensor& seed,
-                           const at::Tensor& position,
-                           const std::optional<at::Tensor>& top_k,
-                           const std::optional<at::Tensor>& top_p,
-                           const std::optional<at::Tensor>& min_p,
-                           std::optional<at::ScalarType> draft_logits_dtype) {
-  const auto a = check_rnn_draft_args(base_logits, anchor, hidden, w1, w2, joint_weight,
-                                      joint_bias, temperature, seed, position, top_k, top_p,
-                                      min_p, draft_logits_dtype);
-  const c10::cuda::CUDAGuard guard(base_logits.device());
-  auto [tokens, draft_logits] = allocate_draft_outputs(a);
-  if (a.batch == 0 || a.block == 0) return {tokens, draft_logits};
-  auto p = draft_params(a, tokens, draft_logits);
-  p.hidden = a.hidden.const_data_ptr();
-  p.hidden_type = element_type(a.hidden.scalar_type());
-  p.hidden_stride_b = a.hidden.stride(0);
-  p.hidden_stride_j = a.hidden.stride(1);
-  p.hidden_size = static_cast<int>(a.hidden_size);
-  p.joint_weight = a.joint_weight.const_data_ptr();
-  p.joint_stride = a.joint_weight.stride(0);
-  p.joint_bias = a.joint_bias.const_data_ptr();
-  run_draft(/*rnn=*/true, a, tokens, draft_logits, p);
-  return {tokens, draft_logits};
-}
+struct DraftConfidenceCuda : CudaBackend {
+  static void run(const ConfidenceArgs& a, at::Tensor& out);
+};
 
-at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& prev_tokens,
-                                 const at::Tensor& w1, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias,
-                                 const std::optional<at::Tensor>& calib_temperature) {
-  const auto a = check_confidence_args(hidden, prev_tokens, w1, weight, bias, calib_temperature);
-  const c10::cuda::CUDAGuard guard(hidden.device());
-  auto out = at::empty({a.batch, a.block}, a.hidden.options().dtype(at::kFloat));
+void DraftConfidenceCuda::run(const ConfidenceArgs& a, at::Tensor& out) {
   kernels::ConfidenceParams p{};
   p.hidden = a.hidden.const_data_ptr();
   p.hidden_type = element_type(a.hidden.scalar_type());
@@ -188,13 +162,14 @@ at::Tensor draft_confidence_cuda(const at::Tensor& hidden, const at::Tensor& pre
   p.vocab = a.vocab;
   C10_CUDA_CHECK(kernels::launch_draft_confidence(element_type(a.w1.scalar_type()), p,
                                                    c10::cuda::getCurrentCUDAStream()));
-  return out;
 }
 
+}  // namespace
+
 TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) {
-  m.impl("markov_draft", &markov_draft_cuda);
-  m.impl("rnn_draft", &rnn_draft_cuda);
-  m.impl("draft_confidence", &draft_confidence_cuda);
+  m.impl("markov_draft", &ops::markov_draft<MarkovDraftCuda>);
+  m.impl("rnn_draft", &ops::rnn_draft<RnnDraftCuda>);
+  m.impl("draft_confidence", &ops::draft_confidence<DraftConfidenceCuda>);
 }
 
 }  // namespace dspark_ops

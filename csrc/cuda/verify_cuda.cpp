@@ -1,9 +1,9 @@
-// CUDA entry point of verify (g++): checks, device guard, workspace, grid plan, launch
-// (cuda/verify_launch.cu; the kernels live in kernels/verify.cuh).
+// CUDA backend of verify (g++): after the entry's checks, device guard and outputs
+// (args/verify_args.h), the workspace, grid plan and launch (cuda/verify_launch.cu; the kernels
+// live in kernels/verify.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -13,30 +13,21 @@
 #include "../common/cuda_utils.h"
 #include "../common/stream_counters.h"
 #include "../kernels/verify_launch.h"
-#include "../ops.h"
 
 namespace dspark_ops {
 
-VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-                         const at::Tensor& num_draft, const at::Tensor& temperature,
-                         const at::Tensor& seed, const at::Tensor& position,
-                         const std::optional<at::Tensor>& draft_logits,
-                         const std::optional<at::Tensor>& target_start,
-                         const std::optional<at::Tensor>& draft_temperature,
-                         const std::optional<at::Tensor>& top_k,
-                         const std::optional<at::Tensor>& top_p,
-                         const std::optional<at::Tensor>& min_p,
-                         const std::optional<at::Tensor>& allowed_token_mask,
-                         bool return_logprobs) {
-  const auto a = check_verify_args(target_logits, draft_tokens, num_draft, temperature, seed,
-                                   position, draft_logits, target_start, draft_temperature, top_k,
-                                   top_p, min_p, allowed_token_mask, return_logprobs,
-                                   /*keep_padded_target=*/true);
-  const c10::cuda::CUDAGuard guard(target_logits.device());
-  auto [tokens, num_accepted, valid, logprobs] = allocate_verify_outputs(a);
+namespace {
+
+struct VerifyCuda : CudaBackend {
+  static constexpr bool kKeepPaddedTarget = true;  // padded targets are read in place, no copy
+  static void run(const VerifyArgs& a, VerifyResult& outputs);
+};
+
+void VerifyCuda::run(const VerifyArgs& a, VerifyResult& outputs) {
+  auto& [tokens, num_accepted, valid, logprobs] = outputs;
   TORCH_CHECK_VALUE(a.batch <= 65535, "verify(): at most 65535 requests per call on CUDA, got ",
                     a.batch);
-  if (a.batch == 0) return {tokens, num_accepted, valid, logprobs};
+  if (a.batch == 0) return;
 
   kernels::VerifyParams p{};
   p.target = a.target.const_data_ptr();
@@ -102,9 +93,10 @@ VerifyResult verify_cuda(const at::Tensor& target_logits, const at::Tensor& draf
       kernels::launch_verify(element_type(a.target.scalar_type()), draft_type, p, stream);
   if (error != cudaSuccess) StreamCounters::forget(a.target, stream);
   C10_CUDA_CHECK(error);
-  return {tokens, num_accepted, valid, logprobs};
 }
 
-TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) { m.impl("verify", &verify_cuda); }
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dspark_ops, CUDA, m) { m.impl("verify", &ops::verify<VerifyCuda>); }
 
 }  // namespace dspark_ops

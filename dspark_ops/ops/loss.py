@@ -170,7 +170,7 @@ def _as_float32(x: float) -> float:
 
 
 def check_logit_softcap(logit_softcap: Optional[float]) -> None:
-    """Refuses a cap the kernels cannot apply, as the entry points do (args/loss_args.cpp)."""
+    """Refuses a cap the kernels cannot apply, as the entry does (args/loss_args.h)."""
     if logit_softcap is None:
         return
     s = float(logit_softcap)
