@@ -99,7 +99,9 @@ def test_multi_kernel_plans_keep_order_fields_and_dependence(plan_only):
                                           "verify_emit_kernel<__nv_bfloat16, float>"]
     assert [r["dependent"] for r in ran] == [False, True]
     chunks = ran[0]["fields"]["num_chunks"]
-    assert ran[0]["grid"] == [chunks, batch, 1] and ran[0]["fields"] == ran[1]["fields"]
+    # one block per (request, chunk) item of every row: rows on y, so row j starts before j + 1
+    assert ran[0]["grid"] == [batch * chunks, block + 1, 1]
+    assert ran[0]["fields"] == ran[1]["fields"]
     assert chunks * ran[0]["fields"]["chunk"] >= vocab
 
 
