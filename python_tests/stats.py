@@ -43,3 +43,38 @@ def chi_square_passes(chi2: float, df: int) -> bool:
 def binomial_z(successes: int, trials: int, p: float) -> float:
     """z-score of ``successes`` out of ``trials`` against success probability ``p``."""
     return (successes - trials * p) / math.sqrt(trials * p * (1 - p))
+
+
+@torch.no_grad()
+def exact_joint(target, prompt, steps, temperature, **filters):
+    """P(y_1..y_steps | prompt) for every sequence, by running the target on every prefix
+    (each step's distribution filtered by reference.filter_logits with ``filters``)."""
+    vocab = target.config.vocab_size
+    joint = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(joint)
+        rows = [prompt + list(p) for p in prefixes]
+        length = len(rows[0])
+        ids = torch.tensor(rows)
+        zeros = torch.zeros(len(rows), dtype=torch.int32)
+        logits = target(ids, zeros + length, target.new_cache(len(rows), length), zeros)[0][:, -1].double()
+        if filters:
+            per_row = {k: torch.tensor([v] * len(rows)) for k, v in filters.items()}
+            from dspark_ops import reference
+
+            logits = reference.filter_logits(logits.float(), torch.full((len(rows),), temperature),
+                                             **per_row).double()
+        probs = torch.softmax(logits / temperature, -1)
+        joint = {p + (y,): joint[p] * float(probs[i, y])
+                 for i, p in enumerate(prefixes) for y in range(vocab)}
+    return joint
+
+
+def chi_square_of_tokens(tokens, target, prompt, steps, temperature, **filters):
+    """chi-square of generated token lists' first ``steps`` tokens against the exact joint
+    distribution (filtered with ``filters``)."""
+    joint = exact_joint(target, prompt, steps, temperature, **filters)
+    index = {seq: i for i, seq in enumerate(joint)}
+    samples = torch.tensor([index[tuple(t[:steps])] for t in tokens])
+    probs = torch.tensor(list(joint.values()))
+    return chi_square(samples, probs / probs.sum())

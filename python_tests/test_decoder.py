@@ -21,7 +21,7 @@ from dspark_ops.demo import main as demo_main
 from dspark_ops.demo import tiny_pair
 from dspark_ops.models import DSparkConfig, DSparkDraft, load_state_dict_file, sample_base_logits
 from conftest import cuda_only
-from stats import chi_square, chi_square_passes
+from stats import chi_square_of_tokens, chi_square_passes, exact_joint
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
 
@@ -195,42 +195,9 @@ def test_bad_arguments(pair):
 # Sampling: the joint distribution of the first tokens is the target's
 
 
-@torch.no_grad()
-def _exact_joint(target, prompt, steps, temperature, **filters):
-    """P(y_1..y_steps | prompt) for every sequence, by running the target on every prefix
-    (each step's distribution filtered by reference.filter_logits with ``filters``)."""
-    vocab = target.config.vocab_size
-    joint = {(): 1.0}
-    for _ in range(steps):
-        prefixes = list(joint)
-        rows = [prompt + list(p) for p in prefixes]
-        length = len(rows[0])
-        ids = torch.tensor(rows)
-        zeros = torch.zeros(len(rows), dtype=torch.int32)
-        logits = target(ids, zeros + length, target.new_cache(len(rows), length), zeros)[0][:, -1].double()
-        if filters:
-            per_row = {k: torch.tensor([v] * len(rows)) for k, v in filters.items()}
-            logits = reference.filter_logits(logits.float(), torch.full((len(rows),), temperature),
-                                             **per_row).double()
-        probs = torch.softmax(logits / temperature, -1)
-        joint = {p + (y,): joint[p] * float(probs[i, y])
-                 for i, p in enumerate(prefixes) for y in range(vocab)}
-    return joint
-
-
-def _chi_square_of_tokens(tokens, target, prompt, steps, temperature, **filters):
-    """chi-square of generated token lists' first ``steps`` tokens against the exact joint
-    distribution (filtered with ``filters``)."""
-    joint = _exact_joint(target, prompt, steps, temperature, **filters)
-    index = {seq: i for i, seq in enumerate(joint)}
-    samples = torch.tensor([index[tuple(t[:steps])] for t in tokens])
-    probs = torch.tensor(list(joint.values()))
-    return chi_square(samples, probs / probs.sum())
-
-
 def _chi_square_of_decoder(decoder, target, prompt, steps, trials, temperature, **filters):
     out = decoder.generate([prompt] * trials, steps, temperature, torch.arange(trials), **filters)
-    return _chi_square_of_tokens(out.tokens, target, prompt, steps, temperature, **filters), out
+    return chi_square_of_tokens(out.tokens, target, prompt, steps, temperature, **filters), out
 
 
 @pytest.mark.parametrize("scheduler", ["confidence", "budget", "dflash"])
@@ -270,7 +237,7 @@ def test_filtered_sampling_follows_the_filtered_target(scheduler):
     accepted = sum(a for r in out.rounds for a in r.accepted)
     verified = sum(n for r in out.rounds for n in r.num_verify)
     assert 0 < accepted < verified
-    chi2, df = _chi_square_of_tokens(out.tokens, target, [1, 2, 3], 3, 1.0)  # unfiltered
+    chi2, df = chi_square_of_tokens(out.tokens, target, [1, 2, 3], 3, 1.0)  # unfiltered
     assert not chi_square_passes(chi2, df), (chi2, df)
     plain = generate_target_only(target, [[1, 2, 3]] * 8, 6, 1.0, torch.arange(8), **filters)
     assert all(len(t) == 6 for t in plain)

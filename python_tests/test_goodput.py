@@ -22,7 +22,7 @@ from dspark_ops.models import DSparkConfig, DSparkDraft
 from dspark_ops.proposers import (
     BlockDraftProposer, OracleProposer, PromptLookupProposer, find_continuation,
 )
-from stats import chi_square, chi_square_passes
+from stats import chi_square_of_tokens, chi_square_passes
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
 
@@ -444,30 +444,9 @@ def test_goodput_needs_a_cost_table(pair):
 # Exact sampling with the new early stops
 
 
-@torch.no_grad()
-def _joint(target, prompt, steps):
-    """P(y_1..y_steps | prompt) at T = 1, by running the target on every prefix."""
-    vocab = target.config.vocab_size
-    joint = {(): 1.0}
-    for _ in range(steps):
-        prefixes = list(joint)
-        ids = torch.tensor([prompt + list(p) for p in prefixes])
-        zeros = torch.zeros(len(prefixes), dtype=torch.int32)
-        logits = target(ids, zeros + ids.shape[1], target.new_cache(len(prefixes), ids.shape[1]),
-                        zeros)[0][:, -1].double()
-        probs = torch.softmax(logits, -1)
-        joint = {p + (y,): joint[p] * float(probs[i, y])
-                 for i, p in enumerate(prefixes) for y in range(vocab)}
-    return joint
-
-
 def _chi_square(decoder, target, prompt, steps, trials):
     out = decoder.generate([prompt] * trials, steps, 1.0, torch.arange(trials))
-    joint = _joint(target, prompt, steps)
-    index = {seq: i for i, seq in enumerate(joint)}
-    samples = torch.tensor([index[tuple(t[:steps])] for t in out.tokens])
-    probs = torch.tensor(list(joint.values()))
-    return chi_square(samples, probs / probs.sum()), out
+    return chi_square_of_tokens(out.tokens, target, prompt, steps, 1.0), out
 
 
 def _sampling_pair():
