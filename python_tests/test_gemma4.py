@@ -17,10 +17,10 @@ from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
 from dspark_ops.models import DSparkConfig, DSparkDraft, TargetConfig, TinyTarget
 from dspark_ops.models.checkpoint import load_state_dict_file
 from dspark_ops.models.gemma4 import (
-    Gemma4DSparkConfig, Gemma4DSparkDraft, GemmaRMSNorm, ScaledEmbedding, block_attention_torch,
+    Gemma4DSparkConfig, Gemma4DSparkDraft, GemmaRMSNorm, ScaledEmbedding,
     proportional_inv_freq,
 )
-from dspark_ops.models.backbone import RMSNorm
+from dspark_ops.models.backbone import RMSNorm, block_attention_torch
 from dspark_ops.ops.attention import block_draft_attention
 
 from cases.gemma4 import (HIDDEN, TARGET_LAYERS, deepspec_config, hf_generate,  # noqa: E402
@@ -494,7 +494,7 @@ def test_hftarget_refuses_windows_it_cannot_place(transformers):
 
 
 # --------------------------------------------------------------------------------------------
-# The training forward takes a Gemma4 draft (its layers through after_attention)
+# The training forward takes a Gemma4 draft (its layers, attending over the masked context)
 
 
 @pytest.mark.parametrize("head_dim", [64, 512])

@@ -361,8 +361,8 @@ def test_collate_drops_padding_blocks_only():
     """collate cuts the anchor columns that are padding in every row; the loss with the cut
     anchors equals the loss with DeepSpec's full 512 (zero-weight padding blocks)."""
     from dspark_ops.models import DSparkConfig
-    from dspark_ops.train.data import collate
-    from dspark_ops.train.forward import sample_anchor_positions, training_forward
+    from dspark_ops.train.data import collate_blocks
+    from dspark_ops.train.forward import position_weights, training_forward
     from dspark_ops.train.loss import draft_loss
 
     gen = torch.Generator().manual_seed(0)
@@ -370,7 +370,8 @@ def test_collate_drops_padding_blocks_only():
     for i, (n, masked) in enumerate(((30, 20), (18, 6))):
         ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
         samples.append(Sample(i, ids, [0] * (n - masked) + [1] * masked))
-    data = collate(samples, 0, 42, 512, "cpu", sample_anchor_positions)
+    data = collate_blocks(samples, 0, 42, "cpu", num_anchors=512, block_size=4,
+                          loss_decay_gamma=4.0)
     keep = data["block_keep_mask"]
     assert keep.shape == (2, 19) and keep.sum(1).tolist() == [19, 5]
     full = {k: v.clone() for k, v in data.items()}
@@ -394,4 +395,7 @@ def test_collate_drops_padding_blocks_only():
                                  anchor_positions=d["anchor_positions"],
                                  block_keep_mask=d["block_keep_mask"])
         losses.append(draft_loss(draft, batch).loss)
+        if d is data:  # the batch's eval mask and weights are the forward's, built once
+            assert torch.equal(data["eval_mask"], batch.eval_mask)
+            torch.testing.assert_close(data["weights"], position_weights(batch.eval_mask))
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)

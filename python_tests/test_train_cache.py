@@ -19,7 +19,6 @@ from cases.training import (TARGET_LAYERS, read_metrics, save_target, train_args
 from dspark_ops.models import load_state_dict_file  # noqa: E402
 from dspark_ops.train.cache import RECORD, TargetCache, write_cache  # noqa: E402
 from dspark_ops.train.data import collate, read_training_data  # noqa: E402
-from dspark_ops.train.forward import sample_anchor_positions  # noqa: E402
 from dspark_ops.train.target import OnlineTarget  # noqa: E402
 from dspark_ops.train.trainer import main  # noqa: E402
 
@@ -62,7 +61,7 @@ def test_written_then_read_equals_online(setup, online, tmp_path, dtype):
     cache = TargetCache(path, LAYERS, HIDDEN)
     for start in range(0, len(samples), 5):  # the trainer's micro-batches, other groupings
         chunk = samples[start:start + 5]
-        batch = collate(chunk, 0, 0, 8, "cpu", sample_anchor_positions)
+        batch = collate(chunk, "cpu")
         with torch.no_grad():
             feats, last = online(batch["input_ids"], batch["valid"])
         got_feats, got_last = cache.batch(chunk, torch.float32, "cpu")

@@ -548,6 +548,13 @@ def test_argument_checks():
         training_forward(draft, input_ids, features, loss_mask,
                          anchor_positions=torch.zeros(1, 2, dtype=torch.long),
                          block_keep_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="eval_mask is given without anchor_positions"):
+        training_forward(draft, input_ids, features, loss_mask,
+                         eval_mask=torch.ones(1, 2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"eval_mask must be \[B, A, G\]"):
+        training_forward(draft, input_ids, features, loss_mask,
+                         anchor_positions=torch.zeros(input_ids.shape[0], 2, dtype=torch.long),
+                         eval_mask=torch.ones(input_ids.shape[0], 2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="attention must be one of"):
         training_forward(draft, input_ids, features, loss_mask, attention="dense")
     with pytest.raises(TypeError, match="input_ids must be int64"):

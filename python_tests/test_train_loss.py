@@ -136,7 +136,7 @@ def test_block_metrics():
     draft = _draft("vanilla")
     batch = _forward(draft)
     out = draft_loss(draft, batch)
-    m = block_metrics(out.accept_rate, batch)
+    m = block_metrics(out.accept_rate, batch.eval_mask, batch.block_keep_mask)
     c = out.accept_rate.view(batch.eval_mask.shape).double()
     mask = batch.eval_mask
     for k in range(BLOCK):
@@ -156,5 +156,5 @@ def test_block_metrics():
             tau += total
     assert m["block_count"] == blocks
     assert math.isclose(float(m["tau_sum"]), tau, rel_tol=1e-12)
-    empty = block_metrics(None, batch)
+    empty = block_metrics(None, batch.eval_mask, batch.block_keep_mask)
     assert float(empty["tau_sum"]) == 0.0 and empty["accept_count"].sum() == mask.sum()

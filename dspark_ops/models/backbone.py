@@ -62,6 +62,8 @@ from torch import nn
 from ..ops.attention import append_context_kv, block_draft_attention
 
 __all__ = [
+    "KERNEL_HEAD_DIMS",
+    "ContextCache",
     "ContextProjection",
     "DraftAttention",
     "DraftBackbone",
@@ -70,8 +72,13 @@ __all__ = [
     "DraftMLP",
     "RMSNorm",
     "apply_rope",
+    "block_attention_torch",
     "rotate_half",
 ]
+
+#: Head dims the ``block_draft_attention`` kernels take; others attend through
+#: :func:`block_attention_torch`, the same arithmetic in PyTorch.
+KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclasses.dataclass
@@ -288,22 +295,83 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
         return apply_rope(q, positions, self.rope_theta)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                cache_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, over) -> torch.Tensor:
         """Attention output of the block, after ``o_proj``: ``[B, G, hidden]``.
 
-        ``hidden`` is the block's normed hidden states; the caches are read, never written.
+        ``hidden`` is the block's normed hidden states at ``positions``; ``over`` is what the
+        block attends over besides itself: a :class:`ContextCache` at inference, the training
+        forward's block mask over the whole sequence's context when training. Its
+        ``attend(attn, q, k, v)`` gets this module and the block's queries ``[B, G, Hq, D]``,
+        keys and values ``[B, G, Hkv, D]``, and returns ``[B, G, Hq, D]``.
         """
         batch, block = hidden.shape[:2]
-        dtype = k_cache.dtype  # the op wants q and the block K/V in the cache's dtype
-        q = self.query(hidden, positions).to(dtype)
+        q = self.query(hidden, positions)
         k, v = self.key_value(hidden, positions)
-        out = block_draft_attention(
-            q, k.to(dtype), v.to(dtype), k_cache, v_cache, cache_seqlens,
-            cache_slot=cache_slot, softmax_scale=self.scaling, window=self.sliding_window,
-        )
+        out = over.attend(self, q, k, v)
         return self.o_proj(out.reshape(batch, block, -1).to(hidden.dtype))
+
+
+class ContextCache:
+    """What a draft layer's block attends over at inference: its context K/V cache.
+
+    The block sees all ``G`` block rows and the cached context rows ``[0, cache_seqlens[b])``
+    of cache row ``cache_slot[b]`` (:func:`dspark_ops.block_draft_attention`; for a head dim the
+    kernels do not take, :func:`block_attention_torch`). The cache is read, never written.
+
+    Parameters
+    ----------
+    k_cache, v_cache : torch.Tensor
+        The layer's ``[N, L, Hkv, D]`` caches.
+    cache_seqlens : torch.Tensor
+        int32 ``[B]``: ``p0``, the context rows each request sees.
+    cache_slot : torch.Tensor, optional
+        int32 ``[B]``: cache row of each request; default ``b``.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                 cache_slot: Optional[torch.Tensor] = None):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.cache_seqlens, self.cache_slot = cache_seqlens, cache_slot
+
+    def attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        dtype = self.k_cache.dtype  # the op wants q and the block K/V in the cache's dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if attn.head_dim not in KERNEL_HEAD_DIMS:
+            if attn.sliding_window is not None:
+                raise NotImplementedError(
+                    f"head dim {attn.head_dim} attends through PyTorch, which has no "
+                    f"sliding_window")
+            return block_attention_torch(q, k, v, self.k_cache, self.v_cache,
+                                         self.cache_seqlens, cache_slot=self.cache_slot,
+                                         softmax_scale=attn.scaling)
+        return block_draft_attention(q, k, v, self.k_cache, self.v_cache, self.cache_seqlens,
+                                     cache_slot=self.cache_slot, softmax_scale=attn.scaling,
+                                     window=attn.sliding_window)
+
+
+def block_attention_torch(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          cache_seqlens: torch.Tensor, *, cache_slot: Optional[torch.Tensor] = None,
+                          softmax_scale: float) -> torch.Tensor:
+    """What :func:`dspark_ops.block_draft_attention` computes (its output; no log-sum-exp), for
+    any head dim, in float32 PyTorch: block slot ``g`` of request ``b`` attends to the cached
+    context rows ``[0, cache_seqlens[b])`` of cache row ``cache_slot[b]`` and to all ``G`` block
+    rows. Shapes as the op's: ``q [B, G, Hq, D]``, block K/V ``[B, G, Hkv, D]``, caches
+    ``[N, L, Hkv, D]``; the result is ``[B, G, Hq, D]`` in ``q``'s dtype."""
+    batch, block, heads, _ = q.shape
+    kv_heads, length = k_block.shape[2], k_cache.shape[1]
+    slots = cache_slot.long() if cache_slot is not None else torch.arange(batch, device=q.device)
+    keys = torch.cat([k_cache[slots], k_block], 1).float()  # [B, L + G, Hkv, D]
+    values = torch.cat([v_cache[slots], v_block], 1).float()
+    keys = keys.repeat_interleave(heads // kv_heads, dim=2)  # query head h reads kv head h // r
+    values = values.repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bghd,bnhd->bhgn", q.float(), keys) * softmax_scale
+    slot = torch.arange(length + block, device=q.device)
+    visible = (slot < cache_seqlens.long()[:, None]) | (slot >= length)  # [B, L + G]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgn,bnhd->bghd", torch.softmax(scores, -1), values)
+    return out.to(q.dtype)
 
 
 class DraftLayer(nn.Module):
@@ -358,41 +426,34 @@ class DraftLayer(nn.Module):
         append_context_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), num_new,
                           cache_seqlens, cache_slot=cache_slot)
 
-    def forward(self, block_hidden: torch.Tensor, block_positions: Optional[torch.Tensor],
-                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                cache_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Runs the layer over the block.
+    def forward(self, block_hidden: torch.Tensor, block_positions: torch.Tensor,
+                over) -> torch.Tensor:
+        """Runs the layer over the block: the one arithmetic of the layer, for inference and
+        for training alike.
 
         Parameters
         ----------
         block_hidden : torch.Tensor
-            ``[B, G, hidden]``: hidden states of the G block slots.
-        block_positions : torch.Tensor or None
-            Integer ``[B, G]``: absolute positions ``p0 .. p0+G-1``; None means
-            ``cache_seqlens[b] + k``.
-        k_cache, v_cache : torch.Tensor
-            This layer's ``[N, L, Hkv, D]`` context caches (read only: the block's K/V are
-            scratch and never stored).
-        cache_seqlens : torch.Tensor
-            int32 ``[B]``: ``p0``, the context rows each request sees.
-        cache_slot : torch.Tensor, optional
-            int32 ``[B]``: cache row of each request; default ``b``.
+            ``[B, G, hidden]``: hidden states of the G block slots (in training, of all
+            anchor blocks, ``[B, A * G, hidden]``).
+        block_positions : torch.Tensor
+            Integer ``[B, G]``: absolute positions ``p0 .. p0+G-1``.
+        over
+            What the block attends over besides itself (:meth:`DraftAttention.forward`): this
+            layer's :class:`ContextCache` at inference.
 
         Returns
         -------
         torch.Tensor
             ``[B, G, hidden]``.
         """
-        if block_positions is None:
-            block_positions = _default_positions(cache_seqlens, block_hidden.shape[1])
-        attended = self.self_attn(self.input_layernorm(block_hidden), block_positions, k_cache,
-                                  v_cache, cache_seqlens, cache_slot)
+        attended = self.self_attn(self.input_layernorm(block_hidden), block_positions, over)
         return self.after_attention(block_hidden, attended)
 
     def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of the layer once the attention output (after ``o_proj``) is known:
-        ``h = hidden + attended``, then ``h + mlp(post_attention_layernorm(h))``. The training
-        forward calls it too, with its own masked attention."""
+        ``h = hidden + attended``, then ``h + mlp(post_attention_layernorm(h))``; a family with
+        other norms around its attention and MLP overrides it."""
         h = hidden + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -477,6 +538,7 @@ class DraftBackbone(ContextProjection):
             block_positions = _default_positions(cache_seqlens, block_hidden.shape[1])
         h = block_hidden
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            h = layer(h, block_positions, k_cache, v_cache, cache_seqlens, cache_slot)
+            h = layer(h, block_positions, ContextCache(k_cache, v_cache, cache_seqlens,
+                                                       cache_slot))
         return self.norm(h)
 

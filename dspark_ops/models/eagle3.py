@@ -49,7 +49,7 @@ from .gemma4 import (
     soft_cap,
 )
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "cache_attention"]
+__all__ = ["ChainCache", "Eagle3Config", "Eagle3Draft", "cache_attention"]
 
 ARCHITECTURES = {"qwen3": "Qwen3Eagle3Model", "gemma4": "Gemma4Eagle3Model"}
 
@@ -297,18 +297,37 @@ class Eagle3Attention(nn.Module):
             v = self.v_norm(v)
         return q, self._rope(self.k_norm(raw), positions), v
 
-    def forward(self, x, positions, num_new, k_cache, v_cache, cache_len, cache_slot=None):
-        """Rows ``x [B, T, 2 * hidden]`` at ``positions [B, T]``: writes their K/V at
-        ``cache_len[b] + t`` (the first ``num_new[b]``) and attends causally to the cache."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, over) -> torch.Tensor:
+        """Rows ``x [B, T, 2 * hidden]`` at ``positions [B, T]`` attending over ``over`` (a
+        :class:`ChainCache` at inference; the training-time test's keys in training), after
+        ``o_proj``: ``[B, T, hidden]``. ``over.attend(attn, q, k, v)`` gets this module, the
+        rows' queries ``[B, T, Hq, D]``, keys and values ``[B, T, Hkv, D]``."""
         batch, length = x.shape[:2]
         q, k, v = self.project(x, positions)
-        append_context_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), num_new,
-                          cache_len.clone(), cache_slot=cache_slot)
-        slots = (cache_slot.long() if cache_slot is not None
-                 else torch.arange(batch, device=x.device))
-        end = cache_len.long()[:, None] + torch.arange(1, length + 1, device=x.device)
-        out = cache_attention(q, k_cache[slots], v_cache[slots], end, self.scaling)
+        out = over.attend(self, q, k, v)
         return self.o_proj(out.reshape(batch, length, -1).to(x.dtype))
+
+
+class ChainCache:
+    """What Eagle3's rows attend over at inference: the draft's own K/V cache. The rows' K/V
+    are written at ``cache_len[b] + t`` (the first ``num_new[b]``), and each row attends to
+    the rows before it and itself (``cache_len`` is not advanced: the caller commits)."""
+
+    def __init__(self, num_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_len: torch.Tensor, cache_slot: Optional[torch.Tensor] = None):
+        self.num_new, self.k_cache, self.v_cache = num_new, k_cache, v_cache
+        self.cache_len, self.cache_slot = cache_len, cache_slot
+
+    def attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache, self.v_cache
+        append_context_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype),
+                          self.num_new, self.cache_len.clone(), cache_slot=self.cache_slot)
+        batch, length = q.shape[:2]
+        slots = (self.cache_slot.long() if self.cache_slot is not None
+                 else torch.arange(batch, device=q.device))
+        end = self.cache_len.long()[:, None] + torch.arange(1, length + 1, device=q.device)
+        return cache_attention(q, k_cache[slots], v_cache[slots], end, attn.scaling)
 
 
 class Eagle3Layer(nn.Module):
@@ -334,15 +353,17 @@ class Eagle3Layer(nn.Module):
         """``[input_layernorm(embeds) ; hidden_norm(hidden)]``, ``[B, T, 2 * hidden]``."""
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
 
-    def forward(self, embeds, hidden, positions, num_new, k_cache, v_cache, cache_len,
-                cache_slot=None):
-        attended = self.self_attn(self.attention_input(embeds, hidden), positions, num_new,
-                                  k_cache, v_cache, cache_len, cache_slot)
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                over) -> torch.Tensor:
+        """The layer over rows ``embeds``/``hidden [B, T, hidden]`` at ``positions``, attending
+        over ``over`` (:meth:`Eagle3Attention.forward`): the one arithmetic of the layer, for
+        inference and the training-time test alike."""
+        attended = self.self_attn(self.attention_input(embeds, hidden), positions, over)
         return self.after_attention(hidden, attended)
 
     def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual (the un-normed ``hidden``) and the MLP, once the attention output
-        (after ``o_proj``) is known; the training forward calls it with its own attention."""
+        (after ``o_proj``) is known."""
         if not self.gemma:
             h = hidden + attended
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -419,8 +440,8 @@ class Eagle3Draft(nn.Module):
         if project:
             hidden = self.fc(hidden)
         k_cache, v_cache = cache
-        return self.layers[0](self.embed_tokens(input_ids), hidden, positions, num_new, k_cache,
-                              v_cache, cache_len, cache_slot)
+        return self.layers[0](self.embed_tokens(input_ids), hidden, positions,
+                              ChainCache(num_new, k_cache, v_cache, cache_len, cache_slot))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(h))``, soft-capped for a Gemma4 draft."""

@@ -28,8 +28,8 @@ transformers it builds on:
 
 The block attention runs through :func:`dspark_ops.block_draft_attention` when its kernels take
 the head dim (64, 128 or 256). At the released draft's 512 they do not (their tiles hold at
-most 256 dims of a row), and :func:`block_attention_torch` computes the same attention exactly in
-float32 PyTorch; the context K/V are still written by :func:`dspark_ops.append_context_kv`,
+most 256 dims of a row), and :class:`~dspark_ops.models.backbone.ContextCache` computes the same
+attention exactly in float32 PyTorch (:func:`~dspark_ops.models.backbone.block_attention_torch`); the context K/V are still written by :func:`dspark_ops.append_context_kv`,
 which takes any head dim.
 """
 
@@ -54,14 +54,11 @@ __all__ = [
     "Gemma4DraftLayer",
     "GemmaRMSNorm",
     "ScaledEmbedding",
-    "block_attention_torch",
     "gemma4_rope",
     "proportional_inv_freq",
     "soft_cap",
 ]
 
-#: Head dims the ``block_draft_attention`` kernels take; others use :func:`block_attention_torch`.
-KERNEL_HEAD_DIMS = (64, 128, 256)
 ROPE_TYPES = ("proportional", "default")
 
 # Fields of DeepSpec's Gemma4 draft config read and dropped: they describe the target it was
@@ -142,30 +139,6 @@ def gemma4_rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * angles.cos() + torch.cat([-x2, x1], -1) * angles.sin()).to(x.dtype)
-
-
-def block_attention_torch(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          cache_seqlens: torch.Tensor, *, cache_slot: Optional[torch.Tensor] = None,
-                          softmax_scale: float) -> torch.Tensor:
-    """What :func:`dspark_ops.block_draft_attention` computes (its output; no log-sum-exp), for
-    any head dim, in float32 PyTorch: block slot ``g`` of request ``b`` attends to the cached
-    context rows ``[0, cache_seqlens[b])`` of cache row ``cache_slot[b]`` and to all ``G`` block
-    rows. Shapes as the op's: ``q [B, G, Hq, D]``, block K/V ``[B, G, Hkv, D]``, caches
-    ``[N, L, Hkv, D]``; the result is ``[B, G, Hq, D]`` in ``q``'s dtype."""
-    batch, block, heads, _ = q.shape
-    kv_heads, length = k_block.shape[2], k_cache.shape[1]
-    slots = cache_slot.long() if cache_slot is not None else torch.arange(batch, device=q.device)
-    keys = torch.cat([k_cache[slots], k_block], 1).float()  # [B, L + G, Hkv, D]
-    values = torch.cat([v_cache[slots], v_block], 1).float()
-    keys = keys.repeat_interleave(heads // kv_heads, dim=2)  # query head h reads kv head h // r
-    values = values.repeat_interleave(heads // kv_heads, dim=2)
-    scores = torch.einsum("bghd,bnhd->bhgn", q.float(), keys) * softmax_scale
-    slot = torch.arange(length + block, device=q.device)
-    visible = (slot < cache_seqlens.long()[:, None]) | (slot >= length)  # [B, L + G]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgn,bnhd->bghd", torch.softmax(scores, -1), values)
-    return out.to(q.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -427,22 +400,6 @@ class Gemma4DraftAttention(DraftAttention):
     def query(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)),
                           positions)
-
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                cache_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As :meth:`DraftAttention.forward`; through :func:`block_attention_torch` when the
-        head dim is not one the kernels take (512 for the released Gemma4 draft)."""
-        if self.head_dim in KERNEL_HEAD_DIMS:
-            return super().forward(hidden, positions, k_cache, v_cache, cache_seqlens,
-                                   cache_slot)
-        batch, block = hidden.shape[:2]
-        dtype = k_cache.dtype
-        q = self.query(hidden, positions).to(dtype)
-        k, v = self.key_value(hidden, positions)
-        out = block_attention_torch(q, k.to(dtype), v.to(dtype), k_cache, v_cache, cache_seqlens,
-                                    cache_slot=cache_slot, softmax_scale=self.scaling)
-        return self.o_proj(out.reshape(batch, block, -1).to(hidden.dtype))
 
 
 class Gemma4DraftMLP(DraftMLP):

@@ -20,7 +20,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Sample", "Schedule", "anchor_generator", "collate", "read_training_data"]
+from .forward import build_eval_mask, position_weights, sample_anchor_positions
+
+__all__ = ["Sample", "Schedule", "anchor_generator", "collate", "collate_blocks",
+           "read_training_data"]
 
 
 @dataclasses.dataclass
@@ -198,28 +201,39 @@ def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + sample_index)
 
 
-def collate(samples: Sequence[Sample], epoch: int, seed: int, num_anchors: int, device,
-            sample_anchors) -> dict:
-    """Right-padded tensors of a micro-batch and its anchors.
-
-    Returns ``input_ids`` int64 ``[B, L]`` (padding: 0), ``loss_mask`` float32 (padding: 0),
-    ``valid`` bool (real tokens), ``anchor_positions`` int64 ``[B, A]`` and ``block_keep_mask``
-    bool ``[B, A]``, the anchors drawn per sequence by ``sample_anchors`` (DeepSpec's sampler) on
-    that sequence alone with :func:`anchor_generator`, with ``A`` cut to the most blocks any
-    sequence keeps (at least 1; at most ``num_anchors``).
-    """
+def collate(samples: Sequence[Sample], device) -> dict:
+    """Right-padded tensors of a micro-batch: ``input_ids`` int64 ``[B, L]`` (padding: 0),
+    ``loss_mask`` float32 (padding: 0) and ``valid`` bool (real tokens)."""
     length = max(len(s.input_ids) for s in samples)
     ids = torch.zeros(len(samples), length, dtype=torch.long)
     mask = torch.zeros(len(samples), length)
     valid = torch.zeros(len(samples), length, dtype=torch.bool)
-    anchors, keep = [], []
     for row, s in enumerate(samples):
         n = len(s.input_ids)
         ids[row, :n] = torch.tensor(s.input_ids)
         mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         valid[row, :n] = True
-        a, k = sample_anchors(mask[row:row + 1, :n], num_anchors,
-                              anchor_generator(seed, epoch, s.index))
+    return {"input_ids": ids.to(device), "loss_mask": mask.to(device), "valid": valid.to(device)}
+
+
+def collate_blocks(samples: Sequence[Sample], epoch: int, seed: int, device, *, num_anchors: int,
+                   block_size: int, loss_decay_gamma: float) -> dict:
+    """A micro-batch of block drafts: :func:`collate`'s tensors, its anchor blocks and their
+    trained slots, each built once for the forward, the loss and the denominators.
+
+    Adds ``anchor_positions`` int64 ``[B, A]`` and ``block_keep_mask`` bool ``[B, A]``, the
+    anchors drawn per sequence by DeepSpec's sampler (:func:`~.forward.sample_anchor_positions`)
+    on that sequence alone with :func:`anchor_generator`, ``A`` cut to the most blocks any
+    sequence keeps (at least 1; at most ``num_anchors``); ``eval_mask`` bool ``[B, A, G]``
+    (:func:`~.forward.build_eval_mask`) and ``weights`` float32 ``[B, A, G]``
+    (:func:`~.forward.position_weights`).
+    """
+    data = collate(samples, "cpu")
+    anchors, keep = [], []
+    for row, s in enumerate(samples):
+        n = len(s.input_ids)
+        a, k = sample_anchor_positions(data["loss_mask"][row:row + 1, :n], num_anchors,
+                                       anchor_generator(seed, epoch, s.index))
         anchors.append(a)
         keep.append(k)
     anchors, keep = torch.cat(anchors), torch.cat(keep)
@@ -227,6 +241,8 @@ def collate(samples: Sequence[Sample], epoch: int, seed: int, num_anchors: int, 
     # blocks in every row: zero weight, zero gradient. Dropping them changes no number and spares
     # the attention and the loss their rows (a short sequence has far fewer than 512 anchors).
     used = max(int(keep.sum(1).max()), 1) if keep.numel() else 0
-    anchors, keep = anchors[:, :used], keep[:, :used]
-    return {"input_ids": ids.to(device), "loss_mask": mask.to(device), "valid": valid.to(device),
-            "anchor_positions": anchors.to(device), "block_keep_mask": keep.to(device)}
+    data["anchor_positions"], data["block_keep_mask"] = anchors[:, :used], keep[:, :used]
+    data["eval_mask"] = build_eval_mask(data["loss_mask"], data["anchor_positions"],
+                                        data["block_keep_mask"], block_size)
+    data["weights"] = position_weights(data["eval_mask"], loss_decay_gamma)
+    return {name: value.to(device) for name, value in data.items()}

@@ -79,6 +79,28 @@ def _shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
     return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], 1)
 
 
+class _StepKeys:
+    """What the rows of the training-time test attend over: at step 0 the sequence causally
+    (``causal [B, L, L]``), at step ``k`` also the keys of every step before and, of step
+    ``k``'s own, only their own row (``same``), as DeepSpec's mask. Each step's keys and values
+    are kept for the steps after it; the rows attend through ``scaled_dot_product_attention``."""
+
+    def __init__(self, causal: torch.Tensor, same: torch.Tensor):
+        self.causal, self.same = causal, same
+        self.keys, self.values, self.masks = [], [], []
+
+    def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        self.masks.append(self.same if self.masks else self.causal)
+        keys = torch.cat(self.keys, 1).transpose(1, 2).to(q.dtype)  # [B, Hkv, (k + 1) L, D]
+        values = torch.cat(self.values, 1).transpose(1, 2).to(q.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=torch.cat(self.masks, -1)[:, None],
+            scale=attn.scaling, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        return out.transpose(1, 2)
+
+
 def _fused_step(draft, hidden: torch.Tensor, target_last_hidden: torch.Tensor,
                 mask_k: torch.Tensor, k: int, cap, chunk_rows):
     """Step ``k``'s ``sum_i mask_k[i] * CE_i / (B * L)`` over the rows it trains, and its
@@ -131,7 +153,6 @@ def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tenso
     steps = int(ttt_length or config.ttt_length)
     decay = float(step_loss_decay if step_loss_decay is not None else config.step_loss_decay)
     layer = draft.layers[0]
-    attn = layer.self_attn
     batch, length = input_ids.shape
     device = input_ids.device
     lengths = valid.long().sum(-1)
@@ -150,23 +171,12 @@ def eagle3_ttt_loss(draft, input_ids: torch.Tensor, target_features: torch.Tenso
         same = torch.eye(length, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
     hidden = draft.fc(target_features.to(draft.fc.weight.dtype))
     ids = _shift_left(input_ids)
-    keys, values, masks = [], [], []
     total = hidden.new_zeros((), dtype=torch.float32)
     step_losses, accept_sum, accept_count, accept_rows = [], [], [], []
+    steps_keys = _StepKeys(causal, same)
     for k in range(steps):
-        x = layer.attention_input(draft.embed_tokens(ids), hidden)
-        q, key, value = attn.project(x, (rows + k)[None].expand(batch, -1))
-        keys.append(key)
-        values.append(value)
-        masks.append(causal if k == 0 else same)
-        key_all = torch.cat(keys, 1).transpose(1, 2)  # [B, Hkv, (k + 1) L, D]
-        value_all = torch.cat(values, 1).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), key_all.to(q.dtype), value_all.to(q.dtype),
-            attn_mask=torch.cat(masks, -1)[:, None], scale=attn.scaling,
-            enable_gqa=attn.num_heads != attn.num_kv_heads)
-        attended = attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1).to(hidden.dtype))
-        hidden = layer.after_attention(hidden, attended)
+        hidden = layer(draft.embed_tokens(ids), hidden, (rows + k)[None].expand(batch, -1),
+                       steps_keys)
         with torch.no_grad():
             mask_k = _shift_left(mask0, k)
         if fused:

@@ -24,9 +24,9 @@ batch of packed sequences ``[B, L]``:
 
 Attention runs through ``torch.nn.attention.flex_attention`` with a block mask on CUDA (compiled),
 or through ``scaled_dot_product_attention`` with a dense boolean mask (any device; the CPU path,
-since flex has no CPU backward). The draft's decoder layers take a K/V cache, not a mask, so
-:func:`_layer_forward` runs a layer with an explicit attention function by calling the layer's own
-norms, projections (which apply the RoPE) and MLP; the layer arithmetic is not re-implemented.
+since flex has no CPU backward). The draft's layers run their own forward, the one inference
+uses: they take what the block attends over, here the context under the block mask instead of
+the inference K/V cache.
 
 Example
 -------
@@ -357,31 +357,25 @@ def _attention_backend(name: Optional[str], device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# The layer with an explicit attention function
+# What the blocks attend over in training
 
 
-def _layer_forward(layer: nn.Module, hidden: torch.Tensor, context: torch.Tensor,
-                   context_positions: torch.Tensor, block_positions: torch.Tensor,
-                   attend: Callable) -> torch.Tensor:
-    """One draft decoder layer over all blocks, attending with ``attend`` (the masked path).
+class _MaskedContext:
+    """What every anchor block attends over in training: the whole sequence's context under
+    DeepSpec's block mask (``attend``, one of the backends above). The draft layer runs its own
+    forward (:meth:`~dspark_ops.models.backbone.DraftLayer.forward`, the inference arithmetic);
+    only the keys and values differ: the layer's projections of the projected target features
+    (not passed through ``input_layernorm``), followed by the blocks'."""
 
-    The same arithmetic as the layer's own forward (which reads a context K/V cache through the
-    inference op instead of taking a mask): ``h + o_proj(attn(input_layernorm(h)))``, then
-    ``h + mlp(post_attention_layernorm(h))``. Keys and values are the context's (this layer's
-    projections of the projected target features, not passed through ``input_layernorm``)
-    followed by the blocks'; queries come from the blocks only.
-    """
-    attn = layer.self_attn
-    batch, rows = hidden.shape[:2]
-    x = layer.input_layernorm(hidden)
-    q = attn.query(x, block_positions)  # [B, Q, Hq, D], per-head q_norm and RoPE applied
-    k_ctx, v_ctx = attn.key_value(context, context_positions)
-    k_blk, v_blk = attn.key_value(x, block_positions)
-    k = torch.cat([k_ctx, k_blk], 1).transpose(1, 2).to(q.dtype)
-    v = torch.cat([v_ctx, v_blk], 1).transpose(1, 2).to(q.dtype)
-    out = attend(q.transpose(1, 2), k, v, attn.scaling)
-    attended = attn.o_proj(out.transpose(1, 2).reshape(batch, rows, -1).to(hidden.dtype))
-    return layer.after_attention(hidden, attended)
+    def __init__(self, context: torch.Tensor, context_positions: torch.Tensor, attend: Callable):
+        self.context, self.context_positions, self.mask_attend = context, context_positions, attend
+
+    def attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        k_ctx, v_ctx = attn.key_value(self.context, self.context_positions)
+        keys = torch.cat([k_ctx, k], 1).transpose(1, 2).to(q.dtype)
+        values = torch.cat([v_ctx, v], 1).transpose(1, 2).to(q.dtype)
+        return self.mask_attend(q.transpose(1, 2), keys, values, attn.scaling).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,6 +450,7 @@ def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features:
                      loss_mask: torch.Tensor, target_last_hidden: Optional[torch.Tensor] = None,
                      *, anchor_positions: Optional[torch.Tensor] = None,
                      block_keep_mask: Optional[torch.Tensor] = None,
+                     eval_mask: Optional[torch.Tensor] = None,
                      num_anchors: Optional[int] = None,
                      generator: Optional[torch.Generator] = None,
                      attention: Optional[str] = None) -> TrainingBatch:
@@ -485,6 +480,9 @@ def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features:
         padding blocks are replaced by 0.
     block_keep_mask : torch.Tensor, optional
         bool ``[B, A]`` with ``anchor_positions`` (default: every block kept); only with it.
+    eval_mask : torch.Tensor, optional
+        bool ``[B, A, G]``: :func:`build_eval_mask` of these anchors, when the caller built it
+        with them (the trainer's batch); only with ``anchor_positions``. Default: built here.
     num_anchors : int, optional
         ``A`` when sampling; default the draft config's ``num_anchors`` (512 in DeepSpec's
         configs), as DeepSpec's model samples its config's count.
@@ -507,8 +505,9 @@ def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features:
     input_ids = input_ids.long()
 
     if anchor_positions is None:
-        if block_keep_mask is not None:
-            raise ValueError("block_keep_mask is given without anchor_positions")
+        for name, value in (("block_keep_mask", block_keep_mask), ("eval_mask", eval_mask)):
+            if value is not None:
+                raise ValueError(f"{name} is given without anchor_positions")
         if num_anchors is None:
             num_anchors = config.num_anchors
         anchor_positions, block_keep_mask = sample_anchor_positions(loss_mask, num_anchors,
@@ -539,17 +538,21 @@ def training_forward(draft: nn.Module, input_ids: torch.Tensor, target_features:
 
     backend = _attention_backend(attention, device)
     make = _flex_attention if backend == "flex" else _sdpa_attention
-    attend = make(anchor_positions, block_keep_mask, length, block)
+    over = _MaskedContext(context, context_positions,
+                          make(anchor_positions, block_keep_mask, length, block))
     for layer in draft.layers:
-        hidden = _layer_forward(layer, hidden, context, context_positions, block_positions,
-                                attend)
+        hidden = layer(hidden, block_positions, over)
     hidden = draft.norm(hidden).view(batch, blocks, block, -1)
 
     # Labels, teacher-forced previous tokens, eval mask, aligned target states.
     _, safe = _label_indices(anchor_positions, block_keep_mask, length, block)
     labels = _gather_rows(input_ids, safe)
     prev_tokens = torch.cat([anchor_tokens[..., None], labels[..., :-1]], -1)
-    eval_mask = build_eval_mask(loss_mask, anchor_positions, block_keep_mask, block)
+    if eval_mask is None:
+        eval_mask = build_eval_mask(loss_mask, anchor_positions, block_keep_mask, block)
+    elif tuple(eval_mask.shape) != (batch, blocks, block):
+        raise ValueError(f"eval_mask must be [B, A, G] = {[batch, blocks, block]}, got shape "
+                         f"{tuple(eval_mask.shape)}")
     target_hidden = None
     if target_last_hidden is not None:
         target_hidden = _gather_rows(target_last_hidden, (safe - 1).clamp(min=0))

@@ -74,11 +74,12 @@ def loss_weights(batch: TrainingBatch, loss_decay_gamma: float = 4.0) -> torch.T
     return position_weights(batch.eval_mask, loss_decay_gamma)
 
 
-def flatten_batch(draft: nn.Module, batch: TrainingBatch, loss_decay_gamma: float = 4.0
-                  ) -> Dict[str, Optional[torch.Tensor]]:
+def flatten_batch(draft: nn.Module, batch: TrainingBatch, loss_decay_gamma: float = 4.0,
+                  weights: Optional[torch.Tensor] = None) -> Dict[str, Optional[torch.Tensor]]:
     """The inputs of :func:`dspark_ops.dspark_loss` for ``batch``, flattened to ``N = B * A * G``
     rows: ``hidden``, ``lm_head_weight``, ``labels``, ``weights``, ``target_hidden``,
-    ``markov_latent``, ``markov_w2`` and ``confidence_logits``.
+    ``markov_latent``, ``markov_w2`` and ``confidence_logits``. ``weights [B, A, G]``, when
+    given, are the slots' weights already built from the eval mask (:func:`loss_weights`).
 
     The matrices are cast to ``batch.hidden``'s dtype (under autocast the backbone's output may
     be 16-bit while the parameters are float32); the casts are differentiable, so ``W2`` still
@@ -102,7 +103,8 @@ def flatten_batch(draft: nn.Module, batch: TrainingBatch, loss_decay_gamma: floa
         "hidden": rows,
         "lm_head_weight": draft.lm_head.weight.to(dtype),
         "labels": batch.labels.reshape(-1),
-        "weights": loss_weights(batch, loss_decay_gamma).reshape(-1),
+        "weights": (loss_weights(batch, loss_decay_gamma) if weights is None
+                    else weights).reshape(-1),
         "target_hidden": target,
         "markov_latent": latent,
         "markov_w2": w2,
@@ -113,7 +115,7 @@ def flatten_batch(draft: nn.Module, batch: TrainingBatch, loss_decay_gamma: floa
 def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: float = 4.0,
                ce_weight: Optional[float] = None, l1_weight: Optional[float] = None,
                confidence_weight: Optional[float] = None, denominators: Denominators = None,
-               loss_fn=None) -> LossOutput:
+               weights: Optional[torch.Tensor] = None, loss_fn=None) -> LossOutput:
     """DeepSpec's training loss of a draft on one training forward, fused.
 
     Slot ``k`` of every block weighs ``eval_mask * exp(-k / loss_decay_gamma)``; the rows are
@@ -136,6 +138,10 @@ def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: floa
     denominators : float, tensor or sequence of three, optional
         The divisors of the three terms (default: the local ``sum(w) + 1e-6``); a data-parallel
         trainer passes the all-reduced sums ``+ 1e-6``.
+    weights : torch.Tensor, optional
+        float32 ``[B, A, G]``: the slots' weights when the caller built them with the anchors
+        (the trainer's batch, whose sum gave ``denominators``); default: from
+        ``batch.eval_mask`` and ``loss_decay_gamma``.
     loss_fn : callable, optional
         Replaces :func:`dspark_ops.dspark_loss` (same signature), e.g.
         :func:`dspark_ops.reference.dspark_loss` to compare against the eager formula. A draft
@@ -148,7 +154,10 @@ def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: floa
         ``batch.eval_mask``).
     """
     alpha, beta, gamma = loss_coefficients(draft, ce_weight, l1_weight, confidence_weight)
-    inputs = flatten_batch(draft, batch, loss_decay_gamma)
+    if weights is not None and tuple(weights.shape) != tuple(batch.eval_mask.shape):
+        raise ValueError(f"weights must have the eval mask's shape "
+                         f"{tuple(batch.eval_mask.shape)}, got {tuple(weights.shape)}")
+    inputs = flatten_batch(draft, batch, loss_decay_gamma, weights)
     if gamma == 0:
         inputs["confidence_logits"] = None
     if (beta or gamma) and inputs["target_hidden"] is None:
@@ -184,8 +193,8 @@ def softcapped_dspark_loss(hidden, lm_head_weight, labels, weights, *, cap: floa
 
 
 @torch.no_grad()
-def block_metrics(accept_rate: Optional[torch.Tensor], batch: TrainingBatch
-                  ) -> Dict[str, torch.Tensor]:
+def block_metrics(accept_rate: Optional[torch.Tensor], eval_mask: torch.Tensor,
+                  block_keep_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
     """DeepSpec's acceptance metrics of one batch, as sums (divide after adding up ranks).
 
     Parameters
@@ -193,7 +202,10 @@ def block_metrics(accept_rate: Optional[torch.Tensor], batch: TrainingBatch
     accept_rate : torch.Tensor or None
         ``c* = clamp(1 - L1 / 2, 0, 1)`` per slot (``LossOutput.accept_rate``, any shape with
         ``B * A * G`` elements), the expected acceptance of each slot's draft.
-    batch : TrainingBatch
+    eval_mask : torch.Tensor
+        bool ``[B, A, G]`` (:attr:`TrainingBatch.eval_mask`).
+    block_keep_mask : torch.Tensor
+        bool ``[B, A]``.
 
     Returns
     -------
@@ -203,10 +215,10 @@ def block_metrics(accept_rate: Optional[torch.Tensor], batch: TrainingBatch
         (``tau_probabilistic`` = their ratio: ``1 + sum_k prod_{i<=k} c*_i`` with ``c*`` zero
         past the eval mask, averaged over kept blocks with at least one valid slot).
     """
-    mask = batch.eval_mask
+    mask = eval_mask
     block = mask.shape[-1]
     valid = mask.double()
-    blocks = (batch.block_keep_mask & mask.any(-1)).double()
+    blocks = (block_keep_mask & mask.any(-1)).double()
     out = {"accept_count": valid.reshape(-1, block).sum(0),
            "block_count": blocks.sum()}
     if accept_rate is None:

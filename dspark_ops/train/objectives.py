@@ -1,7 +1,7 @@
 """What a draft family learns from, one class per training loss the registry names
-(:attr:`dspark_ops.models.registry.DraftFamily.training_loss`): the forward and loss of one
-micro-batch, its denominators, the per-step sums of its metrics, and how the run describes it.
-The trainer's loop is the same for every family; it asks :data:`TRAINING_LOSSES`.
+(:attr:`dspark_ops.models.registry.DraftFamily.training_loss`): how a micro-batch is built, its
+forward and loss, its denominators, the per-step sums of its metrics, and how the run describes
+it. The trainer's loop is the same for every family; it asks :data:`TRAINING_LOSSES`.
 
 The step sums are ``[loss, ce, l1, confidence, accept_sum[G], accept_count[G], tau_sum,
 block_count]`` (float64), the columns of ``metrics.jsonl``.
@@ -13,8 +13,9 @@ import argparse
 
 import torch
 
+from .data import collate, collate_blocks
 from .eagle3 import eagle3_ttt_loss
-from .forward import build_eval_mask, position_weights, training_forward
+from .forward import training_forward
 from .loss import block_metrics, draft_loss, loss_coefficients
 
 __all__ = ["DSparkObjective", "TTTObjective", "TRAINING_LOSSES"]
@@ -22,9 +23,12 @@ __all__ = ["DSparkObjective", "TTTObjective", "TRAINING_LOSSES"]
 
 class DSparkObjective:
     """Block drafts (DSpark, DFlash): the anchor-parallel forward and DeepSpec's DSpark loss
-    (:func:`dspark_ops.train.draft_loss`), its denominators summed over ranks."""
+    (:func:`dspark_ops.train.draft_loss`), its denominators summed over ranks. The anchors,
+    the eval mask and the slots' weights are built once per micro-batch, by :meth:`collate`."""
 
     def __init__(self, draft, args: argparse.Namespace):
+        self.num_anchors = draft.config.num_anchors
+        self.block_size = draft.config.block_size
         self.coefficients = loss_coefficients(draft, args.ce_weight, args.l1_weight,
                                               args.confidence_weight)
         self.loss_decay_gamma = args.loss_decay_gamma
@@ -36,30 +40,34 @@ class DSparkObjective:
 
             self.loss_kwargs["loss_fn"] = reference.dspark_loss
 
-    def forward(self, draft, input_ids, features, loss_mask, last_hidden, anchors, keep,
-                denominators, valid=None):
-        """The loss output, eval mask, block keep mask and confidence logits of one batch."""
-        batch = training_forward(draft, input_ids, features, loss_mask, last_hidden,
-                                 anchor_positions=anchors, block_keep_mask=keep)
-        out = draft_loss(draft, batch, denominators=denominators, **self.loss_kwargs)
-        return out, batch.eval_mask, batch.block_keep_mask, batch.confidence_logits
+    def collate(self, samples, epoch: int, seed: int, device) -> dict:
+        """The micro-batch with its anchor blocks, eval mask and weights
+        (:func:`~.data.collate_blocks`)."""
+        return collate_blocks(samples, epoch, seed, device, num_anchors=self.num_anchors,
+                              block_size=self.block_size, loss_decay_gamma=self.loss_decay_gamma)
 
-    def denominators(self, data: dict, block_size: int, dist):
-        """DeepSpec's denominators: sum(w) of this micro-step over all ranks (the weights are
-        known before the forward: the eval mask follows from the anchors and the loss mask)."""
-        weights = position_weights(build_eval_mask(data["loss_mask"], data["anchor_positions"],
-                                                   data["block_keep_mask"], block_size),
-                                   self.loss_decay_gamma).sum().double()
-        return dist.all_reduce(weights.repeat(3)) + 1e-6
+    def forward(self, draft, data: dict, features, last_hidden, denominators):
+        """The loss output and the confidence logits of one micro-batch."""
+        batch = training_forward(draft, data["input_ids"], features, data["loss_mask"],
+                                 last_hidden, anchor_positions=data["anchor_positions"],
+                                 block_keep_mask=data["block_keep_mask"],
+                                 eval_mask=data["eval_mask"])
+        out = draft_loss(draft, batch, weights=data["weights"], denominators=denominators,
+                         **self.loss_kwargs)
+        return out, batch.confidence_logits
+
+    @staticmethod
+    def denominators(data: dict, dist):
+        """DeepSpec's denominators: sum(w) of this micro-step over all ranks."""
+        return dist.all_reduce(data["weights"].sum().double().repeat(3)) + 1e-6
 
     @staticmethod
     def loss(result) -> torch.Tensor:
         return result[0].loss
 
-    def sums(self, result, grad_accum: int) -> torch.Tensor:
-        out, eval_mask, keep, _ = result
-        batch = argparse.Namespace(eval_mask=eval_mask, block_keep_mask=keep)
-        metrics = block_metrics(out.accept_rate, batch)
+    def sums(self, result, data: dict, grad_accum: int) -> torch.Tensor:
+        out = result[0]
+        metrics = block_metrics(out.accept_rate, data["eval_mask"], data["block_keep_mask"])
         alpha, beta, gamma = self.coefficients
         local_loss = alpha * out.ce + beta * out.l1 + gamma * out.confidence
         return torch.cat([torch.stack([local_loss.double(), out.ce.double(), out.l1.double(),
@@ -95,12 +103,16 @@ class TTTObjective:
                              "--l1-weight or --confidence-weight")
 
     @staticmethod
-    def forward(draft, input_ids, features, loss_mask, last_hidden, anchors, keep, denominators,
-                valid=None):
-        return eagle3_ttt_loss(draft, input_ids, features, loss_mask, last_hidden, valid)
+    def collate(samples, epoch: int, seed: int, device) -> dict:
+        return collate(samples, device)
 
     @staticmethod
-    def denominators(data: dict, block_size: int, dist):
+    def forward(draft, data: dict, features, last_hidden, denominators):
+        return eagle3_ttt_loss(draft, data["input_ids"], features, data["loss_mask"],
+                               last_hidden, data["valid"])
+
+    @staticmethod
+    def denominators(data: dict, dist):
         return None  # the TTT loss normalises by its own rows
 
     @staticmethod
@@ -108,7 +120,7 @@ class TTTObjective:
         return result.loss
 
     @staticmethod
-    def sums(result, grad_accum: int) -> torch.Tensor:
+    def sums(result, data: dict, grad_accum: int) -> torch.Tensor:
         loss = result.loss.detach().double() / grad_accum
         zero = loss.new_zeros(())
         return torch.cat([torch.stack([loss, loss, zero, zero]).cpu(), result.accept_sum.cpu(),

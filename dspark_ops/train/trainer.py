@@ -59,11 +59,10 @@ from ..models.registry import family_of
 from . import flags
 from .checkpoint import load_checkpoint, resume_path, rng_state, set_rng_state
 from .checkpoint import save_checkpoint as write_checkpoint
-from .data import Schedule, collate, read_training_data
+from .data import Schedule, read_training_data
 from .draft_config import (build_draft_config, check_target_layers, default_target_layers,
                            init_draft, text_config)
 from .flags import DTYPES, check_args
-from .forward import sample_anchor_positions
 from .objectives import TRAINING_LOSSES
 
 __all__ = ["build_draft_config", "default_target_layers", "main", "parse_args", "Trainer"]
@@ -140,8 +139,8 @@ class _DraftStep(nn.Module):
         self.draft = draft
         self.objective = objective
 
-    def forward(self, *inputs):
-        return self.objective.forward(self.draft, *inputs)
+    def forward(self, data: dict, features, last_hidden, denominators):
+        return self.objective.forward(self.draft, data, features, last_hidden, denominators)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,19 +420,16 @@ class Trainer:
     def _micro_step(self, step: int, micro: int, sums: torch.Tensor) -> None:
         args, dist = self.args, self.dist
         epoch, samples = self.schedule.micro_batch(step, micro, dist.rank)
-        data = collate(samples, epoch, args.seed, getattr(self.config, "num_anchors", 1),
-                       self.device, sample_anchor_positions)
+        data = self.objective.collate(samples, epoch, args.seed, self.device)
         features, last_hidden = self._features(samples, data)
-        denominators = self.objective.denominators(data, self.config.block_size, dist)
+        denominators = self.objective.denominators(data, dist)
         last = micro == args.grad_accum - 1
         sync = self.model.no_sync() if dist.enabled and not last else contextlib.nullcontext()
         with sync:
             with self._autocast():
-                result = self.model(data["input_ids"], features, data["loss_mask"], last_hidden,
-                                    data["anchor_positions"], data["block_keep_mask"],
-                                    denominators, data["valid"])
+                result = self.model(data, features, last_hidden, denominators)
             (self.objective.loss(result) * dist.world_size / args.grad_accum).backward()
-        sums += self.objective.sums(result, args.grad_accum).to(sums)
+        sums += self.objective.sums(result, data, args.grad_accum).to(sums)
 
     def _autocast(self):
         return (torch.autocast(self.device.type, dtype=self.dtype) if self.autocast
@@ -501,13 +497,11 @@ class Trainer:
         per_batch = max(1, args.batch_tokens // max(len(s.input_ids) for s in samples))
         for start in range(0, len(samples), per_batch):
             chunk = samples[start:start + per_batch]
-            data = collate(chunk, -1, args.seed, self.config.num_anchors, self.device,
-                           sample_anchor_positions)
+            data = self.objective.collate(chunk, -1, args.seed, self.device)
             features, last_hidden = self._features(chunk, data)
             with self._autocast():
-                out, eval_mask, keep, conf = self.step_module(
-                    data["input_ids"], features, data["loss_mask"], last_hidden,
-                    data["anchor_positions"], data["block_keep_mask"], None)
+                out, conf = self.step_module(data, features, last_hidden, None)
+            eval_mask, keep = data["eval_mask"], data["block_keep_mask"]
             rows = (keep & eval_mask[..., 0]).reshape(-1)
             c = out.accept_rate.reshape(eval_mask.shape).reshape(-1, eval_mask.shape[-1])[rows]
             n_verified = eval_mask.reshape(-1, eval_mask.shape[-1])[rows].sum(-1)
