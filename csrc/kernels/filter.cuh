@@ -12,10 +12,10 @@
 // second pass gathers those candidates (key and weight) into shared memory, and the remaining
 // digits, top-p's three digits and the kept weight all run on chip. A typical top-k / top-p row
 // is read twice (through L2: the caller's streaming pass has just read it). A caller that knows
-// the maxima of disjoint parts of the row (its threads', or the warps' of the blocks that
-// streamed it) saves top-k the first of those reads: the k-th largest of the maxima is a floor
-// under every token top-k keeps, and the gather starts from it (typically a few more than k
-// candidates). When more than kFilterCandidates tokens qualify (top-p alone over a flat
+// a floor under every token top-k keeps (the k-th largest of its threads' maxima: block_filter_row
+// with `parts`; the highest of verify's per-chunk floors) saves top-k the first of those reads,
+// and one that has already gathered every token at or above such a floor (verify's per-chunk
+// lists) saves both (block_filter_from, FilterStart). When more than kFilterCandidates tokens qualify (top-p alone over a flat
 // distribution, or a floor with too many ties), the descent goes on over the row instead: at
 // most seven reads. Min-p alone needs one (the kept weight).
 #pragma once

@@ -37,13 +37,15 @@
 //
 // Sampling filters: the allowed-token bitmask is applied as the rows stream in (one 32-bit word
 // per 32 elements). A request with top-k / top-p / min-p has its filters computed by the block
-// that decides the row, over the whole row (kernels/filter.cuh: a radix descent, at most seven
-// passes through L2, in dynamic shared memory the launch provides only when a filter is given),
-// for the rows the decision needs only; the row's result carries the threshold and the kept
-// weight, so the acceptance test, the race and the logprobs use the processed distribution. With
-// top-k, every block publishes each warp's largest allowed logit of its chunk of the row, and the
-// decider's gather starts from the k-th largest of those (a floor under every token top-k keeps),
-// which saves it the first-digit pass over the row.
+// that decides the row (kernels/filter.cuh), for the rows the decision needs only; the row's
+// result carries the threshold and the kept weight, so the acceptance test, the race and the
+// logprobs use the processed distribution. With top-k <= kVerifyTopK every item of the row also
+// publishes its chunk's floor (at or below the row's k-th largest logit) and the keys of its
+// tokens at or above it (ChunkFloor: read again from L2 right after the streaming pass), and the
+// decider runs the thresholds' radix digits on those lists on chip, reading nothing of the row;
+// a list that overflows, or 64 < k <= kVerifyFloorK (floors only), costs it one gather from the
+// row from the highest floor; larger k, top-p or min-p alone, a radix descent over the row (at
+// most seven passes through L2). Dynamic shared memory (FilterShared) only when a filter is given.
 //
 // Each element of a needed row is read once from HBM; the race reads row j* of a sampled request
 // again. Chunks start at multiples of 16 elements, so rows whose
