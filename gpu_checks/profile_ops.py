@@ -14,7 +14,10 @@ static model). For each op:
                   flush's end to the first kernel: the host's exposure at the first launch)
 
 and verify's sweep over G (sampled, acceptance about 0.95, B 64): the slope of time against G is
-what one more row of verify's per-row chain costs. Each op names the static model's row it is
+what one more row per request costs. verify decides rows independently: one more row is C more
+(row, chunk) items per request streamed by the grid and one more decision per request, not a
+longer chain of dependent rows (kernels/verify.cuh), so the slope is bandwidth and items, and
+the intercept the launches, the last row's decision and the race of row j*. Each op names the static model's row it is
 the measurement of, so ``python -m gpu_checks.model_vs_measured --profile`` sets the model's
 per-kernel times beside these (docs/performance-model.md, "Calibration").
 
@@ -156,7 +159,7 @@ def cases(shapes: Shapes, device: torch.device) -> List[Case]:
               f"N={s.loss['rows']} V={s.loss['vocab']} d={s.loss['width']} r={s.loss['rank']}"),
              graphable=False, heavy=True),
     ]
-    # The row chain: near-full acceptance, so every request decides about G + 1 rows.
+    # The G sweep: near-full acceptance, so every request decides about G + 1 rows.
     found += [Case(f"verify_chain_G{g}", verify("sampled", block=g, acceptance=0.95, seed=g))
               for g in CHAIN_BLOCKS if g <= max(s.block, 2)]
     return found
@@ -342,7 +345,8 @@ def profile_case(case: Case, meter: Meter) -> dict:
 
 def chain_slope(ops: Dict[str, dict]) -> Optional[dict]:
     """Least-squares eager_cold = intercept + slope * G over verify's sweep: the slope is one
-    more row of the per-row chain (every request decides about G + 1 rows)."""
+    more row per request (its C items and its decision; every request decides about G + 1
+    rows, each independently of the others)."""
     points = [(int(name.rsplit("G", 1)[1]), row["eager_cold_us"]) for name, row in ops.items()
               if name.startswith("verify_chain_G") and "eager_cold_us" in row]
     if len(points) < 2:
@@ -409,7 +413,7 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     chain = result["verify_chain"]
     if chain:
-        print(f"verify per-row chain: {chain['us_per_row']:.1f} us per row of G "
+        print(f"verify, one more row per request: {chain['us_per_row']:.1f} us per row of G "
               f"(intercept {chain['intercept_us']:.1f} us)")
     print(f"wrote {path} in {result['elapsed_s']:.0f} s")
     return 1 if failed else 0

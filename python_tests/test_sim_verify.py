@@ -1010,3 +1010,73 @@ def test_boundary_ids_are_emitted(sim, vocab, kind):
     the mask keep are emitted, with the reference's logprobs."""
     args, where = verify_tail_case(vocab, kind, seed=vocab)
     check_verify_tail(sim.verify, args, where)
+
+
+# --------------------------------------------------------------------------------------------
+# Rows decided independently, and top-k's per-chunk candidates (kernels/verify.cuh)
+# --------------------------------------------------------------------------------------------
+
+
+def _rejections_case(batch: int, block: int, vocab: int, seed: int) -> Case:
+    """Greedy requests whose drafts are wrong (never the argmax, so rejected) at several rows:
+    request b's drafts are right before row b % block and wrong at it and at every other row
+    after it, so its first rejection is row b % block and later rows reject too."""
+    gen = generator(seed)
+    target = peaky_logits((batch, block + 1), vocab, gen)
+    argmax = target.argmax(-1)[:, :block]
+    first = torch.arange(batch) % block
+    wrong = (torch.arange(block)[None, :] >= first[:, None]) & (
+        torch.rand(batch, block, generator=gen) < 0.7)
+    wrong[torch.arange(batch), first] = True
+    drafts = torch.where(wrong, (argmax + 1) % vocab, argmax)
+    return Case(target, drafts, torch.full((batch,), block, dtype=I32), torch.zeros(batch),
+                *randoms(batch, gen))
+
+
+def test_first_rejection_is_the_minimum_over_rejected_rows(sim):
+    """Blocks that read the rejection mark before any row is decided (as blocks running at once
+    may: "polls_see_launch_start") skip nothing, so every row of a request is decided and several
+    reject in any order: the mark must keep the earliest (an atomic maximum of G + 1 - j). A
+    plain store of the mark keeps whichever rejection was decided last, and the outputs of
+    requests whose later rows reject differ (shown once on that variant)."""
+    case = _rejections_case(batch=8, block=6, vocab=1025, seed=571)
+    filters = Filters(top_k=torch.tensor([0, 5, 0, 60, 0, 100, 0, 3], dtype=I32))
+    for schedule in range(3):
+        sim.set_seed(580 + schedule)
+        with emulator.planted("polls_see_launch_start"):
+            out = check(sim, case)
+            check_filtered(sim, case, filters)
+        assert out.num_accepted.tolist() == (torch.arange(8) % 6).tolist()
+
+
+def _tied_logits(shape, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Logits on a coarse grid: many tokens share the top values, so a chunk's list of tokens at
+    or above its floor overflows (more than kChunkCandidates) and the row gathers from the row."""
+    return torch.round(torch.randn(*shape, vocab, generator=gen) * 2.0) / 2.0
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_top_k_candidates_match_cpu_and_reference(sim, dtype):
+    """top-k within the per-chunk candidate lists (k <= 64: the decided rows' filters run on the
+    lists on chip), beyond them (k in (64, 256]: the chunks' floors only, one gather from the row;
+    k > 256: the row's radix descent), with top-p and min-p, over 9 chunks and a short last one,
+    with a mask; rows with heavy ties (lists that overflow) and rows with fewer finite logits
+    than k. Exact tokens and logprobs against the CPU kernel and the reference, with and without
+    every row decided (polls_see_launch_start)."""
+    batch, block, vocab = 8, 3, 8193
+    case = make_case(batch, block, vocab, seed=591, temperature="mixed", dtype=dtype,
+                     num_draft=block)
+    gen = generator(592)
+    target = case.target_logits.float()
+    target[2] = _tied_logits((block + 1,), vocab, gen)
+    target[5] = _tied_logits((block + 1,), vocab, gen)
+    target[6, :, 40:] = -INF  # 40 finite logits: fewer than its k
+    case = case.replace(target_logits=target.to(dtype))
+    allowed = torch.rand(batch * (block + 1), vocab, generator=gen) < 0.9
+    filters = Filters(top_k=torch.tensor([50, 64, 50, 1, 65, 8, 50, 300], dtype=I32),
+                      top_p=torch.tensor([0.9, 1.0, 0.8, 1.0, 0.95, 0.5, 0.9, 0.9]),
+                      min_p=torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0]),
+                      allowed_token_mask=pack_mask(allowed, gen))
+    check_filtered(sim, case, filters)
+    with emulator.planted("polls_see_launch_start"):
+        check_filtered(sim, case, filters)

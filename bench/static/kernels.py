@@ -256,6 +256,16 @@ def rows_decided(alpha: float, block: int) -> List[float]:
 PHILOX_CHAIN = 10 * 3
 
 
+# One compare-exchange stage of a warp's bitonic sort (filter floors): a shuffle, the lane test,
+# a min, a max and a select, each waiting for the one before.
+SORT_STAGE_INSTRS = 5
+# ASSUMED: one digit of a radix descent over about k candidates on chip (filter.cuh's
+# descend_digit): clearing the 2,048 buckets (8 a thread), the candidates' shared atomics, each
+# thread's 8 buckets summed, a block scan and a min-reduction (about 60 instructions between
+# them) and the bucket choice: about 120 dependent instructions besides its four barriers.
+DIGIT_INSTRS = 120
+
+
 def verify_item_chain(chunk: int, threads: int, groups: int, elems_per_thread: int) -> Chain:
     """One (row, chunk) item of verify_row_stats_kernel, the block's path: the request's scalars
     with the mark and the decider's draft-id loads (issued together: one L2 round trip) and the
@@ -320,22 +330,37 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
     skip = Chain(l2_waits=1, barrier_stages=1)
     decide = verify_decide_chain(greedy)
     note = "rows decided independently: items in series per resident slot"
+    gather_terms = []
     if filtered:
-        # top-k + top-p (kernels/filter.cuh): the decider gathers the row's candidates from
-        # top-k's floor in one pass over the row (from L2: the C blocks just streamed it), one
-        # 16-byte load per thread and iteration, used before the next; then both thresholds'
-        # digits on chip (top-k's first from the floor, its other kFilterDigits - 1, top-p's
-        # kFilterDigits; four barriers each) and the gather's two barriers.
-        visit = LoopSpec("filter: gather pass", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8}, 8,
-                         (r"^LDG\.E\.128", 1), loads=r"^LDG\.E\.128")
-        gather = term(binary, stats, visit, vocab)
+        # top-k 50 + top-p 0.9 (k <= kVerifyTopK): every item of a filtered row adds its chunk's
+        # floor (a bitonic sort of each warp's 32 thread maxima: five stages of shuffles, then one
+        # barrier) and the gather of its tokens at or above it: the chunk read again (from L2:
+        # the block just streamed it) in the streaming pass's groups, one wait per iteration,
+        # its instructions counted from the gather loop (ASSUMED: the hot path, no candidate). The decider reads the C floors (one L2
+        # round trip) and the C candidate lists in batches of kCandidateBatch loads per thread (one round
+        # trip each), then both thresholds' digits on chip: top-k's kFilterDigits and top-p's
+        # kFilterDigits, four barriers each, the lists' three and the kept weight's reduction.
+        tgroups = constant("kTargetGroups")
+        gather_spec = LoopSpec("candidates: gather pass",
+                               {r"^LDG\.E\.128": tgroups, BF16_HIGH: 4 * tgroups,
+                                r"^FSETP\.GE": 8 * tgroups}, 8, (BF16_HIGH, 4),
+                               loads=r"^LDG\.E\.128")
+        gather = term(binary, stats, gather_spec, batch * vocab * t_rows)
+        gather_terms = [gather]
+        gather_waits = math.ceil(chunk * BF16 / (threads * gather.in_flight))
+        sort_stages = sum(range(1, 6))                       # 15 compare-exchange stages
+        # The gather's instructions are issue (its term), as the streaming pass's are: the
+        # chain counts its wait, the sort's dependent stages and the barrier.
+        item = item + Chain(l2_waits=gather_waits, barrier_stages=1,
+                            dependent_instrs=SORT_STAGE_INSTRS * sort_stages)
         digits = constant("kFilterDigits")
-        share = vocab / threads
-        decide = decide + Chain(
-            l2_waits=math.ceil(share * BF16 / gather.in_flight),
-            dependent_instrs=share * gather.instr_per_elem,
-            barrier_stages=4 * (2 * digits) + 2)
-        note += "; each decided row's filters gather the row from L2 in its decider block"
+        lists = chunks * constant("kChunkCandidates")
+        batches = math.ceil(lists / (threads * constant("kCandidateBatch")))
+        decide = decide + Chain(l2_waits=1 + batches,
+                                dependent_instrs=2 * digits * DIGIT_INSTRS,
+                                barrier_stages=4 * (2 * digits) + 3 + 2)
+        note += ("; each filtered item gathers its chunk's top-k candidates (from L2), each "
+                 "decided row's filters run on the C lists on chip")
     slots = occ_of(stats, threads, stats_launch.shared).blocks_per_sm * H200.sms
     needed = batch * chunks * t_rows
     skipped = batch * chunks * rows - needed
@@ -345,7 +370,7 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
     note += (f": {needed / slots:.1f} items, {skipped / slots:.1f} skipped and "
              f"{decided / slots:.2f} decisions per slot ({slots} resident blocks), then the "
              "last row's decision")
-    stats_terms = [term(binary, stats, stream, batch * vocab * t_rows)]
+    stats_terms = [term(binary, stats, stream, batch * vocab * t_rows)] + gather_terms
 
     # The emit kernel: block 0 of a request reads the mark and row j*'s result (two L2 round
     # trips) and, greedy, writes the outputs. Sampled, each of the C blocks races its chunk of

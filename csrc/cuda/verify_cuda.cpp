@@ -20,6 +20,10 @@ namespace {
 
 struct VerifyCuda : CudaBackend {
   static constexpr bool kKeepPaddedTarget = true;  // padded targets are read in place, no copy
+  // The most workspace a call's top-k candidate lists may take (kernels/verify.cuh: 1 KB per
+  // chunk of a row; 9.4 MB at B 64, G 8, V 151,936): a larger batch keeps the chunks' floors
+  // only, and each decided row gathers its candidates from the row (the same outputs).
+  static constexpr int64_t kScratchBytes = int64_t{64} << 20;
   static void run(const VerifyArgs& a, VerifyResult& outputs);
 };
 
@@ -83,6 +87,7 @@ void VerifyCuda::run(const VerifyArgs& a, VerifyResult& outputs) {
   p.row_arrivals = reinterpret_cast<int32_t*>(counters.data_ptr<uint8_t>());
   p.reject_marks = p.row_arrivals + rows;
   p.race_arrivals = p.reject_marks + a.batch;
+  p.keep_candidates = kernels::verify_candidate_bytes(p) <= kScratchBytes;
   auto workspace = at::empty({kernels::verify_workspace_bytes(p)},
                             a.target.options().dtype(at::kByte));
   kernels::bind_verify_workspace(p, workspace.data_ptr());

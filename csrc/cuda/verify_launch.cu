@@ -16,7 +16,7 @@ int64_t region_bytes(int64_t count) {
 }
 
 struct WorkspaceLayout {
-  int64_t partial_bytes, result_bytes, race_bytes, maxima_bytes;
+  int64_t partial_bytes, result_bytes, race_bytes, floor_bytes, candidate_bytes;
 };
 
 WorkspaceLayout workspace_layout(const VerifyParams& p) {
@@ -25,8 +25,9 @@ WorkspaceLayout workspace_layout(const VerifyParams& p) {
   w.partial_bytes = region_bytes<RowPartial>(rows * p.num_chunks);
   w.result_bytes = region_bytes<RowResult>(rows);
   w.race_bytes = region_bytes<RacePartial>(int64_t{p.batch} * p.num_chunks);
-  // Top-k's floor: the warps' maxima of every chunk of every row (only when top-k is given).
-  w.maxima_bytes = p.top_k ? region_bytes<float>(rows * p.num_chunks * kVerifyWarps) : 0;
+  // Top-k's floors and candidates (only when top-k is given; the lists when affordable).
+  w.floor_bytes = p.top_k ? region_bytes<ChunkFloor>(rows * p.num_chunks) : 0;
+  w.candidate_bytes = p.keep_candidates ? verify_candidate_bytes(p) : 0;
   return w;
 }
 
@@ -49,20 +50,28 @@ cudaError_t launch_verify_typed(const VerifyParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+int64_t verify_candidate_bytes(const VerifyParams& p) {
+  const int64_t rows = int64_t{p.batch} * (p.block + 1);
+  return p.top_k ? region_bytes<uint32_t>(rows * p.num_chunks * kChunkCandidates) : 0;
+}
+
 int64_t verify_workspace_bytes(const VerifyParams& p) {
   const WorkspaceLayout w = workspace_layout(p);
-  return w.partial_bytes + w.result_bytes + w.race_bytes + w.maxima_bytes;
+  return w.partial_bytes + w.result_bytes + w.race_bytes + w.floor_bytes + w.candidate_bytes;
 }
 
 void bind_verify_workspace(VerifyParams& p, void* workspace) {
   const WorkspaceLayout w = workspace_layout(p);
   auto* base = static_cast<uint8_t*>(workspace);
   p.partials = reinterpret_cast<RowPartial*>(base);
-  p.results = reinterpret_cast<RowResult*>(base + w.partial_bytes);
-  p.race_partials = reinterpret_cast<RacePartial*>(base + w.partial_bytes + w.result_bytes);
-  p.part_maxima = p.top_k ? reinterpret_cast<float*>(base + w.partial_bytes + w.result_bytes +
-                                                     w.race_bytes)
-                          : nullptr;
+  base += w.partial_bytes;
+  p.results = reinterpret_cast<RowResult*>(base);
+  base += w.result_bytes;
+  p.race_partials = reinterpret_cast<RacePartial*>(base);
+  base += w.race_bytes;
+  p.chunk_floors = w.floor_bytes ? reinterpret_cast<ChunkFloor*>(base) : nullptr;
+  base += w.floor_bytes;
+  p.candidates = w.candidate_bytes ? reinterpret_cast<uint32_t*>(base) : nullptr;
 }
 
 cudaError_t launch_verify(int target_type, int draft_type, const VerifyParams& p,

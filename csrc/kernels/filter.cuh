@@ -12,10 +12,10 @@
 // second pass gathers those candidates (key and weight) into shared memory, and the remaining
 // digits, top-p's three digits and the kept weight all run on chip. A typical top-k / top-p row
 // is read twice (through L2: the caller's streaming pass has just read it). A caller that knows
-// the maxima of disjoint parts of the row (its threads', or the warps' of the blocks that
-// streamed it) saves top-k the first of those reads: the k-th largest of the maxima is a floor
-// under every token top-k keeps, and the gather starts from it (typically a few more than k
-// candidates). When more than kFilterCandidates tokens qualify (top-p alone over a flat
+// a floor under every token top-k keeps (the k-th largest of its threads' maxima: block_filter_row
+// with `parts`; the highest of verify's per-chunk floors) saves top-k the first of those reads,
+// and one that has already gathered every token at or above such a floor (verify's per-chunk
+// lists) saves both (block_filter_from, FilterStart). When more than kFilterCandidates tokens qualify (top-p alone over a flat
 // distribution, or a floor with too many ties), the descent goes on over the row instead: at
 // most seven reads. Min-p alone needs one (the kept weight).
 #pragma once
@@ -107,17 +107,25 @@ __device__ void descend_digit(const Source& source, uint32_t lower, bool by_weig
   __syncthreads();  // the next digit clears the histogram
 }
 
+// Where block_filter_from starts top-k (or top-p without top-k).
+enum class FilterStart {
+  kRow,     // the first digit over the row
+  kFloor,   // one gather of the row's tokens with keys at or above `floor` (a key at or below the
+            // k-th largest: every token top-k keeps is gathered)
+  kOnChip,  // the caller has put the candidates on chip (sh.candidate_key/_weight[0,
+            // sh.candidates), before a barrier): every finite token with a key at or above
+            // `floor`, a key at or below the k-th largest; requires top-k
+};
+
 // The filters of one row (row_max its max; spec.active()) by the whole block; every thread gets
 // the result. load8(x, v) yields elements [x, x + 8) of the row, dropped ones (non-finite,
-// disallowed, past the end) as -inf. With `parts` > 0 the caller has put in sh.candidate_key[0,
-// parts) (and sh.candidates = parts, before a barrier) the keys of the largest elements of
-// `parts` disjoint parts of the row (logit_key(-inf) for a part with none): for top-k with
-// k <= parts, the k-th largest of them has k tokens at or above it, so every token top-k keeps is
-// too, and one gather of the tokens at or above it replaces the first digit's pass over the row.
+// disallowed, past the end) as -inf. `start` says what the caller knows (FilterStart): from a
+// floor under top-k's threshold, the descent never visits the tokens below it, so the row is read
+// once (kFloor) or not at all (kOnChip), unless more than kFilterCandidates tokens qualify.
 template <typename Load8>
-__device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float row_max,
-                                         float inv_t, const FilterSpec& spec, FilterShared& sh,
-                                         int parts = 0) {
+__device__ FilterResult block_filter_from(const Load8& load8, int64_t n, float row_max,
+                                          float inv_t, const FilterSpec& spec, FilterShared& sh,
+                                          FilterStart start, uint32_t floor) {
   const auto row = [&](const auto& visit) {
     for (int64_t x = int64_t{threadIdx.x} * kFilterValues; x < n;
          x += int64_t{blockDim.x} * kFilterValues) {
@@ -136,7 +144,7 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
       visit(sh.candidate_key[i], [&] { return sh.candidate_weight[i]; });
     }
   };
-  bool gathered = false;
+  bool gathered = start == FilterStart::kOnChip;
   const auto digit = [&](uint32_t lower, bool by_weight, double limit, Descent& d) {
     if (gathered) {
       descend_digit(on_chip, lower, by_weight, limit, d, sh);
@@ -166,14 +174,7 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
   if (spec.top_k > 0 || spec.top_p < 1.f) {
     const bool top_k = spec.top_k > 0;
     const double limit = top_k ? static_cast<double>(spec.top_k) : static_cast<double>(spec.top_p);
-    if (top_k && spec.top_k <= parts) {
-      // The floor: the k-th largest of the parts' maxima, by a count descent on chip.
-      Descent maxima;
-      while (maxima.level < kFilterDigits) {
-        descend_digit(on_chip, threshold, false, limit, maxima, sh);
-      }
-      gathered = gather(maxima.prefix);
-    }
+    if (top_k && start == FilterStart::kFloor) gathered = gather(floor);
     Descent first;
     if (!gathered) {  // the first digit over the row, then the candidates at or above its bucket
       digit(threshold, !top_k, limit, first);
@@ -202,6 +203,32 @@ __device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float ro
   const auto add = [](double a, double b) { return a + b; };
   f.kept_sum = static_cast<float>(block_reduce(kept, add, 0.0, sh.sum_scratch));
   return f;
+}
+
+// block_filter_from, with a floor from the maxima of disjoint parts of the row: with `parts` > 0
+// the caller has put in sh.candidate_key[0, parts) (and sh.candidates = parts, before a barrier)
+// the keys of the largest elements of `parts` disjoint parts of the row (logit_key(-inf) for a
+// part with none): for top-k with k <= parts, the k-th largest of them has k tokens at or above
+// it, so every token top-k keeps is too, and one gather of the tokens at or above it replaces the
+// first digit's pass over the row.
+template <typename Load8>
+__device__ FilterResult block_filter_row(const Load8& load8, int64_t n, float row_max,
+                                         float inv_t, const FilterSpec& spec, FilterShared& sh,
+                                         int parts = 0) {
+  if (spec.top_k <= 0 || spec.top_k > parts) {
+    return block_filter_from(load8, n, row_max, inv_t, spec, sh, FilterStart::kRow, 0u);
+  }
+  // The floor: the k-th largest of the parts' maxima, by a count descent on chip.
+  const auto maxima = [&](const auto& visit) {
+    for (uint32_t i = threadIdx.x; i < sh.candidates; i += blockDim.x) {
+      visit(sh.candidate_key[i], [&] { return 0.f; });
+    }
+  };
+  Descent d;
+  while (d.level < kFilterDigits) {
+    descend_digit(maxima, logit_key(-INFINITY), false, static_cast<double>(spec.top_k), d, sh);
+  }
+  return block_filter_from(load8, n, row_max, inv_t, spec, sh, FilterStart::kFloor, d.prefix);
 }
 
 }  // namespace dspark_ops::kernels

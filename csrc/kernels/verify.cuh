@@ -37,13 +37,15 @@
 //
 // Sampling filters: the allowed-token bitmask is applied as the rows stream in (one 32-bit word
 // per 32 elements). A request with top-k / top-p / min-p has its filters computed by the block
-// that decides the row, over the whole row (kernels/filter.cuh: a radix descent, at most seven
-// passes through L2, in dynamic shared memory the launch provides only when a filter is given),
-// for the rows the decision needs only; the row's result carries the threshold and the kept
-// weight, so the acceptance test, the race and the logprobs use the processed distribution. With
-// top-k, every block publishes each warp's largest allowed logit of its chunk of the row, and the
-// decider's gather starts from the k-th largest of those (a floor under every token top-k keeps),
-// which saves it the first-digit pass over the row.
+// that decides the row (kernels/filter.cuh), for the rows the decision needs only; the row's
+// result carries the threshold and the kept weight, so the acceptance test, the race and the
+// logprobs use the processed distribution. With top-k <= kVerifyTopK every item of the row also
+// publishes its chunk's floor (at or below the row's k-th largest logit) and the keys of its
+// tokens at or above it (ChunkFloor: read again from L2 right after the streaming pass), and the
+// decider runs the thresholds' radix digits on those lists on chip, reading nothing of the row;
+// a list that overflows, or 64 < k <= kVerifyFloorK (floors only), costs it one gather from the
+// row from the highest floor; larger k, top-p or min-p alone, a radix descent over the row (at
+// most seven passes through L2). Dynamic shared memory (FilterShared) only when a filter is given.
 //
 // Each element of a needed row is read once from HBM; the race reads row j* of a sampled request
 // again. Chunks start at multiples of 16 elements, so rows whose
@@ -116,6 +118,27 @@ struct RowResult {
 struct RacePartial {
   float mass;
   RaceCandidate best;
+};
+
+// Top-k's candidates (see the file header). An item of a row with top-k <= kVerifyFloorK
+// publishes its chunk's floor: each warp's ceil(k / kVerifyWarps)-th largest thread maximum,
+// the least over the warps (a bitonic sort of a warp's 32 maxima and one barrier): kVerifyWarps
+// warps then hold that many distinct threads' maxima at or above it, so the chunk has at least k
+// tokens there, and its k-th largest, a floor under the row's k-th largest, is not below it.
+// With top-k <= kVerifyTopK the item also keeps its chunk's tokens at or above the floor (their
+// keys; a key gives the logit and hence the weight, and the filters need no index), at most
+// kChunkCandidates of them: for normal logits about 2k at k = 50 (100 at k = 50, 115 at k = 64
+// on average, 190 at most in 300 draws of 9,496 bf16 logits), so an overflow, which sends the
+// row back to a gather from the row, is rare. Larger k keeps the floor only: more tokens than
+// the list holds would qualify.
+constexpr int kVerifyTopK = 64;
+constexpr int kChunkCandidates = 256;
+constexpr int kVerifyFloorK = kVerifyWarps * 32;
+constexpr int kCandidateBatch = 8;  // the decider's loads of the lists issued before any is used
+
+struct ChunkFloor {
+  uint32_t floor;  // a key (logit_key) at or below the chunk's k-th largest
+  uint32_t count;  // the chunk's tokens at or above it (kept: the first kChunkCandidates)
 };
 
 
@@ -311,6 +334,18 @@ __device__ __forceinline__ const T* draft_row(const VerifyParams& p, int b, int 
   return static_cast<const T*>(p.draft) + b * p.draft_stride_b + j * p.draft_stride_j;
 }
 
+// A relaxed read of request b's rejection mark, which is zero when the call starts and only
+// grows: a late value only costs bandwidth (rows past the first rejection are never used). The
+// emulator can return the launch-start value (zero) to every read, as blocks that all run at
+// once may see: the outputs must not change.
+__device__ __forceinline__ int32_t poll_mark(const int32_t* mark) {
+#if defined(DSPARK_OPS_SIM)
+  return ::dspark_sim::poll_counter(DSPARK_SIM_SITE, mark);
+#else
+  return *reinterpret_cast<const volatile int32_t*>(mark);
+#endif
+}
+
 // Folds elements [x, x + 8) into running statistics: online max / first argmax / sum of weights.
 __device__ __forceinline__ void accumulate8(SoftmaxStats& s, const float (&v)[kElementsPerThread],
                                             int64_t x, bool with_sum, float inv_t) {
@@ -355,7 +390,7 @@ __device__ __forceinline__ void stream_row(const TT* trow, const int32_t* mrow, 
   constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
   for (int64_t base = x0 + int64_t{threadIdx.x} * kElementsPerThread; base < x1;
        base += kGroupStride * kGroups) {
-    const int32_t mark = *reinterpret_cast<const volatile int32_t*>(reject_mark);
+    const int32_t mark = poll_mark(reject_mark);
     Raw8<TT> t_raw[kGroups];
     Raw8<DT> d_raw[kDraft ? kGroups : 1];
 #pragma unroll
@@ -492,6 +527,75 @@ __device__ __forceinline__ void write_outputs(const VerifyParams& p, int b, int 
   if (threadIdx.x == 0) {
     p.num_accepted[b] = j;
     p.valid[b] = valid;
+  }
+}
+
+// The chunk's floor for top-k (see ChunkFloor) from each thread's maximum, by the whole block;
+// also sets `count` to zero for gather_candidates (one barrier before both are used).
+__device__ __forceinline__ uint32_t chunk_floor(float thread_max, int top_k,
+                                                uint32_t (&warp_floor)[kVerifyWarps],
+                                                uint32_t& count) {
+  uint32_t key = logit_key(thread_max);  // a thread without a finite logit: below them all
+  const int lane = threadIdx.x & 31;
+  // Bitonic sort of the warp's keys, largest first.
+#pragma unroll
+  for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, key, stride);
+      const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
+      key = keep_max ? max(key, other) : min(key, other);
+    }
+  }
+  const int j = (top_k + kVerifyWarps - 1) / kVerifyWarps;  // 1..32
+  const uint32_t jth = __shfl_sync(0xffffffffu, key, j - 1);
+  if (lane == 0) warp_floor[threadIdx.x >> 5] = jth;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  uint32_t floor = warp_floor[0];
+#pragma unroll
+  for (int w = 1; w < kVerifyWarps; ++w) floor = min(floor, warp_floor[w]);
+  return floor;
+}
+
+// Appends this thread's allowed tokens of trow[x0, x1) whose keys are at or above `floor` to
+// out[0, kChunkCandidates) (slots from `count`, a shared counter; past the end only counted).
+// The chunk was just streamed, so it comes from L1/L2; its loads are issued in groups as the
+// streaming pass issues them (one wait for a bf16 chunk at V = 151,936).
+template <int kGroups, typename TT>
+__device__ __forceinline__ void gather_candidates(const TT* trow, const int32_t* mrow, int64_t x0,
+                                                  int64_t x1, uint32_t floor, uint32_t* out,
+                                                  uint32_t& count) {
+  const float low = key_logit(floor);  // keys and logits order alike (-0 keys as +0)
+  const bool aligned = (reinterpret_cast<uintptr_t>(trow) & 15) == 0;
+  constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
+  for (int64_t base = x0 + int64_t{threadIdx.x} * kElementsPerThread; base < x1;
+       base += kGroupStride * kGroups) {
+    Raw8<TT> raw[kGroups];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t x = base + g * kGroupStride;
+      if (aligned && x + kElementsPerThread <= x1) issue8(trow, x, raw[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t x = base + g * kGroupStride;
+      if (x >= x1) break;
+      float v[kElementsPerThread];
+      if (aligned && x + kElementsPerThread <= x1) {
+        unpack8(raw[g], v);
+      } else {
+        load8(trow, x, x1, kSingleLoads, v);
+      }
+      drop_disallowed8(mrow, x, x1, v);
+#pragma unroll
+      for (int k = 0; k < kElementsPerThread; ++k) {
+        if (v[k] != -INFINITY && v[k] >= low) {
+          const uint32_t i = atomicAdd(&count, 1u);
+          if (i < kChunkCandidates) out[i] = logit_key(v[k]);
+        }
+      }
+    }
   }
 }
 
@@ -661,7 +765,7 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
   int64_t x = -1;
   float t_x = -INFINITY, d_x = -INFINITY;
   if (threadIdx.x == 0) {
-    skip = *reinterpret_cast<const volatile int32_t*>(p.reject_marks + b) > rows - j;
+    skip = poll_mark(p.reject_marks + b) > rows - j;
     if (j < r.n) {
       x = draft_token(p, b, j);
       if (x >= 0 && x < p.vocab) {
@@ -676,21 +780,27 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
   const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
   const RowPartial mine = thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j);
   const int64_t slot = int64_t{b} * rows + j;
-  if (p.part_maxima && r.filtered && r.spec.top_k > 0) {  // request-uniform
-    float m = mine.target.max;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    }
-    // Published by thread 0's arrival below, after the reduction's barriers.
-    if ((threadIdx.x & 31) == 0) {
-      p.part_maxima[(slot * p.num_chunks + c) * kVerifyWarps + (threadIdx.x >> 5)] = m;
+  // Top-k's floor and candidates of this chunk (ChunkFloor), published by thread 0's arrival
+  // below, after the reduction's barriers.
+  __shared__ uint32_t warp_floor[kVerifyWarps];
+  __shared__ uint32_t kept;
+  const bool floors = p.chunk_floors && r.filtered && r.spec.top_k > 0 &&
+                      r.spec.top_k <= kVerifyFloorK;  // request-uniform
+  const bool candidates = floors && p.candidates && r.spec.top_k <= kVerifyTopK;
+  uint32_t floor = 0;
+  if (floors) {
+    floor = chunk_floor(mine.target.max, r.spec.top_k, warp_floor, kept);
+    if (candidates && trow) {  // block-uniform
+      gather_candidates<target_groups<TT>()>(
+          trow, mrow, x0, x1, floor, p.candidates + (slot * p.num_chunks + c) * kChunkCandidates,
+          kept);
     }
   }
   const RowPartial part = block_reduce(mine, merge, empty, scratch);
 
   if (threadIdx.x == 0) {
     p.partials[slot * p.num_chunks + c] = part;
+    if (floors) p.chunk_floors[slot * p.num_chunks + c] = ChunkFloor{floor, kept};
     last = arrive(p.row_arrivals + slot) == p.num_chunks - 1;
     if (last) p.row_arrivals[slot] = 0;  // every block has arrived: back to zero
   }
@@ -721,17 +831,70 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
       load8(trow, at, p.vocab, mis, v);
       drop_disallowed8(mrow, at, p.vocab, v);
     };
-    int parts = 0;  // the warps' maxima of every chunk: top-k's floor
-    if (p.part_maxima && r.spec.top_k > 0) {
-      parts = p.num_chunks * kVerifyWarps;
-      const float* maxima = p.part_maxima + slot * parts;
-      for (int i = threadIdx.x; i < parts; i += blockDim.x) {
-        filter_shared->candidate_key[i] = logit_key(__ldcg(maxima + i));
+    FilterStart start = FilterStart::kRow;
+    uint32_t row_floor = 0;
+    if (floors) {
+      // Every chunk's tokens at or above its floor include the row's at or above the highest
+      // floor, which is at or below the row's k-th largest: the candidates at or above it are
+      // all top-k needs (and all top-p and min-p then keep), when no chunk's list overflowed.
+      __shared__ uint32_t chunk_count[kVerifyMaxChunks];
+      __shared__ uint32_t highest;
+      __shared__ bool complete;
+      if (threadIdx.x < 32) {
+        uint32_t h = 0;
+        bool fits = true;
+        for (int k = threadIdx.x; k < p.num_chunks; k += 32) {
+          const ChunkFloor* f = p.chunk_floors + slot * p.num_chunks + k;
+          const uint32_t n = __ldcg(&f->count);
+          h = max(h, __ldcg(&f->floor));
+          fits = fits && n <= kChunkCandidates;
+          chunk_count[k] = n;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          h = max(h, __shfl_xor_sync(0xffffffffu, h, offset));
+        }
+        fits = !__any_sync(0xffffffffu, !fits);
+        if (threadIdx.x == 0) {
+          highest = h;
+          complete = candidates && fits;
+          filter_shared->candidates = 0;
+        }
       }
-      if (threadIdx.x == 0) filter_shared->candidates = parts;
       __syncthreads();
+      row_floor = highest;
+      start = FilterStart::kFloor;
+      if (complete) {  // block-uniform
+        // The C lists, in batches of loads issued before any is used.
+        const int total = p.num_chunks * kChunkCandidates;
+        for (int base = threadIdx.x; base < total; base += kCandidateBatch * kVerifyThreads) {
+          uint32_t key[kCandidateBatch];
+#pragma unroll
+          for (int u = 0; u < kCandidateBatch; ++u) {
+            const int i = base + u * kVerifyThreads;
+            const int k = i / kChunkCandidates;
+            key[u] = i < total && static_cast<uint32_t>(i - k * kChunkCandidates) < chunk_count[k]
+                         ? __ldcg(p.candidates + slot * p.num_chunks * kChunkCandidates + i)
+                         : kNoCandidate;
+          }
+#pragma unroll
+          for (int u = 0; u < kCandidateBatch; ++u) {
+            if (key[u] == kNoCandidate || key[u] < row_floor) continue;
+            const uint32_t i = atomicAdd(&filter_shared->candidates, 1u);
+            if (i < kFilterCandidates) {
+              filter_shared->candidate_key[i] = key[u];
+              filter_shared->candidate_weight[i] =
+                  softmax_weight(key_logit(key[u]), mt.max, r.inv_t);
+            }
+          }
+        }
+        __syncthreads();
+        if (filter_shared->candidates <= kFilterCandidates) start = FilterStart::kOnChip;
+        __syncthreads();  // read by all before a gather from the row may reset it
+      }
     }
-    filter = block_filter_row(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared, parts);
+    filter = block_filter_from(masked8, p.vocab, mt.max, r.inv_t, r.spec, *filter_shared, start,
+                               row_floor);
     mt.sum = filter.kept_sum;
   }
   if (threadIdx.x != 0) return;

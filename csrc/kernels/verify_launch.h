@@ -13,6 +13,7 @@ namespace dspark_ops::kernels {
 struct RowPartial;
 struct RowResult;
 struct RacePartial;
+struct ChunkFloor;
 
 struct VerifyParams {
   const void* target;  // [rows, vocab], unit stride along vocab
@@ -47,9 +48,13 @@ struct VerifyParams {
   int64_t chunk;
   // Workspace (any initial contents).
   RowPartial* partials;  // [B, G+1, C]
-  // [B, G+1, C, kVerifyWarps] when top-k is given, else null: each warp's largest allowed target
-  // logit of its chunk of the row, the parts top-k's floor is taken from (filter.cuh).
-  float* part_maxima;
+  // [B, G+1, C] when top-k is given, else null: each chunk's floor under the row's k-th largest
+  // logit and how many of its tokens are at or above it (verify.cuh, ChunkFloor).
+  ChunkFloor* chunk_floors;
+  // [B, G+1, C, kChunkCandidates] when top-k is given and keep_candidates, else null: the keys
+  // of each chunk's tokens at or above its floor.
+  uint32_t* candidates;
+  bool keep_candidates;  // set by the caller: whether the workspace holds the candidate lists
   RowResult* results;    // [B, G+1]
   RacePartial* race_partials;  // [B, C]
   // Counters, zero when the call starts; each is back to zero when the call ends (its last user
@@ -77,8 +82,12 @@ inline int64_t verify_num_chunks(int64_t vocab) {
   return (vocab + chunk - 1) / chunk;
 }
 
-// Bytes of the workspace a call with these params needs (p.batch, p.block, p.num_chunks and
-// whether p.top_k is given), and the pointers into it that bind_verify_workspace sets: any
+// Bytes of the candidate lists of a call with these params (p.batch, p.block, p.num_chunks)
+// when top-k is given, else 0: the caller sets p.keep_candidates when it can afford them.
+int64_t verify_candidate_bytes(const VerifyParams& p);
+
+// Bytes of the workspace a call with these params needs (p.batch, p.block, p.num_chunks,
+// whether p.top_k is given and p.keep_candidates), and the pointers into it that bind_verify_workspace sets: any
 // initial contents.
 int64_t verify_workspace_bytes(const VerifyParams& p);
 void bind_verify_workspace(VerifyParams& p, void* workspace);

@@ -146,6 +146,17 @@ inline T __ldg(const T* p) { return *p; }
 template <typename T>
 inline T __ldcg(const T* p) { return *p; }
 
+// ---- a relaxed read of a counter other blocks publish to, which is zero when the launch starts
+// and only grows (kernels/verify.cuh: the rejection mark): read here (the checkers see the load),
+// and under "polls_see_launch_start" answered with the launch-start value, as a block may see it
+// while the blocks that raise it run beside it.
+namespace dspark_sim {
+inline int32_t poll_counter(Site, const int32_t* counter) {
+  const int32_t value = *counter;
+  return polls_see_launch_start() ? 0 : value;
+}
+}  // namespace dspark_sim
+
 // ---- cp.async (kernels/async_copy.cuh): the destination is poisoned at issue (a write of the
 // issuing thread: the hardware's may land any time after it) and the copy is made by the issuing
 // thread at the wait that completes it, through these instrumented loads and stores, so the race

@@ -139,6 +139,7 @@ bool set_device(const std::string& name) {
 
 void set_seed(uint64_t seed) { g_rng.state = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull; }
 void set_plant(const std::string& plant) { g_plant = plant; }
+bool polls_see_launch_start() { return g_plant == "polls_see_launch_start"; }
 void register_launch_bounds(const char* name, int max_threads) { g_launch_bounds[name] = max_threads; }
 
 std::string launch_log() {

@@ -58,7 +58,12 @@ void set_seed(uint64_t seed);
 //   "drop_barrier:<file>:<line>"   that __syncthreads does nothing
 //   "shuffle_off_by_one"           every shuffle reads from the next lane
 //   "mma_swap_a12"                 mma.sync takes A registers a1 and a2 swapped
+// and one setting that is no fault but a legal execution the one-block-at-a-time order cannot
+// produce (blocks that all run at once, none seeing another's writes yet):
+//   "polls_see_launch_start"       poll_counter (prelude.h) returns 0, a polled counter's value
+//                                  when the launch started
 void set_plant(const std::string& plant);
+bool polls_see_launch_start();
 
 // Per-thread state of the running kernel; null outside a kernel.
 struct ThreadState {
