@@ -142,6 +142,10 @@ ATTENTION_CASES = [
     ("d128-L0", 2, 2, 2, 1, 128, 0, "none", BF16, [0, 0]),
     # 68 query rows per KV head: three row groups, the last one 4 rows; 2 splits of 192.
     ("d128-gqa4-3groups", 2, 17, 8, 2, 128, 380, "spread", BF16, [380, 250]),
+    # D = 512 (Gemma4): tiles of 16 rows, one split of 192 (12 tiles: the ring wraps), contexts
+    # 150 (a partial last tile) and 1 (a 1-row tail).
+    ("d512-gqa4", 2, 3, 8, 2, 512, 190, "permuted", BF16, [150, 1]),
+    ("d512-mha-f16", 1, 2, 2, 2, 512, 40, "none", F16, [37]),
 ]
 
 
@@ -210,12 +214,12 @@ def test_every_instantiation_runs(sim):
     float32 attention is rejected by the CUDA entry point."""
     sim.clear_launch_log()
     for dtype in (F16, BF16):
-        for dim in (64, 128, 256):
+        for dim in (64, 128, 256, 512):
             name = f"inst-{dtype}-{dim}"
             t, _ = make_inputs(name, 2, 2, 4, 2, dim, 70, "none", dtype)
             check(sim, t, i32(70, 9), name)
     launched = emulator.launches()
-    assert launched == {name: 2 for dtype in (F16, BF16) for dim in (64, 128, 256)
+    assert launched == {name: 2 for dtype in (F16, BF16) for dim in (64, 128, 256, 512)
                         for name in (f"block_attention_split_kernel<{CUDA_TYPE[dtype]}, {dim}, 3>",
                                      f"block_attention_merge_kernel<{CUDA_TYPE[dtype]}, {dim}>")}, \
         launched

@@ -96,7 +96,8 @@ auto with_attention_types(int element_type, int dim, F&& f) {
     switch (dim) {
       case 64: return f(t, std::integral_constant<int, 64>{});
       case 128: return f(t, std::integral_constant<int, 128>{});
-      default: return f(t, std::integral_constant<int, 256>{});
+      case 256: return f(t, std::integral_constant<int, 256>{});
+      default: return f(t, std::integral_constant<int, 512>{});
     }
   };
   return element_type == kElementHalf ? with_dim(__half{}) : with_dim(__nv_bfloat16{});

@@ -26,11 +26,10 @@ transformers it builds on:
   the Markov bias added *after* the cap (:meth:`Gemma4DSparkDraft.base_logits` returns the
   capped logits, which ``markov_draft`` biases).
 
-The block attention runs through :func:`dspark_ops.block_draft_attention` when its kernels take
-the head dim (64, 128 or 256). At the released draft's 512 they do not (their tiles hold at
-most 256 dims of a row), and :func:`block_attention_torch` computes the same attention exactly in
-float32 PyTorch; the context K/V are still written by :func:`dspark_ops.append_context_kv`,
-which takes any head dim.
+The block attention runs through :func:`dspark_ops.block_draft_attention` at every head dim its
+kernels take (64, 128, 256 and the released draft's 512), reading the caches in place; the
+context K/V are written by :func:`dspark_ops.append_context_kv`. :func:`block_attention_torch`,
+the same attention in float32 PyTorch, is the tests' reference only.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ __all__ = [
     "soft_cap",
 ]
 
-#: Head dims the ``block_draft_attention`` kernels take; others use :func:`block_attention_torch`.
-KERNEL_HEAD_DIMS = (64, 128, 256)
+#: Head dims the ``block_draft_attention`` kernels take.
+KERNEL_HEAD_DIMS = (64, 128, 256, 512)
 ROPE_TYPES = ("proportional", "default")
 
 # Fields of DeepSpec's Gemma4 draft config read and dropped: they describe the target it was
@@ -427,22 +426,6 @@ class Gemma4DraftAttention(DraftAttention):
     def query(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)),
                           positions)
-
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                cache_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As :meth:`DraftAttention.forward`; through :func:`block_attention_torch` when the
-        head dim is not one the kernels take (512 for the released Gemma4 draft)."""
-        if self.head_dim in KERNEL_HEAD_DIMS:
-            return super().forward(hidden, positions, k_cache, v_cache, cache_seqlens,
-                                   cache_slot)
-        batch, block = hidden.shape[:2]
-        dtype = k_cache.dtype
-        q = self.query(hidden, positions).to(dtype)
-        k, v = self.key_value(hidden, positions)
-        out = block_attention_torch(q, k.to(dtype), v.to(dtype), k_cache, v_cache, cache_seqlens,
-                                    cache_slot=cache_slot, softmax_scale=self.scaling)
-        return self.o_proj(out.reshape(batch, block, -1).to(hidden.dtype))
 
 
 class Gemma4DraftMLP(DraftMLP):
