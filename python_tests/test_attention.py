@@ -151,6 +151,7 @@ REFERENCE_CASES = [
     (16, 8, 8, 1, 64, 48, "spread"),
     (16, 1, 16, 2, 128, 37, "shared"),
     (16, 8, 2, 2, 128, 256, "permuted"),
+    (2, 8, 4, 1, 512, 300, "permuted"),  # Gemma4's head dim
 ]
 
 
@@ -224,7 +225,7 @@ def test_references_agree():
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_default_scale_is_one_over_sqrt_d(device, dtype):
     gen = generator(32)
-    for dim in (64, 128, 256):
+    for dim in (64, 128, 256, 512):
         t = {**make_block(gen, 3, 4, 4, 2, dim, dtype, device),
              **make_caches(gen, 3, 9, 2, dim, dtype, device)}
         seqlens = make_seqlens(3, 9, gen, device)
@@ -708,11 +709,11 @@ STRUCTURE_ERRORS = [
     ("q-int", ATT, lambda: dict(q=torch.ones(B, G, HQ, D, dtype=torch.int32)), TypeError,
      r"'q' must have dtype Half or BFloat16( or Float)?, got Int"),
     ("D-32", ATT, lambda: dict(q=_bf16(B, G, HQ, 32)), ValueError,
-     r"the head dimension D of 'q' must be 64, 128 or 256, got 32"),
+     r"the head dimension D of 'q' must be 64, 128, 256 or 512, got 32"),
     ("D-96", ATT, lambda: dict(q=_bf16(B, G, HQ, 96)), ValueError,
-     r"the head dimension D of 'q' must be 64, 128 or 256, got 96"),
-    ("D-512", ATT, lambda: dict(q=_bf16(B, G, HQ, 512)), ValueError,
-     r"the head dimension D of 'q' must be 64, 128 or 256, got 512"),
+     r"the head dimension D of 'q' must be 64, 128, 256 or 512, got 96"),
+    ("D-1024", ATT, lambda: dict(q=_bf16(B, G, HQ, 1024)), ValueError,
+     r"the head dimension D of 'q' must be 64, 128, 256 or 512, got 1024"),
     ("k_cache-3d", BOTH, lambda: dict(k_cache=_bf16(N, L, HKV * D)), ValueError,
      r"'k_cache' must be 4-D \[N, L, Hkv, D\], got a 3-D tensor of shape \[5, 6, 128\]"),
     ("k_cache-dtype", ATT, lambda: dict(k_cache=_bf16(N, L, HKV, D).half()), TypeError,

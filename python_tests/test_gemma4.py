@@ -237,7 +237,7 @@ def _loaded(values, dtype=torch.float32, seed=0):
     return config, state, draft
 
 
-@pytest.mark.parametrize("head_dim", [64, 512])  # the kernels' path, the exact PyTorch path
+@pytest.mark.parametrize("head_dim", [64, 512])  # both through the kernels
 @pytest.mark.parametrize("k_eq_v", [True, False])
 def test_block_matches_the_eager_formula(head_dim, k_eq_v):
     config, state, draft = _loaded(deepspec_config(global_head_dim=head_dim,

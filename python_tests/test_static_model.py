@@ -346,10 +346,12 @@ def test_draft_slot_chain_pays_each_column_tile_on_every_tile():
     assert chain.fences == 2 and chain.l2_waits == 2
 
 
-def test_attention_split_chain_waits_twice_per_tile_per_round():
-    chain = kernels.attention_split_chain(64, 2)
-    assert chain.dram_waits == 2 * (2 + 2 * 64)
-    assert kernels.attention_split_chain(64, 1).dram_waits == 2 + 2 * 64
+def test_attention_split_chain_waits_once_per_ring_of_tiles_per_round():
+    # 64 tiles, a ring of 3 (2 in flight), 2 rounds: the prologue's wait and one per 2 tiles,
+    # one barrier per tile.
+    chain = kernels.attention_split_chain(64, 3, 2)
+    assert chain.dram_waits == 2 * (1 + 64 / 2) and chain.barrier_stages == 2 * (64 + 1)
+    assert kernels.attention_split_chain(64, 2, 1).dram_waits == 1 + 64
 
 
 def test_loss_products_are_the_op_s_floating_point_operations():

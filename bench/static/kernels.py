@@ -467,11 +467,12 @@ def draft_slot_chain(warp_tiles: int, w2_batches: int, column_tiles: int,
         dram_waits=w2_batches + column_tiles, dependent_instrs=per_tile_instrs).scaled(warp_tiles)
 
 
-def attention_split_chain(tiles: int, rounds: int) -> Chain:
-    """A split block's path (see attention_op): the Q tile and the first K tile, then per tile
-    its K and V half-tiles each waited for before the next is fetched (two HBM waits and two
-    barriers), over `rounds` rounds of resident blocks on the busiest SM."""
-    return Chain(dram_waits=2 + 2 * tiles, barrier_stages=2 * tiles + 2).scaled(rounds)
+def attention_split_chain(tiles: int, stages: int, rounds: int) -> Chain:
+    """A split block's path (see attention_op): the Q tile and the ring's first tiles, then per
+    tile one barrier; a tile is waited for when the `stages - 1` tiles in flight before it have
+    been used, so HBM latency shows once per `stages - 1` tiles, over `rounds` rounds of resident
+    blocks on the busiest SM."""
+    return Chain(dram_waits=1 + tiles / (stages - 1), barrier_stages=tiles + 1).scaled(rounds)
 
 
 def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: int, rank: int,
@@ -642,8 +643,10 @@ def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidd
 def attention_op(binary: Binary, planner: Planner, batch: int, block: int, heads: int,
                  kv_heads: int, dim: int, length: int) -> Op:
     plan = planner.attention(batch, block, heads, kv_heads, dim, length)
-    split_launch, _ = kernel_launch(plan, f"block_attention_split_kernel<__nv_bfloat16, {dim}>")
     merge_launch, _ = kernel_launch(plan, f"block_attention_merge_kernel<__nv_bfloat16, {dim}>")
+    stages, keys = merge_launch.fields["stages"], merge_launch.fields["tile_keys"]
+    split_launch, _ = kernel_launch(
+        plan, f"block_attention_split_kernel<__nv_bfloat16, {dim}, {stages}>")
     split, merge = split_launch.kernel, merge_launch.kernel
     splits = split_launch.fields["splits"]
     groups = split_launch.grid[1] // kv_heads           # grid (splits, Hkv x row groups, B)
@@ -659,26 +662,27 @@ def attention_op(binary: Binary, planner: Planner, batch: int, block: int, heads
     kv = 2 * batch * length * kv_heads * dim * BF16
     partial = batch * kv_heads * rows * splits * (dim + 2) * F32
     q = batch * block * heads * dim * BF16
-    # The K/V tiles of kAttnKeys rows by cp.async (LDGSTS, outstanding until the DEPBAR of their
-    # group), one tile per iteration over the block's threads.
-    keys = constant("kAttnKeys")
-    mmas = dim // 16 * 2 + dim // 8
-    tile = LoopSpec("K/V tile: S=QK^T, softmax, O+=PV", {r"^HMMA": mmas, r"^LDGSTS": dim // 8},
+    # Per tile of `keys` context rows a warp (one 16-row tile of the block's 32 query rows, half
+    # of the output columns) does S = Q K^T over all the keys (dim/16 x keys/8 MMAs) and O += P V
+    # over its columns (keys/16 x dim/16), with its fragments by ldmatrix (LDSM); the block's
+    # threads copy the tile's K and V rows by cp.async (LDGSTS, outstanding until the DEPBAR of
+    # their group).
+    mmas = dim * keys // 128 + dim * keys // 256
+    tile = LoopSpec("K/V tile: S=QK^T, softmax, O+=PV", {r"^HMMA": mmas,
+                                                         r"^LDGSTS": keys * dim // 512},
                     keys * dim * 2 / split_launch.threads, (r"^HMMA", mmas), loads=r"^LDGSTS")
     split_elems = batch * kv_heads * groups * length * dim * 2
-    # A block's path (kernels/attention.cuh, the split kernel's tile loop): K and V of a tile
-    # are fetched in turn, each waited for (copy_async_wait<0>) before the next is issued, so a
-    # block has one half-tile in flight and waits twice per tile, after the Q tile and the first
-    # K tile; the compute between a fetch and its wait (QK^T and softmax, or PV) is shorter than
-    # the wait. The busiest SM runs its blocks in ceil(blocks on it / resident) rounds.
+    # A block's path (kernels/attention.cuh, the split kernel's tile loop): a ring of `stages`
+    # tiles, `stages - 1` in flight while one is used, one barrier per tile. The busiest SM runs
+    # its blocks in ceil(blocks on it / resident) rounds.
     split_tiles = math.ceil(split_launch.fields["split_length"] / keys)
     resident = occ_of(split, split_launch.threads, split_launch.shared).blocks_per_sm
     rounds = math.ceil(math.ceil(split_launch.blocks / H200.sms) / resident)
-    split_chain = attention_split_chain(split_tiles, rounds)
+    split_chain = attention_split_chain(split_tiles, stages, rounds)
     launches = [planned(split_launch, f"split-KV ({splits} split(s), {groups} row group(s)/head)",
                         [term(binary, split, tile, split_elems)], kv + partial + q,
                         load_bytes=kv + q, chain=split_chain,
-                        note="row groups of one head share K/V through L2 (HBM once); "
+                        note=f"32 query rows per block, {stages}-tile ring of {keys} rows; "
                              f"{rounds} round(s) of {split_tiles} tiles per block")]
     out_rows = batch * block * heads
     merge_bytes = partial + out_rows * dim * BF16 + q + 2 * batch * block * kv_heads * dim * BF16

@@ -27,8 +27,8 @@ bool distinct(const at::Tensor& slots) {
 }  // namespace
 
 void check_head_dim(const char* op, int64_t dim) {
-  TORCH_CHECK_VALUE(dim == 64 || dim == 128 || dim == 256, op,
-                    "(): the head dimension D of 'q' must be 64, 128 or 256, got ", dim);
+  TORCH_CHECK_VALUE(dim == 64 || dim == 128 || dim == 256 || dim == 512, op,
+                    "(): the head dimension D of 'q' must be 64, 128, 256 or 512, got ", dim);
 }
 
 void check_cache(const char* op, const char* name, const at::Tensor& cache,

@@ -30,7 +30,8 @@ struct BlockDraftAttentionCuda : CudaBackend {
     TORCH_CHECK_VALUE(a.length <= INT32_MAX - 4096 && a.batch <= 65535 &&
                           a.kv_heads * row_groups <= 65535,
                       "block_draft_attention(): on CUDA at most 65535 requests, 65535 KV heads x "
-                      "row groups of 16 query rows, and 2^31 - 4096 cache positions; got B = ",
+                      "row groups of ", kernels::kAttnRows, " query rows, and 2^31 - 4096 cache "
+                      "positions; got B = ",
                       a.batch, ", Hkv x row groups = ", a.kv_heads * row_groups, ", L = ",
                       a.length);
   }
@@ -71,7 +72,7 @@ void BlockDraftAttentionCuda::run(const AttentionArgs& a, AttentionResult& outpu
   p.scale_log2 = a.scale * kLog2e;  // common/exp2.h, as softmax_weight scales 1/T
 
   // Split the visible context (at most L, or the window) so that the blocks fill whole waves even
-  // when B * Hkv is small; each split is a whole number of 64-row tiles. A block's work is ~1/s of
+  // when B * Hkv is small; each split is a whole number of the kernel's K/V tiles. A block's work is ~1/s of
   // its row group's context, so the time goes as waves(s) / s: the fewest splits within 2% of the
   // best such count (512 blocks for 396 slots is two waves of half-size work: no gain over 256,
   // where 768 blocks are two waves of one-third).
@@ -91,7 +92,9 @@ void BlockDraftAttentionCuda::run(const AttentionArgs& a, AttentionResult& outpu
     const double cost = static_cast<double>((base_blocks * s + wanted - 1) / wanted) / s;
     if (cost < 0.98 * best_cost) splits = s, best_cost = cost;
   }
-  const int64_t tile = kernels::kAttnKeys;
+  p.tile_keys = kernels::attention_tile_keys(static_cast<int>(a.dim));
+  p.stages = kernels::attention_stages(static_cast<int>(a.dim), device);
+  const int64_t tile = p.tile_keys;
   // An empty visible context (window 0 or L 0) still gets one (empty) split.
   p.split_length = static_cast<int>(
       std::max<int64_t>(tile, ((visible + splits - 1) / splits + tile - 1) / tile * tile));

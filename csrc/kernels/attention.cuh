@@ -4,23 +4,26 @@
 // context, so it is bound by reading K/V, and split-KV (flash-decoding) keeps the GPU full when
 // B * Hkv is small:
 //  1. block_attention_split_kernel, grid (key splits, Hkv * row groups, B), 4 warps: the block's
-//     up to 16 query rows sharing one KV head (of the G * Hq/Hkv that do) are one MMA row tile in
-//     shared memory, and every K/V tile of 64 context rows is read once (16-byte loads from the
-//     request's cache row, in place) and used by all of them. Each warp takes 16 keys of the tile:
-//     S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, 16-bit in, float32 accumulators;
-//     S's accumulators are P's A fragment, as in FlashAttention-2), a float32 online softmax (in
-//     base 2) in registers; the four warps' results are merged in shared memory into the split's
-//     unnormalised partial (output, running max, sum).
+//     up to 32 query rows sharing one KV head (of the G * Hq/Hkv that do; 32 at G 8 with 4 query
+//     heads per KV head, so each K/V tile is read once per head) are two MMA row tiles in shared
+//     memory. K/V tiles of attention_tile_keys(D) context rows (64 up to D 128, 16 KB of K above)
+//     stream through a ring of kStages slots by cp.async (async_copy.cuh; 16-byte copies from the
+//     request's cache row, in place, no registers holding them): kStages - 1 tiles are in flight
+//     while the block uses one, and one barrier per tile both publishes a tile and frees the slot
+//     the next copy refills. Warp w takes row tile w % 2 and output columns [D/2 (w / 2), + D/2):
+//     S = Q K^T over all the tile's keys (both warps of a row tile compute it, so P never leaves
+//     registers: S's accumulators are P's A fragment, as in FlashAttention-2), a float32 online
+//     softmax (in base 2), then O += P V over its columns; mma.sync m16n8k16 (16-bit in, float32
+//     accumulators) with every fragment read by ldmatrix (V's transposed). Each (row, column) of
+//     the split's unnormalised partial (output, running max, sum) has one owner, written from
+//     registers.
 //  2. block_attention_merge_kernel, one warp per output row: scores of the row against the G
 //     block keys (the block's K/V are read here and nowhere else, never written), then the splits
 //     and the block keys are merged into the output and the log-sum-exp against one maximum over
 //     all of them (no serial rescaling: the splits' loads are independent).
 // P enters the second MMA rounded to the input type (float32 sums, as FlashAttention-2). The
-// merge's scores use CUDA-core FMAs (G rows per output row). The K/V tiles are copied by cp.async
-// (async_copy.cuh: no registers hold them in flight, so a thread has D / 16 16-byte copies of a
-// tile outstanding at once), one tensor's tile in flight while the other is used: V's during
-// S = Q K^T, the next K's during O += P V. Not yet done: 32 query rows per block (a K/V tile is
-// read once per 16 rows) and ldmatrix for the fragment reads.
+// merge's scores use CUDA-core FMAs (G rows per output row). Decode kernels with grouped query
+// heads packed into one MMA tile (FlashInfer, FlashAttention-3's decode path) are the model.
 //
 // append_context_kv: one block per request copies its kept rows in 16-byte chunks where both ends
 // are aligned (unit by unit otherwise, and for a row's tail), all of a thread's loads in flight
@@ -72,18 +75,19 @@ __device__ __forceinline__ uint32_t attn_pack(T lo, T hi) {
   return static_cast<uint32_t>(attn_bits(lo)) | (static_cast<uint32_t>(attn_bits(hi)) << 16);
 }
 
-// Issues the copies of one K or V tile (kAttnKeys context rows of D from row k0) to shared memory
-// as one copy group. Rows at or past `hi` are zero-filled (masked keys' V rows must be finite:
-// 0 x NaN would poison O), their source address kept on row k0. Aligned rows go by cp.async, 16
-// bytes a copy, all of a thread's in flight with no registers to hold them; unaligned rows by
-// element loads, kBatch chunks in flight per thread, stored to the tile at once.
-template <typename T, int D>
+// Issues the copies of one K or V tile (kKeys context rows of D from row k0) to shared memory,
+// uncommitted (the caller commits K and V of a tile as one group). Rows at or past `hi` are
+// zero-filled (masked keys' V rows must be finite: 0 x NaN would poison O), their source address
+// kept on row k0. Aligned rows go by cp.async, 16 bytes a copy, all of a thread's in flight with
+// no registers to hold them; unaligned rows by element loads, kBatch chunks in flight per thread,
+// stored to the tile at once.
+template <typename T, int D, int kKeys>
 __device__ __forceinline__ void fetch_kv_tile(const T* base, int64_t row_stride, int k0, int hi,
                                               bool aligned, T* tile, int stride) {
-  constexpr int kChunks = D / 8;                                // 16-byte chunks per row
-  constexpr int kCount = kAttnKeys * kChunks / kAttnThreads;    // per thread: D / 16
+  constexpr int kChunks = D / 8;                            // 16-byte chunks per row
+  constexpr int kCount = kKeys * kChunks / kAttnThreads;    // per thread
   static_assert(kAttnThreads % kChunks == 0, "a thread's chunks share a column");
-  constexpr int kStep = kAttnThreads / kChunks;                 // rows between them
+  constexpr int kStep = kAttnThreads / kChunks;             // rows between them
   // Chunk i of this thread: row key0 + i * kStep, column c; one source pointer stepped along
   // (addresses computed as they are issued, not all held in registers).
   const int c = threadIdx.x % kChunks, key0 = threadIdx.x / kChunks;
@@ -117,27 +121,49 @@ __device__ __forceinline__ void fetch_kv_tile(const T* base, int64_t row_stride,
       }
     }
   }
-  copy_async_commit();
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStages>
 __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(const AttentionParams p) {
+  // The layout of attention_shared_bytes (attention_launch.h).
+  constexpr int kKeys = attention_tile_keys(D), kStride = D + 8, kSlot = 2 * kKeys * kStride;
+  constexpr int kHalf = D / 2;  // output columns of a warp
+  static_assert(kKeys % 16 == 0 && kHalf % 16 == 0, "whole MMA k-steps and ldmatrix pairs");
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  static_assert(kStages == 2 || kStages == 3, "a ring of two or three tiles");
   DSPARK_EXTERN_SHARED(unsigned char, attn_smem);
-  // 16 extra bytes per row put the 8 rows a fragment read touches on distinct banks.
-  constexpr int kStride = D + 8;
   T* q_tile = reinterpret_cast<T*>(attn_smem);  // [kAttnRows][kStride]
-  T* k_tile = q_tile + kAttnRows * kStride;     // [kAttnKeys][kStride]
-  T* v_tile = k_tile + kAttnKeys * kStride;     // [kAttnKeys][kStride]
+  T* ring = q_tile + kAttnRows * kStride;       // [kStages][K, V][kKeys][kStride]
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int ratio = p.heads / p.kv_heads, rows = p.block * ratio;
   const int groups = (rows + kAttnRows - 1) / kAttnRows;
   const int h = blockIdx.y / groups, row0 = (blockIdx.y % groups) * kAttnRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // Warp w: the 16 query rows of row tile w % 2 against every key of a tile (the two warps of a
+  // row tile compute the same S and softmax, so P never leaves registers), and output columns
+  // [kHalf * (w / 2), + kHalf) of those rows.
+  const int tile_row = 16 * (warp & 1), col0 = kHalf * (warp >> 1);
+  const bool rows_here = row0 + tile_row < rows;  // warp-uniform: an all-padding row tile idles
   int begin, end;
   const int slot = context_range(p, b, begin, end);
   const int lo = begin + split * p.split_length, hi = min(end, lo + p.split_length);
+  const T* k_base = static_cast<const T*>(p.k_cache) + slot * p.kc_stride_n + h * p.kc_stride_h;
+  const T* v_base = static_cast<const T*>(p.v_cache) + slot * p.vc_stride_n + h * p.vc_stride_h;
+  const auto fetch = [&](int k0, int stage) {
+    T* k_tile = ring + stage * kSlot;
+    fetch_kv_tile<T, D, kKeys>(k_base, p.kc_stride_l, k0, hi, p.kv_aligned, k_tile, kStride);
+    fetch_kv_tile<T, D, kKeys>(v_base, p.vc_stride_l, k0, hi, p.kv_aligned,
+                               k_tile + kKeys * kStride, kStride);
+  };
 
+  // The ring's first kStages - 1 tiles go out before the Q tile's loads (one copy group per tile,
+  // empty past the split, so that the loop's wait counts groups uniformly).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (lo + s * kKeys < hi) fetch(lo + s * kKeys, s);
+    copy_async_commit();
+  }
   // Query rows g * ratio + i (head h * ratio + i of slot g); missing rows are 0.
   for (int idx = threadIdx.x; idx < kAttnRows * D; idx += kAttnThreads) {
     const int r = idx / D, d = idx % D, row = row0 + r;
@@ -150,77 +176,87 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
     q_tile[r * kStride + d] = v;
   }
 
-  // Warp w owns keys 16w .. 16w + 15 of every tile: its own online softmax over them (rows g and
-  // g + 8 of the C fragments), written as partial warp of this split for the merge kernel.
-  float o[D / 8][4];
+  float o[kHalf / 8][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < kHalf / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // Rows g and g + 8 of the warp's row tile (the C fragments' rows), in base 2.
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  const T* k_base = static_cast<const T*>(p.k_cache) + slot * p.kc_stride_n + h * p.kc_stride_h;
-  const T* v_base = static_cast<const T*>(p.v_cache) + slot * p.vc_stride_n + h * p.vc_stride_h;
+  // ldmatrix row addresses of this lane: A (Q) rows lane % 16, columns 8 (lane / 16); B from K
+  // rows (keys) lane % 8 + 8 (lane / 16), columns 8 (lane / 8 % 2); B from V rows (keys)
+  // lane % 8 + 8 (lane / 8 % 2), columns 8 (lane / 16).
+  const T* q_lane = q_tile + (tile_row + (lane & 15)) * kStride + 8 * (lane >> 4);
+  const int k_lane = ((lane & 7) + 8 * (lane >> 4)) * kStride + 8 * ((lane >> 3) & 1);
+  const int v_lane = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + col0 + 8 * (lane >> 4);
 
-  // One tensor's tile is always in flight while the other is used: V(k0) during S = Q K(k0)^T,
-  // K(next) during O += P V(k0). The two barriers of a tile each make one tile visible and mark
-  // the other consumed, so a copy never overwrites what a warp may still read.
-  if (lo < hi) {
-    fetch_kv_tile<T, D>(k_base, p.kc_stride_l, lo, hi, p.kv_aligned, k_tile, kStride);
-    fetch_kv_tile<T, D>(v_base, p.vc_stride_l, lo, hi, p.kv_aligned, v_tile, kStride);
-  }
-  copy_async_wait<1>();  // this thread's K(lo) copies have landed (V(lo)'s may not)
-  __syncthreads();       // every thread's, and the q tile
-  for (int k0 = lo; k0 < hi; k0 += kAttnKeys) {
-    const int key0 = k0 + 16 * warp, next = k0 + kAttnKeys;
-    const bool active = key0 < hi;  // warp-uniform: some key of this warp is in the tile
-    // P of this warp's 16 keys (rows g and g + 8), rounded to the input type for the second MMA;
-    // the sums stay float32 (exact log-sum-exp; the output's weights are off by the rounding, up
-    // to 2^-8 relative for bfloat16 and 2^-11 for float16).
-    uint32_t pa[4] = {0u, 0u, 0u, 0u};
-    float rescale[2] = {1.f, 1.f};
-    if (active) {
-      // S = Q K^T over this warp's 16 keys: two 16x8 tiles.
-      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  int stage = 0;
+  for (int k0 = lo; k0 < hi; k0 += kKeys) {
+    // Tile k0 has landed (at most the kStages - 2 later groups are pending), and after the
+    // barrier every thread's copies of it (and the Q tile) are visible and every warp is done
+    // with the previous tile, whose slot the next fetch refills.
+    copy_async_wait<kStages - 2>();
+    __syncthreads();  // tile k0 visible, the previous tile consumed
+    const int ahead = k0 + (kStages - 1) * kKeys;
+    if (ahead < hi) fetch(ahead, stage == 0 ? kStages - 1 : stage - 1);
+    copy_async_commit();
+    if (rows_here) {
+      const T* k_tile = ring + stage * kSlot;
+      const T* v_tile = k_tile + kKeys * kStride;
+      // S = Q K^T over the tile's keys: kKeys / 8 tiles of 16 x 8.
+      float s[kKeys / 8][4];
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const T* qa = q_tile + g * kStride + kk * 16 + 2 * t;
-        const uint32_t a0 = attn_word(qa), a1 = attn_word(qa + 8 * kStride);
-        const uint32_t a2 = attn_word(qa + 8), a3 = attn_word(qa + 8 * kStride + 8);
+        uint32_t a[4];
+        ldmatrix_x4<false>(a, q_lane + 16 * kk);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const T* kb = k_tile + (16 * warp + 8 * nt + g) * kStride + kk * 16 + 2 * t;
-          mma_m16n8k16<T>(s[nt], a0, a1, a2, a3, attn_word(kb), attn_word(kb + 8));
+        for (int j = 0; j < kKeys / 16; ++j) {
+          uint32_t kb[4];
+          ldmatrix_x4<false>(kb, k_tile + 16 * j * kStride + 16 * kk + k_lane);
+          mma_m16n8k16<T>(s[2 * j], a[0], a[1], a[2], a[3], kb[0], kb[1]);
+          mma_m16n8k16<T>(s[2 * j + 1], a[0], a[1], a[2], a[3], kb[2], kb[3]);
         }
       }
       // Scale, mask, and the online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3).
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 8 * nt + 2 * t + (e & 1);
-          s[nt][e] = key < hi ? s[nt][e] * p.scale_log2 : -INFINITY;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+          const int key = k0 + 8 * n + 2 * t + (e & 1);
+          s[n][e] = key < hi ? s[n][e] * p.scale_log2 : -INFINITY;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
         }
       }
-      float base[2];
+      float rescale[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
         tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-        const float new_max = fmaxf(row_max[r], tile_max[r]);  // finite: a key of the warp is valid
-        base[r] = new_max;
-        rescale[r] = exp2_ftz(row_max[r] - new_max);  // 0 on the first tile
+        const float new_max = fmaxf(row_max[r], tile_max[r]);  // finite: key k0 is visible
+        rescale[r] = exp2_ftz(row_max[r] - new_max);            // 0 on the first tile
         row_max[r] = new_max;
       }
-      T prob[2][4];
+      // P, rounded to the input type for the second MMA; the sums stay float32 (exact
+      // log-sum-exp; the output's weights are off by the rounding, up to 2^-8 relative for
+      // bfloat16 and 2^-11 for float16). The S accumulators of keys 16j .. 16j + 15 are already
+      // P's A fragment of k-step j.
+      uint32_t pa[kKeys / 16][4];
       float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int j = 0; j < kKeys / 16; ++j) {
+        T prob[2][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float weight = exp2_ftz(s[nt][e] - base[e >> 1]);
-          prob[nt][e] = from_float<T>(weight);
-          tile_sum[e >> 1] += weight;
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float weight = exp2_ftz(s[2 * j + half][e] - row_max[e >> 1]);
+            prob[half][e] = from_float<T>(weight);
+            tile_sum[e >> 1] += weight;
+          }
         }
+        pa[j][0] = attn_pack(prob[0][0], prob[0][1]), pa[j][1] = attn_pack(prob[0][2], prob[0][3]);
+        pa[j][2] = attn_pack(prob[1][0], prob[1][1]), pa[j][3] = attn_pack(prob[1][2], prob[1][3]);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -228,74 +264,42 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_split_kernel(con
         tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
         row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
       }
-      // The S accumulators are already P's A fragment (k = the 16 keys).
-      pa[0] = attn_pack(prob[0][0], prob[0][1]), pa[1] = attn_pack(prob[0][2], prob[0][3]);
-      pa[2] = attn_pack(prob[1][0], prob[1][1]), pa[3] = attn_pack(prob[1][2], prob[1][3]);
-    }
-    copy_async_wait<0>();  // V(k0)
-    __syncthreads();       // V(k0) visible; every warp is done with K(k0)
-    if (next < hi) {
-      fetch_kv_tile<T, D>(k_base, p.kc_stride_l, next, hi, p.kv_aligned, k_tile, kStride);
-    }
-    if (active) {
-      // O += P V.
-      const T* vb = v_tile + (16 * warp + 2 * t) * kStride + g;
+      // O += P V over the warp's columns.
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
+      for (int n = 0; n < kHalf / 8; ++n) {
         o[n][0] *= rescale[0], o[n][1] *= rescale[0], o[n][2] *= rescale[1], o[n][3] *= rescale[1];
-        const T* col = vb + 8 * n;
-        const uint32_t b0 = attn_pack(col[0], col[kStride]);
-        const uint32_t b1 = attn_pack(col[8 * kStride], col[9 * kStride]);
-        mma_m16n8k16<T>(o[n], pa[0], pa[1], pa[2], pa[3], b0, b1);
+      }
+#pragma unroll
+      for (int j = 0; j < kKeys / 16; ++j) {
+#pragma unroll
+        for (int c = 0; c < kHalf / 16; ++c) {
+          uint32_t vb[4];
+          ldmatrix_x4<true>(vb, v_tile + 16 * j * kStride + 16 * c + v_lane);
+          mma_m16n8k16<T>(o[2 * c], pa[j][0], pa[j][1], pa[j][2], pa[j][3], vb[0], vb[1]);
+          mma_m16n8k16<T>(o[2 * c + 1], pa[j][0], pa[j][1], pa[j][2], pa[j][3], vb[2], vb[3]);
+        }
       }
     }
-    copy_async_wait<0>();  // K(next)
-    __syncthreads();       // K(next) visible; every warp is done with V(k0)
-    if (next < hi) {
-      fetch_kv_tile<T, D>(v_base, p.vc_stride_l, next, hi, p.kv_aligned, v_tile, kStride);
-    }
+    stage = stage + 1 == kStages ? 0 : stage + 1;
   }
 
-  // Merge the four warps' partials in shared memory and write one partial per split, so the merge
-  // kernel folds one partial per split, not four. (The tiles are no longer read: the loop's last
-  // barrier, or the prologue's when the split has no context, ordered every read before this.)
-  float* warp_out = reinterpret_cast<float*>(attn_smem);        // [kAttnWarps][kAttnRows][D]
-  float* warp_max = warp_out + kAttnWarps * kAttnRows * D;      // [kAttnWarps][kAttnRows]
-  float* warp_sum = warp_max + kAttnWarps * kAttnRows;          // [kAttnWarps][kAttnRows]
+  // The split's unnormalised partial straight from the fragments: every (row, column) has one
+  // owner. A split without context writes (-inf, 0, 0), which the merge skips. No copy is left
+  // in flight: the loop fetched only tiles it went on to wait for.
+  if (!rows_here) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    float* dst = warp_out + (warp * kAttnRows + row) * D + 2 * t;
+    const int row = row0 + tile_row + g + 8 * r;
+    if (row >= rows) continue;
+    const int64_t at = partial_index(p, b, h, row, split);
+    float* dst = p.partial_out + at * D + col0 + 2 * t;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int n = 0; n < kHalf / 8; ++n) {
       *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
     }
-    if (t == 0) {
-      warp_max[warp * kAttnRows + row] = row_max[r];
-      warp_sum[warp * kAttnRows + row] = row_sum[r];
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kAttnRows * D; idx += kAttnThreads) {
-    const int r = idx / D, d = idx % D, row = row0 + r;
-    if (row >= rows) continue;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, warp_max[w * kAttnRows + r]);
-    float out = 0.f, sum = 0.f;
-    if (m != -INFINITY) {  // else no key of this split: (-inf, 0, 0), which the merge skips
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) {
-        const float scale = exp2_ftz(warp_max[w * kAttnRows + r] - m);  // 0 for an idle warp
-        out = fmaf(warp_out[(w * kAttnRows + r) * D + d], scale, out);
-        sum = fmaf(warp_sum[w * kAttnRows + r], scale, sum);
-      }
-    }
-    const int64_t at = partial_index(p, b, h, row, split);
-    p.partial_out[at * D + d] = out;
-    if (d == 0) {
-      p.partial_stats[at * 2] = m;
-      p.partial_stats[at * 2 + 1] = sum;
+    if (col0 == 0 && t == 0) {
+      p.partial_stats[at * 2] = row_max[r];
+      p.partial_stats[at * 2 + 1] = row_sum[r];
     }
   }
 }
@@ -370,12 +374,6 @@ __global__ void __launch_bounds__(kAttnThreads) block_attention_merge_kernel(con
   // Back to base e: lse = (max + log2(sum)) / log2(e).
   if (p.lse && lane == 0) p.lse[out_row] = (row_max + log2f(row_sum)) / kLog2e;
 }
-
-template <typename T, int D>
-size_t split_shared_bytes() {
-  return sizeof(T) * (kAttnRows + 2 * kAttnKeys) * (D + 8);
-}
-
 
 // append_context_kv: block b copies rows [0, kept) of k_new[b] / v_new[b] to its cache row, then
 // thread 0 advances cache_seqlens[b]. Unit is an unsigned type of the element's size.

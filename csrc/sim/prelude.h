@@ -244,7 +244,7 @@ const char* kernel_name() {
 
 // The fields of a kernel's parameter struct that say how its launcher divided the work (a plan
 // reads them beside grid, block and shared memory): those of `p` among group_size, num_tiles,
-// num_chunks, chunk, splits and split_length, as "name=value" pairs separated by spaces.
+// num_chunks, chunk, splits, split_length, tile_keys and stages, as "name=value" pairs separated by spaces.
 template <typename P>
 std::string plan_fields(const P& p) {
   std::string out;
@@ -257,6 +257,8 @@ std::string plan_fields(const P& p) {
   if constexpr (requires { p.chunk; }) add("chunk", p.chunk);
   if constexpr (requires { p.splits; }) add("splits", p.splits);
   if constexpr (requires { p.split_length; }) add("split_length", p.split_length);
+  if constexpr (requires { p.tile_keys; }) add("tile_keys", p.tile_keys);
+  if constexpr (requires { p.stages; }) add("stages", p.stages);
   return out;
 }
 

@@ -78,7 +78,7 @@ __all__ = [
 
 #: Head dims the ``block_draft_attention`` kernels take; others attend through
 #: :func:`block_attention_torch`, the same arithmetic in PyTorch.
-KERNEL_HEAD_DIMS = (64, 128, 256)
+KERNEL_HEAD_DIMS = (64, 128, 256, 512)
 
 
 @dataclasses.dataclass

@@ -26,11 +26,10 @@ transformers it builds on:
   the Markov bias added *after* the cap (:meth:`Gemma4DSparkDraft.base_logits` returns the
   capped logits, which ``markov_draft`` biases).
 
-The block attention runs through :func:`dspark_ops.block_draft_attention` when its kernels take
-the head dim (64, 128 or 256). At the released draft's 512 they do not (their tiles hold at
-most 256 dims of a row), and :class:`~dspark_ops.models.backbone.ContextCache` computes the same
-attention exactly in float32 PyTorch (:func:`~dspark_ops.models.backbone.block_attention_torch`); the context K/V are still written by :func:`dspark_ops.append_context_kv`,
-which takes any head dim.
+The block attention runs through :func:`dspark_ops.block_draft_attention` at every head dim its
+kernels take (64, 128, 256 and the released draft's 512), reading the caches in place through
+:class:`~dspark_ops.models.backbone.ContextCache`; the context K/V are written by
+:func:`dspark_ops.append_context_kv`.
 """
 
 from __future__ import annotations
