@@ -164,6 +164,68 @@ def test_resume_is_exact(trained, setup, tmp_path):
     assert calib_a["calib_temperature"] == calib_b["calib_temperature"]
 
 
+def test_draft_vocab_training_saves_resumes_and_decodes(setup, tmp_path, capsys):
+    """--draft-vocab N: the N most frequent answer ids (mask token and EOS in) saved with every
+    checkpoint; W2 trains on their rows only; a resumed run equals the uninterrupted one bitwise
+    and keeps the vocabulary; the draft decodes losslessly through it."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ops.hf import HFTarget
+    from dspark_ops.models.vocab import DraftVocabulary, count_response_tokens
+
+    _, target, data = setup
+    flags = ("--max-steps", "6", "--lr", "3e-3", "--markov-rank", "16", "--checkpoint-every", "3",
+             "--calibration-samples", "2", "--draft-vocab", "16")
+    out = str(tmp_path / "vocab")
+    main(train_args(target, data, out, *flags))
+    assert "draft vocabulary: 16 of" in capsys.readouterr().out
+    vocabulary = DraftVocabulary.load(os.path.join(out, "step_6"))
+    assert vocabulary.size == 16 and vocabulary.vocab_size == VOCAB
+    eos = AutoModelForCausalLM.from_pretrained(target).config.eos_token_id
+    assert {37, eos} <= set(vocabulary.d2t.tolist())
+    with open(data) as f:
+        counts = count_response_tokens((json.loads(line) for line in f), VOCAB)
+    assert 0.0 < vocabulary.coverage(torch.repeat_interleave(torch.arange(VOCAB), counts)) < 1.0
+    first = load_state_dict_file(os.path.join(out, "step_3", "model.safetensors"))
+    last = load_state_dict_file(os.path.join(out, "step_6", "model.safetensors"))
+    inside = torch.zeros(VOCAB, dtype=torch.bool)
+    inside[vocabulary.d2t] = True
+    w2 = "markov_head.markov_w2.weight"
+    assert torch.equal(first[w2][~inside], last[w2][~inside])
+    assert not torch.equal(first[w2][inside], last[w2][inside])
+
+    resumed = str(tmp_path / "resumed")
+    main(train_args(target, data, resumed, *flags, "--resume", os.path.join(out, "step_3")))
+    again = load_state_dict_file(os.path.join(resumed, "step_6", "model.safetensors"))
+    assert all(torch.equal(last[name], again[name]) for name in last)
+    assert torch.equal(DraftVocabulary.load(os.path.join(resumed, "step_6")).d2t, vocabulary.d2t)
+    _fails(train_args(target, data, str(tmp_path / "other"), *flags[:-1], "12", "--resume",
+                      os.path.join(out, "step_3")), "vocabulary of 16 ids")
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64,
+                                                 attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None
+    draft = DSparkDraft.from_pretrained(os.path.join(out, "step_6")).eval()
+    assert draft.draft_vocabulary.size == 16
+    hf = HFTarget(model, draft.config.target_layer_ids)
+    with open(data) as f:
+        rows = [json.loads(line) for line in f][:3]
+    prompts = [r["input_ids"][: r["loss_mask"].index(1) + 2] for r in rows]
+    with torch.no_grad():
+        got = SpeculativeDecoder(hf, draft).generate(prompts, 16, temperature=0.0)
+        assert got.tokens == generate_target_only(hf, prompts, 16, temperature=0.0)
+
+
+def test_draft_vocab_flag_errors(setup, tmp_path):
+    _, target, data = setup
+    _fails(train_args(target, data, str(tmp_path / "a"), "--draft-vocab", "0"),
+           "--draft-vocab must be >= 1")
+    _fails(train_args(target, data, str(tmp_path / "b"), "--draft-vocab", str(VOCAB + 1)),
+           f"--draft-vocab must be in [1, {VOCAB}]")
+    _fails(train_args(target, data, str(tmp_path / "c"), "--arch", "eagle3", "--draft-vocab",
+                      "8"), "not --arch eagle3")
+
+
 def test_resume_latest_continues_in_place(setup, tmp_path):
     root, target, data = setup
     out = str(tmp_path / "run")

@@ -158,3 +158,97 @@ def test_block_metrics():
     assert math.isclose(float(m["tau_sum"]), tau, rel_tol=1e-12)
     empty = block_metrics(None, batch.eval_mask, batch.block_keep_mask)
     assert float(empty["tau_sum"]) == 0.0 and empty["accept_count"].sum() == mask.sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Training with a draft vocabulary: the full vocabulary's loss with the draft at 0 outside
+
+
+def _eager_vocabulary_loss(draft, batch, inside, weights):
+    """The loss of a draft whose logits are -inf outside ``inside``, over the full vocabulary,
+    written out (DeepSpec's formula, reference.dspark_loss's conventions)."""
+    alpha, beta, gamma = loss_coefficients(draft)
+    inputs = flatten_batch(draft, batch, weights=weights)
+    z = inputs["hidden"] @ inputs["lm_head_weight"].T
+    if inputs["markov_latent"] is not None:
+        z = z + inputs["markov_latent"] @ inputs["markov_w2"].T
+    z = z.masked_fill(~inside, float("-inf"))
+    labels = inputs["labels"]
+    w = (inputs["weights"] * inside[labels]).double()
+    total = w.sum() + 1e-6
+    label_inside = inside[labels]
+    ce = torch.where(label_inside, torch.logsumexp(z, -1)
+                     - z.gather(-1, labels[:, None])[:, 0].masked_fill(~label_inside, 0), 0.0)
+    t = inputs["target_hidden"].detach() @ inputs["lm_head_weight"].T
+    l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
+    accept = (1 - 0.5 * l1).clamp(0, 1).detach()
+    loss = alpha * (w * ce).sum() / total + beta * (w * l1).sum() / total
+    if gamma:
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(
+            inputs["confidence_logits"].double(), accept, reduction="none")
+        loss = loss + gamma * (w * bce).sum() / total
+    return loss, accept
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "rnn", "dflash"])
+@pytest.mark.parametrize("loss_fn", [None, dspark_ops.reference.dspark_loss],
+                         ids=["fused", "reference"])
+def test_vocabulary_loss_is_the_full_loss_with_the_draft_at_zero_outside(kind, loss_fn):
+    """Loss, c* and every gradient equal the full-vocabulary formula with q = 0 outside the
+    vocabulary and the target's p whole: its mass outside counts in l1, and slots whose label
+    is outside carry no loss."""
+    from dspark_ops.models.vocab import DraftVocabulary
+
+    draft = _draft(kind)
+    vocabulary = DraftVocabulary(torch.tensor([0, 3, 4, 9, 11, 17, 20, 21, 30, 33, 40, MASK]),
+                                 VOCAB)
+    inside = torch.zeros(VOCAB, dtype=torch.bool)
+    inside[vocabulary.d2t] = True
+    batch = _forward(draft)
+    assert not inside[batch.labels[batch.eval_mask]].all()  # some trained labels are outside
+    weights = torch.rand(batch.eval_mask.shape, dtype=torch.float32,
+                         generator=torch.Generator().manual_seed(3)) * batch.eval_mask
+
+    def run(fn):
+        draft.zero_grad(set_to_none=True)
+        out = fn()
+        loss = out[0] if isinstance(out, tuple) else out.loss
+        loss.backward()
+        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+    expect, expect_grads = run(lambda: _eager_vocabulary_loss(draft, _forward(draft), inside,
+                                                              weights))
+    draft.draft_vocabulary = vocabulary
+    kwargs = {} if loss_fn is None else {"loss_fn": loss_fn}
+    got, got_grads = run(lambda: draft_loss(draft, _forward(draft), weights=weights, **kwargs))
+    torch.testing.assert_close(got.loss, expect[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got.accept_rate, expect[1], rtol=1e-9, atol=1e-9)
+    for name, grad in expect_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-9, msg=name)
+    if kind != "dflash":  # W2 learns only the vocabulary's rows
+        w2 = got_grads["markov_head.markov_w2.weight"]
+        assert w2[~inside].abs().sum() == 0 and w2[inside].abs().sum() > 0
+
+
+def test_vocabulary_of_everything_changes_nothing():
+    from dspark_ops.models.vocab import DraftVocabulary
+
+    draft = _draft("vanilla")
+    batch = _forward(draft)
+    plain = draft_loss(draft, batch)
+    draft.draft_vocabulary = DraftVocabulary(torch.arange(VOCAB), VOCAB)
+    every = draft_loss(draft, batch)
+    for name in ("loss", "ce", "l1", "confidence"):
+        torch.testing.assert_close(getattr(every, name), getattr(plain, name), rtol=1e-12,
+                                   atol=1e-12)
+
+
+def test_vocabulary_loss_refuses_soft_caps():
+    from dspark_ops.models.vocab import DraftVocabulary
+
+    draft = _draft("vanilla")
+    batch = _forward(draft)
+    draft.config.final_logit_softcapping = 30.0
+    draft.draft_vocabulary = DraftVocabulary(torch.arange(8), VOCAB)
+    with pytest.raises(ValueError, match="soft-capped"):
+        draft_loss(draft, batch)

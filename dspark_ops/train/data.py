@@ -217,7 +217,7 @@ def collate(samples: Sequence[Sample], device) -> dict:
 
 
 def collate_blocks(samples: Sequence[Sample], epoch: int, seed: int, device, *, num_anchors: int,
-                   block_size: int, loss_decay_gamma: float) -> dict:
+                   block_size: int, loss_decay_gamma: float, vocabulary=None) -> dict:
     """A micro-batch of block drafts: :func:`collate`'s tensors, its anchor blocks and their
     trained slots, each built once for the forward, the loss and the denominators.
 
@@ -227,6 +227,10 @@ def collate_blocks(samples: Sequence[Sample], epoch: int, seed: int, device, *, 
     sequence keeps (at least 1; at most ``num_anchors``); ``eval_mask`` bool ``[B, A, G]``
     (:func:`~.forward.build_eval_mask`) and ``weights`` float32 ``[B, A, G]``
     (:func:`~.forward.position_weights`).
+
+    With a draft ``vocabulary`` (:class:`~dspark_ops.models.vocab.DraftVocabulary`), a slot whose
+    label is outside it is not trained, nor are the slots after it: the draft cannot propose the
+    token, so a round never accepts past it.
     """
     data = collate(samples, "cpu")
     anchors, keep = [], []
@@ -242,7 +246,12 @@ def collate_blocks(samples: Sequence[Sample], epoch: int, seed: int, device, *, 
     # the attention and the loss their rows (a short sequence has far fewer than 512 anchors).
     used = max(int(keep.sum(1).max()), 1) if keep.numel() else 0
     data["anchor_positions"], data["block_keep_mask"] = anchors[:, :used], keep[:, :used]
-    data["eval_mask"] = build_eval_mask(data["loss_mask"], data["anchor_positions"],
+    trained = data["loss_mask"]
+    if vocabulary is not None:
+        inside = torch.zeros(vocabulary.vocab_size, dtype=torch.bool)
+        inside[vocabulary.d2t] = True
+        trained = trained * inside[data["input_ids"]]
+    data["eval_mask"] = build_eval_mask(trained, data["anchor_positions"],
                                         data["block_keep_mask"], block_size)
     data["weights"] = position_weights(data["eval_mask"], loss_decay_gamma)
     return {name: value.to(device) for name, value in data.items()}

@@ -60,6 +60,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
                        help="default: the tokenizer's mask token, else the first id past the "
                             "tokenizer (Qwen3: 151669)")
     model.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
+    model.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                       help="draft from the N ids most frequent among the training data's "
+                            "response tokens (special tokens and the mask token always in); "
+                            "saved with the checkpoints (draft_vocab.safetensors)")
     model.add_argument("--step-loss-decay", type=float, default=0.8,
                        help="eagle3: weight decay**k of the k-th training-time-test step")
 
@@ -118,5 +122,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--loss-decay-gamma must be > 0, got {args.loss_decay_gamma}")
     if args.markov_rank is not None and args.markov_rank < 0:
         raise SystemExit(f"--markov-rank must be >= 0, got {args.markov_rank}")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise SystemExit(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+    if args.draft_vocab is not None and args.arch == "eagle3":
+        raise SystemExit("--draft-vocab: implemented for block drafts (dspark, dflash), not "
+                         "--arch eagle3")
     if args.write_cache and not args.cache:
         raise SystemExit("--write-cache needs --cache DIR (where to write it)")

@@ -9,6 +9,11 @@ passes its cap to the same fused op (``logit_softcap``). :func:`block_metrics` t
 per-slot expected acceptance ``c*`` into DeepSpec's ``accept_rate@k`` and ``tau_probabilistic``
 (as sums, so that data-parallel ranks can add them up before dividing).
 
+A draft with a draft vocabulary (``draft.draft_vocabulary``) trains on it
+(:func:`restrict_to_vocabulary`): its logits over the vocabulary's ``N`` rows, the target's over
+the whole vocabulary, whose mass outside stands in one extra column, so the L1 distance and the
+expected acceptance are those of the draft that decodes (docs/semantics.md §3.7c).
+
 Example
 -------
 >>> import torch
@@ -40,7 +45,11 @@ from ..outputs import LossOutput
 from .forward import TrainingBatch, position_weights
 
 __all__ = ["block_metrics", "draft_loss", "flatten_batch", "loss_coefficients", "loss_weights",
-           "soft_cross_entropy", "softcapped_dspark_loss"]
+           "restrict_to_vocabulary", "soft_cross_entropy", "softcapped_dspark_loss"]
+
+#: The draft's logit in the column standing for the ids outside its vocabulary: finite, so that
+#: the zero weights of the other rows multiply it to 0, and exp() of it is 0 in every dtype.
+OUTSIDE_DRAFT_LOGIT = -1.0e4
 
 
 def loss_coefficients(draft: nn.Module, ce_weight: Optional[float] = None,
@@ -167,10 +176,85 @@ def draft_loss(draft: nn.Module, batch: TrainingBatch, *, loss_decay_gamma: floa
     cap = getattr(draft.config, "final_logit_softcapping", None)
     if cap is not None:
         inputs["logit_softcap"] = float(cap)
+    vocabulary = getattr(draft, "draft_vocabulary", None)
+    if vocabulary is not None:
+        if cap is not None:
+            raise ValueError("draft_loss(): a draft vocabulary with soft-capped logits "
+                             "(final_logit_softcapping) is not implemented: the cap would bend "
+                             "the column that holds the target's mass outside the vocabulary")
+        inputs = restrict_to_vocabulary(inputs, vocabulary)
     hidden, head, labels, weights = (inputs.pop(k) for k in ("hidden", "lm_head_weight",
                                                              "labels", "weights"))
     return fn(hidden, head, labels, weights, **inputs, ce_weight=alpha, l1_weight=beta,
               confidence_weight=gamma, denominators=denominators)
+
+
+@torch.no_grad()
+def _outside_log_mass(target_hidden: torch.Tensor, weight: torch.Tensor,
+                      inside: torch.Tensor) -> torch.Tensor:
+    """``[N]``: log-sum-exp of the target's logits ``W g`` over the ids outside the vocabulary
+    (``inside`` bool ``[V]``), in float32 (float64 for float64 inputs), a chunk of rows at a time
+    (``2**25`` logits), at least ``OUTSIDE_DRAFT_LOGIT`` (so ``-inf`` never enters a product)."""
+    rows, vocab = target_hidden.shape[0], weight.shape[0]
+    dtype = torch.float64 if target_hidden.dtype == torch.float64 else torch.float32
+    out = torch.empty(rows, dtype=dtype, device=target_hidden.device)
+    chunk = max(1, (1 << 25) // vocab)
+    w = weight.to(dtype)
+    for start in range(0, rows, chunk):
+        logits = target_hidden[start:start + chunk].to(dtype) @ w.T
+        out[start:start + chunk] = logits.masked_fill_(inside, float("-inf")).logsumexp(-1)
+    return out.clamp_min_(OUTSIDE_DRAFT_LOGIT)
+
+
+def restrict_to_vocabulary(inputs: Dict[str, Optional[torch.Tensor]],
+                           vocabulary) -> Dict[str, Optional[torch.Tensor]]:
+    """:func:`flatten_batch`'s inputs of a draft that proposes from ``vocabulary`` only
+    (a :class:`~dspark_ops.models.vocab.DraftVocabulary` of ``N`` ids), for the same
+    :func:`dspark_ops.dspark_loss` (docs/semantics.md §3.7c).
+
+    The LM head and ``W2`` become their ``N`` rows plus one: the extra row stands for every id
+    outside. Two columns are appended to the hidden states, which only that row reads: the
+    draft's hold ``OUTSIDE_DRAFT_LOGIT`` (its probability outside is 0), the target's the
+    log-sum-exp of its logits outside, split in two so a 16-bit dtype keeps it to about 16 bits.
+    The target distribution over the ``N + 1`` columns is then the full one with the mass outside
+    in one column, so ``l1`` and ``c* = 1 - l1 / 2`` are exactly the full vocabulary's with the
+    draft at 0 outside. Labels map to draft indices; a slot whose label is outside gets weight 0
+    (the draft cannot propose it; the trainer's eval mask drops it and the slots after it).
+    Gradients reach the vocabulary's rows of ``W2`` and the hidden states.
+    """
+    head, hidden = inputs["lm_head_weight"], inputs["hidden"]
+    device, dtype = head.device, hidden.dtype
+    vocab, width = head.shape
+    if vocabulary.vocab_size != vocab:
+        raise ValueError(f"the draft vocabulary is over {vocabulary.vocab_size} ids, the LM head "
+                         f"over {vocab}")
+    d2t = vocabulary.d2t.to(device)
+    size = d2t.numel()
+    inside = torch.zeros(vocab, dtype=torch.bool, device=device)
+    inside[d2t] = True
+    to_draft = torch.full((vocab,), size, dtype=torch.long, device=device)
+    to_draft[d2t] = torch.arange(size, device=device)
+
+    out = dict(inputs)
+    extra_row = torch.cat([head.new_zeros(1, width), head.new_ones(1, 2)], 1)
+    out["lm_head_weight"] = torch.cat([torch.cat([head[d2t], head.new_zeros(size, 2)], 1),
+                                       extra_row])
+    columns = hidden.new_zeros(hidden.shape[0], 2)
+    columns[:, 0] = OUTSIDE_DRAFT_LOGIT
+    out["hidden"] = torch.cat([hidden, columns], 1)
+    labels = inputs["labels"].long()
+    out["labels"] = to_draft[labels].clamp_max(size - 1)  # outside: weight 0 below
+    out["weights"] = inputs["weights"] * inside[labels]
+    target = inputs["target_hidden"]
+    if target is not None:
+        mass = _outside_log_mass(target, head, inside)
+        high = mass.to(dtype)
+        low = (mass - high.to(mass.dtype)).to(dtype)
+        out["target_hidden"] = torch.cat([target, high[:, None], low[:, None]], 1)
+    if inputs["markov_w2"] is not None:
+        w2 = inputs["markov_w2"]
+        out["markov_w2"] = torch.cat([w2[d2t], w2.new_zeros(1, w2.shape[1])])
+    return out
 
 
 def softcapped_dspark_loss(hidden, lm_head_weight, labels, weights, *, cap: float,

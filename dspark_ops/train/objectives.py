@@ -32,6 +32,7 @@ class DSparkObjective:
         self.coefficients = loss_coefficients(draft, args.ce_weight, args.l1_weight,
                                               args.confidence_weight)
         self.loss_decay_gamma = args.loss_decay_gamma
+        self.vocabulary = getattr(draft, "draft_vocabulary", None)
         self.loss_kwargs = {"loss_decay_gamma": args.loss_decay_gamma,
                             "ce_weight": self.coefficients[0], "l1_weight": self.coefficients[1],
                             "confidence_weight": self.coefficients[2]}
@@ -44,7 +45,8 @@ class DSparkObjective:
         """The micro-batch with its anchor blocks, eval mask and weights
         (:func:`~.data.collate_blocks`)."""
         return collate_blocks(samples, epoch, seed, device, num_anchors=self.num_anchors,
-                              block_size=self.block_size, loss_decay_gamma=self.loss_decay_gamma)
+                              block_size=self.block_size, loss_decay_gamma=self.loss_decay_gamma,
+                              vocabulary=self.vocabulary)
 
     def forward(self, draft, data: dict, features, last_hidden, denominators):
         """The loss output and the confidence logits of one micro-batch."""

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from ..models.registry import family_of
+from ..models.vocab import DraftVocabulary, count_response_tokens
 from . import flags
 from .checkpoint import load_checkpoint, resume_path, rng_state, set_rng_state
 from .checkpoint import save_checkpoint as write_checkpoint
@@ -197,6 +198,7 @@ class Trainer:
         self._fill_cache(write)
         self.draft = self._make_draft(model)
         del model
+        self._set_up_vocabulary(transformers)
         self._set_up_loss()
         self._set_up_optimizer()
         self._restore_training_state()
@@ -350,6 +352,39 @@ class Trainer:
             self.target.close()
             self.target = None
         return draft.to(device=self.device, dtype=torch.float32)
+
+    def _set_up_vocabulary(self, transformers) -> None:
+        """``--draft-vocab N``: the draft's vocabulary, the ``N`` ids most frequent among the
+        training samples' response tokens with the target's special tokens and the mask token
+        always in (a resumed draft keeps the one it was saved with)."""
+        size = self.args.draft_vocab
+        have = getattr(self.draft, "draft_vocabulary", None)
+        if have is not None or size is None:
+            if size is not None and have.size != size:
+                raise SystemExit(f"--draft-vocab {size}: the resumed draft has a vocabulary of "
+                                 f"{have.size} ids")
+            return
+        vocab = self.config.vocab_size
+        if not 1 <= size <= vocab:
+            raise SystemExit(f"--draft-vocab must be in [1, {vocab}], got {size}")
+        always = {self.config.mask_token_id}
+        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            ids = getattr(self.text, name, None)
+            always |= set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+        try:
+            always |= set(transformers.AutoTokenizer.from_pretrained(
+                self.args.target).all_special_ids)
+        except (OSError, ValueError):
+            pass  # the config's special ids above
+        counts = count_response_tokens(({"input_ids": s.input_ids, "loss_mask": s.loss_mask}
+                                        for s in self.train_samples), vocab)
+        vocabulary = DraftVocabulary.most_frequent(counts, size,
+                                                   sorted(t for t in always if 0 <= t < vocab))
+        self.draft.draft_vocabulary = vocabulary
+        if self.dist.main:
+            inside = int(counts[vocabulary.d2t].sum()) / max(int(counts.sum()), 1)
+            print(f"draft vocabulary: {size} of {vocab} ids, {inside:.2%} of the training "
+                  "answers' tokens inside", flush=True)
 
     def _set_up_loss(self) -> None:
         """The family's objective (:data:`.objectives.TRAINING_LOSSES`, by the registry's
@@ -580,6 +615,10 @@ class Trainer:
     def _print_header(self) -> None:
         trainable = sum(p.numel() for p in self.params)
         print(self.objective.describe_draft(self.config, trainable), flush=True)
+        vocabulary = getattr(self.draft, "draft_vocabulary", None)
+        if vocabulary is not None:
+            print(f"draft vocabulary: {vocabulary.size} of {vocabulary.vocab_size} ids (the "
+                  "LM head and W2 train on its rows)", flush=True)
         print(f"data: {len(self.train_samples)} training samples ({self.dropped} dropped), "
               f"{len(self.calibration_samples)} held out; {self.total_steps} steps of "
               f"{self.args.grad_accum} micro-step(s) x {self.dist.world_size} rank(s); loss "
