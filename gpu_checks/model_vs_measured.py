@@ -18,38 +18,9 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-
-def shape_params(shape: str) -> Dict[str, str]:
-    return {k: v for k, v in re.findall(r"(\w+)<?=(\S+)", shape)}
-
-
-def find_measured(match: Optional[dict], rows: List[dict]) -> Optional[dict]:
-    if not match:
-        return None
-    for row in rows:
-        if row.get("op") != match["op"] or row.get("ours_us") is None:
-            continue
-        params = shape_params(row.get("shape", ""))
-        if any(params.get(k) != str(v) for k, v in match["params"].items()):
-            continue
-        if not str(row.get("variant", "")).startswith(match.get("variant", "")):
-            continue
-        return row
-    return None
-
-
-def load_bench(paths: List[Path]) -> List[dict]:
-    """Rows of the GPU benchmark files among ``paths`` (CPU files give none)."""
-    rows = []
-    for path in paths:
-        if not path.exists():
-            continue
-        data = json.loads(path.read_text())
-        if str(data.get("environment", {}).get("device", "")).startswith("cuda"):
-            rows += data.get("rows", [])
-    return rows
+from bench.static.measured import find_measured, load_bench
 
 
 def table(model: dict, measured: List[dict]) -> List[str]:

@@ -11,7 +11,8 @@ import pytest
 
 from bench.static.calibrate import TABLE, fit, modelled_us, table_row
 from bench.static.model import Hardware
-from gpu_checks.model_vs_measured import find_measured, kernel_key, load_bench
+from bench.static.measured import find_measured, load_bench
+from gpu_checks.model_vs_measured import kernel_key
 from gpu_checks.profile_ops import chain_slope
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"

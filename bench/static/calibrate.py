@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from bench.static.measured import find_measured, load_bench
 from bench.static.model import Chain, Hardware
 
 # The rows of docs/performance-model.md's H200 table: (op, the model row's variant, a prefix of
@@ -86,8 +87,6 @@ def fit(pairs: Sequence[Tuple[dict, float]], recorded: Hardware
 
 
 def main(argv=None) -> int:
-    from gpu_checks.model_vs_measured import find_measured, load_bench
-
     parser = argparse.ArgumentParser(prog="python -m bench.static.calibrate",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="static_sm90.json")
