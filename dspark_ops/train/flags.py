@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..models.registry import trainer_archs
+from ..models.registry import family_to_train, trainer_archs
 
 __all__ = ["DTYPES", "check_args", "parse_args"]
 
@@ -124,8 +124,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--markov-rank must be >= 0, got {args.markov_rank}")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise SystemExit(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
-    if args.draft_vocab is not None and args.arch == "eagle3":
-        raise SystemExit("--draft-vocab: implemented for block drafts (dspark, dflash), not "
-                         "--arch eagle3")
+    if args.draft_vocab is not None and family_to_train(args.arch, None).drafting != "block":
+        raise SystemExit(f"--draft-vocab: implemented for block drafts, not --arch {args.arch}")
     if args.write_cache and not args.cache:
         raise SystemExit("--write-cache needs --cache DIR (where to write it)")
