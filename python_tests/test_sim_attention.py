@@ -387,13 +387,14 @@ def band(slots, length, kv_heads, dim) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
 @pytest.mark.parametrize("slot_kind", ["none", "none-spare", "permuted", "spread"])
-def test_append_matches_cpu_and_reference(sim, dtype, slot_kind):
+@pytest.mark.parametrize("dim", [128, 512], ids=["d128", "d512"])  # 512: Gemma4's global heads
+def test_append_matches_cpu_and_reference(sim, dtype, slot_kind, dim):
     """Rounds of appends (16-bit elements copied as uint16, float32 as uint32) from starts 0, L,
     L - 1 and in between with counts 0 .. n_max: rows past L dropped, cache_seqlens advanced in
     place and capped at L, the whole caches (untouched rows and slots included) and cache_seqlens
     equal to the CPU kernel's and the reference's bit for bit, the guard bands still NaN."""
-    gen = generator(f"append-{dtype}-{slot_kind}")
-    batch, rows, kv_heads, dim, length = 5, 6, 2, 128, 20
+    gen = generator(f"append-{dtype}-{slot_kind}-{dim}")
+    batch, rows, kv_heads, length = 5, 6, 2, 20
     slots, cache_slot = make_slots(slot_kind, batch, gen, "cpu")
     (k_cache, v_cache), buffers = guarded_caches(gen, slots, length, kv_heads, dim, dtype)
     seqlens = i32(0, length, length - 1, 17, 6)

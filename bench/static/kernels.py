@@ -919,7 +919,9 @@ def all_ops(binary: Binary, planner: Optional[Planner] = None) -> List[Op]:
         attention_op(binary, p, B, G, 32, 8, 128, 4096),
         attention_op(binary, p, B, G, 32, 8, 64, 4096),
         attention_op(binary, p, B, G, 32, 8, 256, 4096),
+        attention_op(binary, p, B, G, 16, 2, 512, 4096),  # Gemma4's global layers
         append_op(binary, p, B, 9, 8, 128, 4096),
+        append_op(binary, p, B, 9, 2, 512, 4096),
         schedule_op(binary, p, 256, 16),
         schedule_op(binary, p, 1024, 16),
         loss_op(binary, p, 512 * 7, V, 2560, R),
