@@ -8,7 +8,7 @@ argument checks.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -135,6 +135,143 @@ def _exponential_race(weights: torch.Tensor, seed, position) -> torch.Tensor:
     return torch.where(weights > 0, key, float("-inf")).argmax(-1)
 
 
+class _TargetRows(NamedTuple):
+    """Each row's processed target distribution ``p [B, G + 1, V]``, its first argmax and
+    whether the row has no finite logit."""
+
+    p: torch.Tensor
+    argmax: torch.Tensor
+    invalid: torch.Tensor
+
+
+class _DraftRows(NamedTuple):
+    """Each row's draft token ``x [B, G + 1]`` (-1 on the bonus row), whether it is in the
+    vocabulary (``x_safe``: 0 where not), the proposal ``q`` it came from (None: one-hot on
+    ``x``), ``q(x)``, and whether the row's proposal has no finite logit."""
+
+    x: torch.Tensor
+    in_range: torch.Tensor
+    x_safe: torch.Tensor
+    q: Optional[torch.Tensor]
+    q_x: torch.Tensor
+    invalid: torch.Tensor
+
+
+def _target_rows(target_logits, draft_tokens, target_start, temperature, greedy, top_k, top_p,
+                 min_p, allowed_token_mask) -> _TargetRows:
+    """The target distribution of the ``G + 1`` rows of each request (``draft_tokens [B, G]``):
+    its logits rows from ``target_start`` (packed ``G + 1`` apart by default), disallowed tokens
+    dropped, :func:`filter_logits`, softmax at the request's temperature (1 if greedy)."""
+    device = draft_tokens.device
+    batch, block = draft_tokens.shape
+    vocab = target_logits.shape[-1]
+    target = target_logits.reshape(-1, vocab).float()
+    j = torch.arange(block + 1, device=device)
+    start = (
+        target_start.long()
+        if target_start is not None
+        else torch.arange(batch, device=device) * (block + 1)
+    )
+    rows = (start[:, None] + j).clamp(0, target.shape[0] - 1)  # rows past n are never used
+
+    inv_t = torch.where(greedy, 1.0, 1.0 / temperature)
+    row_logits = target[rows]
+    if allowed_token_mask is not None:
+        row_logits = torch.where(allowed_tokens(allowed_token_mask, vocab)[rows], row_logits,
+                                 float("-inf"))
+    if top_k is not None or top_p is not None or min_p is not None:
+        per_row = lambda t: None if t is None else t[:, None].expand(batch, block + 1)  # noqa: E731
+        row_logits = filter_logits(row_logits, per_row(temperature), top_k=per_row(top_k),
+                                   top_p=per_row(top_p), min_p=per_row(min_p))
+    return _TargetRows(*_softmax_parts(row_logits, inv_t[:, None]))
+
+
+def _draft_rows(draft_tokens, vocab, draft_logits, temperature, draft_temperature,
+                greedy) -> _DraftRows:
+    """Per-row views of the drafts, padded with the bonus row (no draft token there): the
+    token and the distribution ``q`` it was proposed from (without draft logits, one-hot on
+    the token; a greedy draft's ``q`` is one-hot on its argmax)."""
+    batch = draft_tokens.shape[0]
+    x = torch.cat([draft_tokens.long(),
+                   torch.full((batch, 1), -1, dtype=torch.long, device=draft_tokens.device)], 1)
+    in_range = (x >= 0) & (x < vocab)
+    x_safe = torch.where(in_range, x, 0)
+    if draft_logits is None:
+        return _DraftRows(x, in_range, x_safe, None, in_range.float(), torch.zeros_like(in_range))
+    t_d = temperature if draft_temperature is None else draft_temperature
+    draft_greedy = ~(t_d > GREEDY_TEMPERATURE)
+    inv_td = torch.where(draft_greedy, 1.0, 1.0 / t_d)
+    q, draft_argmax, draft_invalid = _softmax_parts(draft_logits.float(), inv_td[:, None])
+    q = torch.where(
+        draft_greedy[:, None, None],
+        torch.nn.functional.one_hot(draft_argmax, vocab).float(),
+        q,
+    )
+    q = torch.where(draft_invalid[..., None], 0.0, q)
+    q = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)
+    q_x = torch.where(in_range, q.gather(-1, x_safe[..., None])[..., 0], 0.0)
+    no_row = torch.zeros_like(in_range[:, :1])
+    draft_invalid = torch.cat([draft_invalid & ~greedy[:, None], no_row], 1)
+    return _DraftRows(x, in_range, x_safe, q, q_x, draft_invalid)
+
+
+def _accept(target: _TargetRows, draft: _DraftRows, greedy, num_draft, seed,
+            position) -> torch.Tensor:
+    """``num_accepted [B]``: row ``j`` accepts its draft when ``u * q(x) < p(x)`` with ``u``
+    from the accept stream (greedy: when ``x`` is the target's argmax), unless a row is invalid
+    or past ``num_draft``; the count stops at the first rejection."""
+    j = torch.arange(draft.x.shape[1], device=draft.x.device)
+    p_x = torch.where(draft.in_range,
+                      target.p.gather(-1, draft.x_safe[..., None])[..., 0], 0.0)
+    u = philox_uniform(seed[:, None], position[:, None] + 1 + j, PURPOSE_ACCEPT, 1)[..., 0]
+    sampled_accept = (draft.q_x > 0) & (u * draft.q_x < p_x)
+    greedy_accept = draft.x == target.argmax
+    accept = torch.where(greedy[:, None], greedy_accept, sampled_accept)
+    accept &= (draft.in_range & ~target.invalid & ~draft.invalid
+               & (j < num_draft.long()[:, None]))
+    return accept.int().cumprod(1).sum(1)  # first rejection, or n after a full accept
+
+
+def _emit(target: _TargetRows, draft: _DraftRows, num_accepted, greedy, num_draft, seed,
+          position, return_logprobs) -> VerifyOutput:
+    """The accepted drafts and, at row ``j* = num_accepted``, the token drawn from
+    ``r = max(p - q, 0)`` with ``q`` the rejected proposal's distribution (nothing for the bonus
+    row), or from ``p`` when ``r`` has no mass; validity and, if asked, the log-probabilities."""
+    p, x, in_range = target.p, draft.x, draft.in_range
+    batch, rows, vocab = p.shape
+    b = torch.arange(batch, device=x.device)
+    j = torch.arange(rows, device=x.device)
+    j_star = num_accepted.long()
+    is_bonus = j_star == num_draft.long()
+    p_star = p[b, j_star]
+    if draft.q is None:
+        q_star = (torch.nn.functional.one_hot(draft.x_safe[b, j_star], vocab)
+                  * in_range[b, j_star, None])
+    else:
+        q_star = draft.q[b, j_star]
+    q_star = torch.where(is_bonus[:, None], 0.0, q_star)
+    residual = (p_star - q_star).clamp_min(0.0)
+    residual = torch.where((residual.sum(-1) <= MIN_RESIDUAL_MASS)[:, None], p_star, residual)
+    sampled_token = _exponential_race(residual, seed, position + 1 + j_star)
+
+    invalid = target.invalid[b, j_star]
+    token = torch.where(greedy, target.argmax[b, j_star], sampled_token)
+    token = torch.where(invalid, 0, token)
+    invalid |= ~is_bonus & (~in_range[b, j_star] | draft.invalid[b, j_star])
+
+    tokens = torch.where(j < j_star[:, None], x, -1)
+    tokens[b, j_star] = token
+    logprobs = None
+    if return_logprobs:
+        # log p of each emitted token under the processed distribution (greedy rows: at T = 1).
+        emitted = torch.where(j[None, :] <= j_star[:, None], tokens, 0).clamp(0, vocab - 1)
+        logprobs = torch.log(p.gather(-1, emitted[..., None])[..., 0])
+        logprobs = torch.where(j[None, :] <= j_star[:, None], logprobs, float("-inf"))
+        logprobs[b, j_star] = torch.where(target.invalid[b, j_star], float("-inf"),
+                                          logprobs[b, j_star])
+    return VerifyOutput(tokens, num_accepted.int(), ~invalid, logprobs)
+
+
 def verify(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -158,97 +295,13 @@ def verify(
     draws from the streams keyed by that position. The target distribution of a row is the
     processed one: disallowed tokens dropped, then :func:`filter_logits`.
     """
-    device = draft_tokens.device
-    batch, block = draft_tokens.shape
-    vocab = target_logits.shape[-1]
-    target = target_logits.reshape(-1, vocab).float()
-    j = torch.arange(block + 1, device=device)
-    n = num_draft.long()
-    start = (
-        target_start.long()
-        if target_start is not None
-        else torch.arange(batch, device=device) * (block + 1)
-    )
-    rows = (start[:, None] + j).clamp(0, target.shape[0] - 1)  # rows past n are never used
-
     greedy = ~(temperature > GREEDY_TEMPERATURE)
-    inv_t = torch.where(greedy, 1.0, 1.0 / temperature)
-    row_logits = target[rows]
-    if allowed_token_mask is not None:
-        row_logits = torch.where(allowed_tokens(allowed_token_mask, vocab)[rows], row_logits,
-                                 float("-inf"))
-    if top_k is not None or top_p is not None or min_p is not None:
-        per_row = lambda t: None if t is None else t[:, None].expand(batch, block + 1)  # noqa: E731
-        row_logits = filter_logits(row_logits, per_row(temperature), top_k=per_row(top_k),
-                                   top_p=per_row(top_p), min_p=per_row(min_p))
-    p, target_argmax, target_invalid = _softmax_parts(row_logits, inv_t[:, None])
-
-    # Per-row views padded with the bonus row (no draft token there).
-    x = torch.cat([draft_tokens.long(), torch.full_like(n[:, None], -1)], 1)
-    in_range = (x >= 0) & (x < vocab)
-    x_safe = torch.where(in_range, x, 0)
-    p_x = torch.where(in_range, p.gather(-1, x_safe[..., None])[..., 0], 0.0)
-
-    # q: the distribution each draft token was proposed from; without draft logits, one-hot on
-    # the draft token.
-    no_row = torch.zeros_like(in_range[:, :1])
-    if draft_logits is None:
-        q = None
-        q_x = in_range.float()
-        draft_invalid = torch.zeros_like(in_range)
-    else:
-        t_d = temperature if draft_temperature is None else draft_temperature
-        draft_greedy = ~(t_d > GREEDY_TEMPERATURE)
-        inv_td = torch.where(draft_greedy, 1.0, 1.0 / t_d)
-        q, draft_argmax, draft_invalid = _softmax_parts(draft_logits.float(), inv_td[:, None])
-        q = torch.where(
-            draft_greedy[:, None, None],
-            torch.nn.functional.one_hot(draft_argmax, vocab).float(),
-            q,
-        )
-        q = torch.where(draft_invalid[..., None], 0.0, q)
-        q = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)
-        q_x = torch.where(in_range, q.gather(-1, x_safe[..., None])[..., 0], 0.0)
-        draft_invalid = torch.cat([draft_invalid & ~greedy[:, None], no_row], 1)
-
-    u = philox_uniform(seed[:, None], position[:, None] + 1 + j, PURPOSE_ACCEPT, 1)[..., 0]
-    sampled_accept = (q_x > 0) & (u * q_x < p_x)
-    greedy_accept = x == target_argmax
-    accept = torch.where(greedy[:, None], greedy_accept, sampled_accept)
-    accept &= in_range & ~target_invalid & ~draft_invalid & (j < n[:, None])
-    num_accepted = accept.int().cumprod(1).sum(1)  # first rejection, or n after a full accept
-
-    # The emitted token, drawn at row j* = num_accepted from r = max(p - q, 0) with q the rejected
-    # proposal's distribution (nothing for the bonus row), or from p when r has no mass.
-    b = torch.arange(batch, device=device)
-    j_star = num_accepted.long()
-    is_bonus = j_star == n
-    p_star = p[b, j_star]
-    if q is None:
-        q_star = torch.nn.functional.one_hot(x_safe[b, j_star], vocab) * in_range[b, j_star, None]
-    else:
-        q_star = q[b, j_star]
-    q_star = torch.where(is_bonus[:, None], 0.0, q_star)
-    residual = (p_star - q_star).clamp_min(0.0)
-    residual = torch.where((residual.sum(-1) <= MIN_RESIDUAL_MASS)[:, None], p_star, residual)
-    sampled_token = _exponential_race(residual, seed, position + 1 + j_star)
-
-    invalid = target_invalid[b, j_star]
-    token = torch.where(greedy, target_argmax[b, j_star], sampled_token)
-    token = torch.where(invalid, 0, token)
-    invalid |= ~is_bonus & (~in_range[b, j_star] | draft_invalid[b, j_star])
-
-    tokens = torch.where(j < j_star[:, None], x, -1)
-    tokens[b, j_star] = token
-    logprobs = None
-    if return_logprobs:
-        # log p of each emitted token under the processed distribution (greedy rows: at T = 1).
-        emitted = torch.where(j[None, :] <= j_star[:, None], tokens, 0).clamp(0, vocab - 1)
-        logprobs = torch.log(p.gather(-1, emitted[..., None])[..., 0])
-        logprobs = torch.where(j[None, :] <= j_star[:, None], logprobs, float("-inf"))
-        logprobs[b, j_star] = torch.where(target_invalid[b, j_star], float("-inf"),
-                                          logprobs[b, j_star])
-    return VerifyOutput(tokens, num_accepted.int(), ~invalid, logprobs)
+    target = _target_rows(target_logits, draft_tokens, target_start, temperature, greedy, top_k,
+                          top_p, min_p, allowed_token_mask)
+    draft = _draft_rows(draft_tokens, target_logits.shape[-1], draft_logits, temperature,
+                        draft_temperature, greedy)
+    num_accepted = _accept(target, draft, greedy, num_draft, seed, position)
+    return _emit(target, draft, num_accepted, greedy, num_draft, seed, position, return_logprobs)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,34 +5,20 @@ implement is refused with an error naming the field."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional
 
 from . import registry
 from .backbone import DraftConfig
+from .config_fields import (
+    QWEN3_BLOCK, head_dim_of, refuse_non_silu, refuse_sliding_window, refuse_tied_embeddings,
+    target_depth,
+)
 from .registry import GEMMA4_MODEL_TYPES
 
 __all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "rope_theta_of"]
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
-
-# Fields of DeepSpec's draft configs (a copy of the target's transformers config plus its own)
-# that do not change what the draft computes at inference: read and dropped.
-_INFERENCE_NEUTRAL_FIELDS = frozenset({
-    "transformers_version", "torch_dtype", "dtype", "_name_or_path", "bos_token_id",
-    "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
-    "max_window_layers",  # only meaningful with use_sliding_window, which is refused
-    "output_attentions", "output_hidden_states", "return_dict",
-    # what every transformers config carries (task heads, encoder-decoder switches)
-    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "problem_type",
-})
-_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-                    "target_layer_ids", "block_size", "mask_token_id", "markov_rank",
-                    "enable_confidence_head")
-_COPIED_FIELDS = _REQUIRED_FIELDS + ("attention_bias", "target_hidden_size", "num_anchors",
-                                     "max_position_embeddings")
 
 
 def rope_theta_of(values: dict) -> float:
@@ -150,9 +136,7 @@ class DSparkConfig(DraftConfig):
             family_class = registry.family_of_config(values, drafting="block").config_class
             if family_class is not cls:
                 return family_class.from_dict(values)
-        missing = [name for name in _REQUIRED_FIELDS if name not in values]
-        if missing:
-            raise ValueError(f"config is missing the field(s) {missing}")
+        QWEN3_BLOCK.refuse_missing(values, null_is_missing=False)
         if values.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"config field 'model_type' is {values['model_type']!r}: only Qwen3 "
                              f"('qwen3') and Gemma4 {GEMMA4_MODEL_TYPES} drafts are "
@@ -161,39 +145,22 @@ class DSparkConfig(DraftConfig):
         if list(architectures) != ["Qwen3DSparkModel"]:
             raise ValueError(f"config field 'architectures' is {architectures}: only "
                              "'Qwen3DSparkModel' drafts (DSpark or DFlash) are implemented")
-        if values.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config field 'hidden_act' is {values['hidden_act']!r}: the draft "
-                             "MLP implements 'silu'")
-        if values.get("tie_word_embeddings", False):
-            raise ValueError("config field 'tie_word_embeddings' is true: DeepSpec drafts keep "
-                             "lm_head separate and this loader expects it in the checkpoint")
+        refuse_non_silu(values)
+        refuse_tied_embeddings(values)
         layer_types = values.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"config field 'layer_types' is {layer_types}: only "
                              "'full_attention' draft layers are implemented")
-        if values.get("use_sliding_window", False):
-            raise ValueError("config field 'use_sliding_window' is true: sliding-window draft "
-                             "layers are not implemented")
+        refuse_sliding_window(values)
         if values.get("sliding_window") is not None and "use_sliding_window" not in values:
             raise ValueError("config field 'sliding_window' is set: sliding-window draft layers "
                              "are not implemented")
-        kwargs = {name: values[name] for name in _COPIED_FIELDS if values.get(name) is not None}
+        kwargs = QWEN3_BLOCK.copy(values)
         kwargs["rope_theta"] = rope_theta_of(values)
-        if values.get("num_target_layers") is not None:
-            kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
-        head_dim = values.get("head_dim")
-        kwargs["head_dim"] = (int(head_dim) if head_dim is not None
-                              else values["hidden_size"] // values["num_attention_heads"])
+        kwargs.update(target_depth(values))
+        kwargs["head_dim"] = head_dim_of(values)
         kwargs.update(DSparkConfig._head_fields(values))
-        known = (set(_COPIED_FIELDS) | _INFERENCE_NEUTRAL_FIELDS
-                 | {"model_type", "architectures", "hidden_act", "tie_word_embeddings",
-                    "layer_types", "use_sliding_window", "sliding_window", "rope_theta",
-                    "rope_parameters", "rope_scaling", "head_dim", "markov_head_type",
-                    "confidence_head_with_markov", "num_target_layers"})
-        unknown = sorted(set(values) - known)
-        if unknown:
-            warnings.warn(f"DSparkConfig: ignoring config field(s) this library does not read: "
-                          f"{unknown}", stacklevel=2)
+        QWEN3_BLOCK.warn_unknown(values, "DSparkConfig")
         return cls(**kwargs)
 
     def to_dict(self) -> dict:

@@ -42,12 +42,13 @@ from torch import nn
 from .backbone import DraftMLP, RMSNorm, apply_rope
 from ..ops.attention import append_context_kv
 from .checkpoint import load_state_dict_file, save_safetensors, weights_file
-from .config import _INFERENCE_NEUTRAL_FIELDS, rope_theta_of
-from .registry import GEMMA4_MODEL_TYPES
-from .gemma4 import (
-    _GEMMA4_NEUTRAL_FIELDS, Gemma4DraftMLP, GemmaRMSNorm, ScaledEmbedding, _rope, gemma4_rope,
-    soft_cap,
+from .config import rope_theta_of
+from .config_fields import (
+    EAGLE3_GEMMA4, EAGLE3_QWEN3, head_dim_of, refuse_non_silu, refuse_sliding_window,
+    refuse_tied_embeddings, target_depth,
 )
+from .registry import GEMMA4_MODEL_TYPES
+from .gemma4 import Gemma4DraftMLP, GemmaRMSNorm, ScaledEmbedding, _rope, gemma4_rope, soft_cap
 
 __all__ = ["ChainCache", "Eagle3Config", "Eagle3Draft", "cache_attention"]
 
@@ -142,45 +143,19 @@ class Eagle3Config:
         if list(architectures) != [ARCHITECTURES[family]]:
             raise ValueError(f"config field 'architectures' is {architectures}: a {family} "
                              f"Eagle3 draft is a {ARCHITECTURES[family]!r}")
-        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-                    "target_layer_ids", "ttt_length"]
-        if family == "gemma4":
-            required.append("global_head_dim")
-        missing = [name for name in required if values.get(name) is None]
-        if missing:
-            raise ValueError(f"config is missing the field(s) {missing}")
+        fields = EAGLE3_GEMMA4 if family == "gemma4" else EAGLE3_QWEN3
+        fields.refuse_missing(values)
         for name in ("num_hidden_layers", "draft_num_hidden_layers"):
             if int(values.get(name, 1)) != 1:
                 raise ValueError(f"config field '{name}' is {values[name]}: the Eagle3 chain "
                                  "drafter runs one draft layer (as DeepSpec's evaluator)")
-        if values.get("tie_word_embeddings", False):
-            raise ValueError("config field 'tie_word_embeddings' is true: DeepSpec drafts keep "
-                             "lm_head separate and this loader expects it in the checkpoint")
-        kwargs = dict(family=family)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "rms_norm_eps", "attention_bias", "target_layer_ids",
-                     "ttt_length", "step_loss_decay", "max_position_embeddings"):
-            if values.get(name) is not None:
-                kwargs[name] = values[name]
-        if values.get("num_target_layers") is not None:
-            kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
-        known = set(_INFERENCE_NEUTRAL_FIELDS) | set(kwargs) | {
-            "model_type", "architectures", "num_hidden_layers", "draft_num_hidden_layers",
-            "tie_word_embeddings", "num_target_layers", "target_model_name_or_path",
-            "layer_types", "rope_theta", "rope_parameters", "rope_scaling", "head_dim"}
+        refuse_tied_embeddings(values)
+        kwargs = dict(family=family, **fields.copy(values), **target_depth(values))
         if family == "qwen3":
-            if values.get("hidden_act", "silu") != "silu":
-                raise ValueError(f"config field 'hidden_act' is {values['hidden_act']!r}: the "
-                                 "draft MLP implements 'silu'")
-            if values.get("use_sliding_window", False):
-                raise ValueError("config field 'use_sliding_window' is true: sliding-window "
-                                 "draft layers are not implemented")
+            refuse_non_silu(values)
+            refuse_sliding_window(values)
             kwargs["rope_theta"] = rope_theta_of(values)
-            head_dim = values.get("head_dim")
-            kwargs["head_dim"] = (int(head_dim) if head_dim is not None
-                                  else values["hidden_size"] // values["num_attention_heads"])
-            known |= {"hidden_act", "use_sliding_window", "sliding_window"}
+            kwargs["head_dim"] = head_dim_of(values)
         else:
             from .gemma4 import Gemma4DSparkConfig
 
@@ -199,11 +174,7 @@ class Eagle3Config:
                           final_logit_softcapping=gemma.final_logit_softcapping,
                           sliding_head_dim=gemma.sliding_head_dim,
                           sliding_num_key_value_heads=gemma.sliding_num_key_value_heads)
-            known |= _GEMMA4_NEUTRAL_FIELDS
-        unknown = sorted(set(values) - known)
-        if unknown:
-            warnings.warn(f"Eagle3Config: ignoring config field(s) this library does not read: "
-                          f"{unknown}", stacklevel=2)
+        fields.warn_unknown(values, "Eagle3Config")
         return cls(**kwargs)
 
     def to_dict(self) -> dict:

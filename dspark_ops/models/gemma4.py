@@ -35,14 +35,14 @@ kernels take (64, 128, 256 and the released draft's 512), reading the caches in 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from .backbone import DraftAttention, DraftLayer, DraftMLP
-from .config import _COPIED_FIELDS, _INFERENCE_NEUTRAL_FIELDS, DSparkConfig
+from .config import DSparkConfig
+from .config_fields import GEMMA4_BLOCK, refuse_tied_embeddings, target_depth
 from .draft import DSparkDraft
 from .registry import GEMMA4_MODEL_TYPES
 
@@ -59,19 +59,6 @@ __all__ = [
 ]
 
 ROPE_TYPES = ("proportional", "default")
-
-# Fields of DeepSpec's Gemma4 draft config read and dropped: they describe the target it was
-# copied from (its sliding layers, per-layer inputs' table, MoE sizes, multimodal switches) and
-# do not change what the draft computes, once the checks of from_dict have passed.
-_GEMMA4_NEUTRAL_FIELDS = frozenset({
-    "sliding_window", "vocab_size_per_layer_input", "num_experts", "top_k_experts",
-    "moe_intermediate_size", "use_bidirectional_attention", "target_model_type",
-    "target_text_model_type", "final_logit_softcapping", "attention_k_eq_v",
-    "num_global_key_value_heads", "global_head_dim", "hidden_activation", "hidden_act",
-    "num_kv_shared_layers", "use_double_wide_mlp", "enable_moe_block",
-    "hidden_size_per_layer_input", "attn_logit_softcapping", "query_pre_attn_scalar",
-    "per_layer_config",
-})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,13 +232,7 @@ class Gemma4DSparkConfig(DSparkConfig):
         than ``Gemma4DSparkModel``.
         """
         values = dict(values)
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-                    "target_layer_ids", "block_size", "mask_token_id", "markov_rank",
-                    "enable_confidence_head", "global_head_dim")
-        missing = [name for name in required if values.get(name) is None]
-        if missing:
-            raise ValueError(f"config is missing the field(s) {missing}")
+        GEMMA4_BLOCK.refuse_missing(values)
         model_type = values.get("model_type")
         if model_type not in GEMMA4_MODEL_TYPES:
             raise ValueError(f"config field 'model_type' is {model_type!r}: a Gemma4 draft has "
@@ -278,15 +259,13 @@ class Gemma4DSparkConfig(DSparkConfig):
         if values.get("attn_logit_softcapping") is not None:
             raise ValueError("config field 'attn_logit_softcapping' is set: attention-logit "
                              "soft-capping is not implemented")
-        if values.get("tie_word_embeddings", False):
-            raise ValueError("config field 'tie_word_embeddings' is true: DeepSpec drafts keep "
-                             "lm_head separate and this loader expects it in the checkpoint")
+        refuse_tied_embeddings(values)
         layers = int(values["num_hidden_layers"])
         layer_types = values.get("layer_types") or ["full_attention"] * layers
         if list(layer_types) != ["full_attention"] * layers:
             raise ValueError(f"config field 'layer_types' is {layer_types}: Gemma4 draft layers "
                              "are all 'full_attention'")
-        kwargs = {name: values[name] for name in _COPIED_FIELDS if values.get(name) is not None}
+        kwargs = GEMMA4_BLOCK.copy(values)
         kind, theta, fraction = _rope(values)
         kwargs.update(rope_theta=theta, rope_type=kind, partial_rotary_factor=fraction)
         k_eq_v = bool(values.get("attention_k_eq_v", False))
@@ -300,17 +279,9 @@ class Gemma4DSparkConfig(DSparkConfig):
         kwargs["sliding_head_dim"] = values.get("head_dim")
         kwargs["sliding_num_key_value_heads"] = values["num_key_value_heads"]
         kwargs["final_logit_softcapping"] = values.get("final_logit_softcapping")
-        if values.get("num_target_layers") is not None:
-            kwargs["target_num_hidden_layers"] = int(values["num_target_layers"])
+        kwargs.update(target_depth(values))
         kwargs.update(DSparkConfig._head_fields(values))
-        known = (set(_COPIED_FIELDS) | _INFERENCE_NEUTRAL_FIELDS | _GEMMA4_NEUTRAL_FIELDS
-                 | {"model_type", "architectures", "tie_word_embeddings", "layer_types",
-                    "rope_theta", "rope_parameters", "head_dim", "markov_head_type",
-                    "confidence_head_with_markov", "num_target_layers"})
-        unknown = sorted(set(values) - known)
-        if unknown:
-            warnings.warn(f"Gemma4DSparkConfig: ignoring config field(s) this library does not "
-                          f"read: {unknown}", stacklevel=2)
+        GEMMA4_BLOCK.warn_unknown(values, "Gemma4DSparkConfig")
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
