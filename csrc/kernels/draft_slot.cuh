@@ -161,7 +161,8 @@ __device__ __forceinline__ void w2_stream_start(const DraftParams& p, W2Stream& 
 }
 
 // Issues the stream's next chunk into its slot (the slot's previous chunk has been used) and
-// commits one group, empty past the warp's last tile: group n always holds stream chunk n.
+// commits its group (empty past the warp's last tile) and kMaxW2Stages / stages - 1 empty ones
+// (wait_w2).
 template <typename W>
 __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
   if (w.tile < w.tiles) {
@@ -182,49 +183,61 @@ __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
       if (w.tile < w.tiles) w2_stream_rows<W>(p, w);
     }
   }
-  copy_async_commit();
+  for (int i = 0; i < kMaxW2Stages; i += w.stages) copy_async_commit();
   ++w.issued;
 }
 
-// Returns once stream chunk w.used has landed: the `stages - 1` groups after it may be pending.
-__device__ __forceinline__ void wait_w2(const W2Stream& w) {
-  if (w.stages == 8) {
-    copy_async_wait<7>();
-  } else if (w.stages == 4) {
-    copy_async_wait<3>();
-  } else {
-    copy_async_wait<1>();
-  }
-}
+// Returns once stream chunk w.used has landed: every step of the stream commits
+// kMaxW2Stages / stages groups (the chunk's, then empty ones), so the groups after the chunk's
+// are kMaxW2Stages - 1 at any ring depth and one wait serves them all.
+__device__ __forceinline__ void wait_w2() { copy_async_wait<kMaxW2Stages - 1>(); }
 
-// acc[nt] += W2[16 rows] x inputs[column tile nt] over all k, for 16-bit weights: the tile's
-// chunks from the ring, each slot refilled with the chunk `stages` ahead once its MMAs are issued
-// (their operands are read from it by then).
-template <typename W, int kPasses>
-__device__ __forceinline__ void tile_products(const DraftParams& p, W2Stream& w2,
-                                              const W* inputs, int stride, int plane,
-                                              int column_tiles, float (&acc)[kMaxGroup / 8][4]) {
+// acc[nt] += W2[16 rows] x inputs[column tile nt] over all k, for 16-bit weights and
+// kColumnTiles column tiles: the tile's chunks from the ring, each slot refilled with the chunk
+// `stages` ahead once its MMAs are issued (their operands are read from it by then).
+template <typename W, int kPasses, int kColumnTiles>
+__device__ __forceinline__ void tile_products_n(const DraftParams& p, W2Stream& w2,
+                                                const W* inputs, int stride, int plane,
+                                                float (&acc)[kMaxGroup / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const W* lane_inputs = inputs + g * stride + 8 * t;
   for (int c = 0; c < w2.chunks; ++c) {
-    wait_w2(w2);
+    wait_w2();
     const uint4* slot = w2.ring + (w2.used & (w2.stages - 1)) * 64 + lane;
     Frag16 a;
     a.row_lo = slot[0];
     a.row_hi = slot[32];
     ++w2.used;
-    const int k = c * kKChunk + 8 * t;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
 #pragma unroll
-      for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
-        if (nt >= column_tiles) break;
-        const W* in = inputs + (pass * plane + nt * 8 + g) * stride + k;
+      for (int nt = 0; nt < kColumnTiles; ++nt) {
+        const W* in = lane_inputs + (pass * plane + nt * 8) * stride + c * kKChunk;
         const uint4 b = *reinterpret_cast<const uint4*>(in);
         mma_m16n8k16<W>(acc[nt], a.row_lo.x, a.row_hi.x, a.row_lo.y, a.row_hi.y, b.x, b.y);
         mma_m16n8k16<W>(acc[nt], a.row_lo.z, a.row_hi.z, a.row_lo.w, a.row_hi.w, b.z, b.w);
       }
     }
     issue_w2<W>(p, w2);
+  }
+}
+
+// The products for the group's column tiles (1..8): one unrolled loop per count, no branch per
+// column tile.
+template <typename W, int kPasses>
+__device__ __forceinline__ void tile_products(const DraftParams& p, W2Stream& w2,
+                                              const W* inputs, int stride, int plane,
+                                              int column_tiles, float (&acc)[kMaxGroup / 8][4]) {
+  static_assert(kMaxGroup / 8 == 8, "one case per column tile count");
+  switch (column_tiles) {
+    case 1: tile_products_n<W, kPasses, 1>(p, w2, inputs, stride, plane, acc); break;
+    case 2: tile_products_n<W, kPasses, 2>(p, w2, inputs, stride, plane, acc); break;
+    case 3: tile_products_n<W, kPasses, 3>(p, w2, inputs, stride, plane, acc); break;
+    case 4: tile_products_n<W, kPasses, 4>(p, w2, inputs, stride, plane, acc); break;
+    case 5: tile_products_n<W, kPasses, 5>(p, w2, inputs, stride, plane, acc); break;
+    case 6: tile_products_n<W, kPasses, 6>(p, w2, inputs, stride, plane, acc); break;
+    case 7: tile_products_n<W, kPasses, 7>(p, w2, inputs, stride, plane, acc); break;
+    default: tile_products_n<W, kPasses, 8>(p, w2, inputs, stride, plane, acc); break;
   }
 }
 
