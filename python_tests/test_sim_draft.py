@@ -18,7 +18,8 @@ logits, int32 anchors and ids, out-of-range ids (zero rows), several tiles per b
 the emulated A100 and L4, draft_confidence with and without bias and calibration, the sampling
 filters (draft_filter_kernel after every slot: top-k / top-p / min-p per request, some off, the
 filtered rows and redrawn tokens against the CPU kernel exactly, unchecked garbage values, and the
-launch count). Planted faults
+launch count), the W2 ring (its 2, 4 and 8 stages, chunks streamed across a warp's tiles) and
+the programmatic dependent launches of a block walk. Planted faults
 (mma_swap_a12, a dropped barrier in draft_slot_kernel, shuffle_off_by_one) are shown to be caught.
 The key-bound skip of the logarithms: the bound checked against the float32 key over every exponent
 of u, and drafts over many blocks (the later ones skipping most logarithms) on flat, peaky and wide
@@ -35,6 +36,7 @@ import torch
 
 import dspark_ops
 import emulator
+from bench.static.plans import parse_records
 from conftest import full_tests
 from dspark_ops import reference
 from cases.common import DEBUG, DTYPE_IDS, INF, NAN, generator, is_greedy, stable_seed
@@ -349,6 +351,77 @@ def test_several_tiles_per_block(sim):
     assert torch.equal(out.tokens[:, 0], winners)
     if full_tests():
         check_draft(sim, make_case(3, 2, vocab, 64, seed=203, weights="f32", base_dtype=F16))
+
+
+def slot_plans(sim, case_args: list) -> list:
+    """The launch records of each (head, call arguments) in ``case_args``, planned only: kernel,
+    whether dependent, the W2 ring's stages."""
+    out = []
+    for head, args in case_args:
+        sim.clear_launch_log()
+        sim.set_plan_only(True)
+        try:
+            getattr(sim, f"{head}_draft")(*args)
+        finally:
+            sim.set_plan_only(False)
+        out.append([(r["kernel"].replace("dspark_ops::kernels::", ""), r["dependent"],
+                     r["fields"].get("stages"))
+                    for r in parse_records(sim.launch_records())])
+    return out
+
+
+def plan_args(head: str, batch: int, block: int, vocab: int, rank: int, weights) -> tuple:
+    i64 = dict(dtype=torch.int64)
+    base = torch.empty(batch, block, vocab)
+    common = (torch.ones(batch), torch.zeros(batch, **i64), torch.zeros(batch, **i64))
+    w = (torch.empty(vocab, rank, dtype=weights), torch.empty(vocab, rank, dtype=weights))
+    if head == "markov":
+        return (base, torch.zeros(batch, **i64)) + w + common
+    return (base, torch.zeros(batch, **i64), torch.empty(batch, block, 16)) + w + (
+        torch.empty(3 * rank, 2 * rank + 16, dtype=weights),
+        torch.empty(3 * rank, dtype=weights)) + common
+
+
+@pytest.mark.skipif(DEBUG, reason="DSPARK_OPS_DEBUG=1 turns the value checks on")
+def test_w2_ring_stages_and_dependent_launches(sim):
+    """The slot kernel's W2 ring takes the most stages (8, 4 or 2) the shared-memory budget leaves
+    beside the group's inputs (none for float32 weights), and every launch of a block walk after
+    its first is a programmatic dependent launch (the first waits for the stream: what ran before
+    may have written the weights). The stages the emulated tests cover: 8 at small ranks, 4 for the
+    RNN's two input planes at r 256 and for bf16 r 864 (groups of 32), 2 on the L4 at r 352."""
+    slot = "draft_slot_kernel<__nv_bfloat16, float, {}>"
+    markov, rnn = slot.format("false"), slot.format("true")
+    head = "rnn_head_mma_kernel<__nv_bfloat16>"
+    got = slot_plans(sim, [("markov", plan_args("markov", 64, 3, 1000, 256, BF16)),
+                           ("rnn", plan_args("rnn", 64, 2, 1000, 256, BF16)),
+                           ("markov", plan_args("markov", 33, 1, 300, 864, BF16)),
+                           ("markov", plan_args("markov", 9, 2, 300, 20, F32))])
+    assert got[0] == [(markov, False, 8), (markov, True, 8), (markov, True, 8)]
+    assert got[1] == [(head, False, 4), (rnn, True, 4), (head, True, 4), (rnn, True, 4)]
+    assert got[2] == [(markov, False, 4)]
+    f32 = "draft_slot_kernel<float, float, false>"
+    assert got[3] == [(f32, False, 0), (f32, True, 0)]
+    with emulator.emulated_device("l4"):
+        (l4,) = slot_plans(sim, [("markov", plan_args("markov", 33, 1, 300, 352, BF16))])
+    assert l4 == [(markov, False, 2)]
+
+
+def test_w2_ring_over_several_tiles_per_warp(sim):
+    """The W2 ring streams a warp's chunks across its tiles: on the emulated L4 (a smaller grid,
+    four stages beside r = 136's inputs) warps walk two 16-row tiles of five k chunks each, so
+    chunks of the next tile are in flight during a tile's epilogue and the ring wraps inside a
+    tile; B = 9 (one request in the second column tile), greedy and sampled requests, bf16 base
+    logits, a winner placed in a warp's second tile."""
+    vocab, rank = 20000, 136
+    case = make_case(9, 2, vocab, rank, seed=stable_seed("ring-tiles"), weights="bf16",
+                     base_dtype=BF16)
+    with emulator.emulated_device("l4"):
+        (records,) = slot_plans(sim, [("markov", (case.base_logits, case.anchor, case.w1, case.w2,
+                                                  case.temperature, case.seed, case.position))])
+        assert {stages for _, _, stages in records} == {4}
+        case.base_logits[0, 0, vocab - 5] += 40.0  # row 19995: tile 1249, a second tile
+        out = check_draft(sim, case)
+    assert int(out.tokens[0, 0]) == vocab - 5
 
 
 def key_bound(zt: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

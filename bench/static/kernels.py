@@ -233,6 +233,16 @@ def kernel_launch(plan: Plan, kernel: str) -> Tuple[PlanLaunch, int]:
         raise sass.StructureError(f"{error}; update bench/static/kernels.py") from None
 
 
+def kernel_launches(plan: Plan, kernel: str) -> List[Tuple[PlanLaunch, int]]:
+    """The launches of ``kernel`` in ``plan`` grouped by configuration (e.g. a block walk's first
+    launch and its dependent ones), each (a launch, how many); StructureError when the real code
+    does not launch it."""
+    found = plan.groups(kernel)
+    if not found:
+        raise sass.StructureError(f"the plan launches no {kernel}; update bench/static/kernels.py")
+    return found
+
+
 def planned(launch: PlanLaunch, label: str, terms: List[Term], dram_bytes: float,
             count: int = 1, **kwargs) -> Launch:
     """A model Launch with the recorded launch's kernel, block, grid and shared memory."""
@@ -457,14 +467,42 @@ def warp_tile_shares(vocab: int, grid_tiles: int, warps: int) -> List[int]:
                 for w in range(warps)) for x in range(grid_tiles)]
 
 
-def draft_slot_chain(warp_tiles: int, w2_batches: int, column_tiles: int,
-                     per_tile_instrs: float) -> Chain:
+def exposed(cover_s: float, hw=H200) -> float:
+    """The share of an HBM wait left on a warp's path when `cover_s` of its own work runs
+    between the load's issue and its use."""
+    return max(0.0, 1.0 - cover_s / hw.dram_dependent_s)
+
+
+def draft_slot_chain(warp_tiles: int, chunks: int, stages: int, column_tiles: int,
+                     chunk_instrs: float, call_instrs: float, per_tile_instrs: float,
+                     hw=H200) -> Chain:
     """The busiest warp's path through one draft_slot_kernel launch (see draft_op): the group's
-    inputs (a token from L2, then a row from HBM), per tile its W2 batches and one exposed
-    base-logit load per column tile (HBM waits) with the tile's instructions in series, then
-    the arrival's fences and atomic and the last block's read of the maxima."""
+    inputs (a token from L2, then a row from HBM; the W2 ring's first chunks load beside them),
+    then per tile the tile's instructions in series and what of its loads they do not cover, then
+    the arrival's fences and atomic and the last block's read of the maxima.
+
+    The W2 ring holds `stages` chunks of the warp's stream, each issued when the chunk `stages`
+    before it is used: a tile's first chunks are issued before the tile before's epilogue calls
+    and load during them, and with more chunks than stages the chunk `stages` ahead waits once
+    per tile for
+    what `stages - 1` chunks' products leave of the latency (the later ones follow it at the
+    products' pace). The base logits load two column tiles ahead: the first two during the
+    products, each later one during two epilogue calls. A float32-weight tile (no ring,
+    `stages` 0) loads its W2 rows four k at a time and uses them at once: one wait per chunk."""
+    dep = hw.dependent_instr_s
+    products_s = chunks * chunk_instrs * dep
+    call_s = call_instrs * dep
+    if stages == 0:
+        w2_waits = float(chunks)
+    else:
+        w2_waits = exposed(column_tiles * call_s, hw) + (
+            exposed((stages - 1) * chunk_instrs * dep, hw) if chunks > stages else 0.0)
+    base_waits = exposed(products_s, hw)
+    if column_tiles > 1:
+        base_waits += exposed(products_s + call_s, hw)
+    base_waits += max(0, column_tiles - 2) * exposed(2 * call_s, hw)
     return Chain(l2_waits=2, dram_waits=1, fences=2, barrier_stages=3) + Chain(
-        dram_waits=w2_batches + column_tiles, dependent_instrs=per_tile_instrs).scaled(warp_tiles)
+        dram_waits=w2_waits + base_waits, dependent_instrs=per_tile_instrs).scaled(warp_tiles)
 
 
 def attention_split_chain(tiles: int, stages: int, rounds: int) -> Chain:
@@ -480,9 +518,11 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     plan = planner.draft(batch, block, vocab, rank, rnn=rnn, sampled=sampled, hidden=hidden,
                          filtered=filtered)
     passes = 2 if rnn else 1
-    # bf16 weights and base logits.
-    slot_launch, _ = kernel_launch(
-        plan, f"draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, {str(rnn).lower()}>")
+    # bf16 weights and base logits. The walk's first launch is an ordinary one, every later one a
+    # programmatic dependent launch (kernels/draft.cuh): one configuration each.
+    slot_name = f"draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, {str(rnn).lower()}>"
+    slot_groups = kernel_launches(plan, slot_name)
+    slot_launch = slot_groups[0][0]
     slot = slot_launch.kernel
     grid_tiles, groups = slot_launch.grid[0], slot_launch.grid[1]
     group, tiles = slot_launch.fields["group_size"], slot_launch.fields["num_tiles"]
@@ -490,13 +530,13 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     # The warps walk 16-row tiles interleaved over the grid: the busiest block's share.
     imbalance = max(warp_tile_shares(vocab, grid_tiles, warps)) / ((vocab + 15) // 16 / grid_tiles)
     ct = (min(group, batch) + 7) // 8                    # MMA column tiles (n8) per block
-    k_chunk, in_flight = constant("kKChunk"), constant("kChunksInFlight")
+    k_chunk = constant("kKChunk")
     chunks = (rank + k_chunk - 1) // k_chunk
-    mma = LoopSpec("W2 x inputs (mma.sync)",
-                   {r"^HMMA": 2 * min(in_flight, chunks) * ct * passes,
-                    r"^LDG\.E\.128": 2 * min(in_flight, chunks)},
-                   16 * k_chunk * min(in_flight, chunks) / 32,
-                   (r"^LDG\.E\.128", 2 * min(in_flight, chunks)), loads=r"^LDG\.E\.128")
+    stages = slot_launch.fields["stages"]
+    # Per k chunk: its fragments from the ring (two LDS.128), the MMAs, the refill (two cp.async).
+    mma = LoopSpec("W2 ring x inputs (mma.sync)",
+                   {r"^HMMA": 2 * ct * passes, r"^LDGSTS": 2},
+                   16 * k_chunk / 32, (r"^HMMA", 2 * ct * passes), loads=r"^LDGSTS")
     # z is stored through a row pointer kept in shared memory (a generic ST.E).
     store = r"^ST\.E$"
     need = {store: 4 * ct}
@@ -506,8 +546,11 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
                    innermost=False)
     w2 = vocab * rank * BF16 * groups
     slot_bytes = w2 + batch * vocab * BF16 + batch * vocab * F32 + batch * rank * BF16
-    terms = [term(binary, slot, mma, vocab * rank * groups),
-             term(binary, slot, epi, vocab * batch)]
+    # The ring keeps `stages` chunks (32 bytes a lane each) in flight across the loop's
+    # iterations, more than one iteration's path shows.
+    mma_term = term(binary, slot, mma, vocab * rank * groups)
+    mma_term = dataclasses.replace(mma_term, in_flight=max(mma_term.in_flight, 32 * stages))
+    terms = [mma_term, term(binary, slot, epi, vocab * batch)]
     # The epilogue's two warp votes: the logarithms (log1pf and logf: two exponent extractions per
     # element, 4 elements per lane) and the reductions + global atomicMax (2 per call). Their
     # fractions of warp calls are ASSUMPTIONS (vote_fraction); each warp runs exactly one first
@@ -533,19 +576,18 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
             "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
     # The busiest warp's path through the slot (kernels/draft_slot.cuh, draft_slot_kernel): the
     # group's inputs (the previous token, from L2, then its W1 row or the head's activation), then
-    # per 16-row tile kChunksInFlight W2 fragment loads before the MMAs that use them (one HBM
-    # wait per batch), and per column tile an epilogue call that loads its four base logits and
-    # uses them at once (one HBM wait each: nothing else of the warp is in flight), with every
-    # instruction of the tile's calls and products in series; last the arrival (a fence, the
-    # returning atomic) and the last block's fence and reads of the group's maxima from L2.
+    # per 16-row tile its chunks' products from the W2 ring and its epilogue calls, every
+    # instruction in series, with what the ring and the base-logit prefetch leave exposed
+    # (draft_slot_chain); last the arrival (a fence, the returning atomic) and the last block's
+    # fence and reads of the group's maxima from L2.
     busiest_warp_tiles = math.ceil((vocab + 15) // 16 / (warps * grid_tiles))  # warp 0, block 0
     per_tile_elems = 16 * 8 * ct / 32                    # epilogue elements per lane and tile
-    per_tile_instrs = sum(t.instr_per_elem * per_tile_elems * t.elements / (vocab * batch)
-                          for t in terms[1:])
-    mma_term = terms[0]
-    per_tile_instrs += mma_term.path_instrs * math.ceil(chunks / min(in_flight, chunks))
-    slot_chain = draft_slot_chain(busiest_warp_tiles, math.ceil(chunks / in_flight), ct,
-                                  per_tile_instrs)
+    call_instrs = sum(t.instr_per_elem * per_tile_elems * t.elements / (vocab * batch)
+                      for t in terms[1:]) / ct
+    chunk_instrs = mma_term.instr_per_elem * 16 * k_chunk / 32
+    per_tile_instrs = call_instrs * ct + chunk_instrs * chunks
+    slot_chain = draft_slot_chain(busiest_warp_tiles, chunks, stages, ct, chunk_instrs,
+                                  call_instrs, per_tile_instrs)
     launches = []
     if rnn:
         rows = 3 * rank
@@ -555,7 +597,8 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
         # multiply-adds a lane) from four 32-bit J loads and two of the inputs; unrolled by 4.
         # The modelled loop is the bf16 hidden segment's (exact in bf16: one MMA a step), d of the
         # 2r + d columns; the float32 state's r columns take three MMAs a step.
-        head_launch, head_count = kernel_launch(plan, "rnn_head_mma_kernel<__nv_bfloat16>")
+        head_groups = kernel_launches(plan, "rnn_head_mma_kernel<__nv_bfloat16>")
+        head_launch = head_groups[0][0]
         macs = LoopSpec("J x [s; W1[x]; h] (mma.sync, pair loads)",
                         {r"^HMMA": 4, r"^LDG\.E\.CONSTANT$": 24}, 64, (r"^HMMA", 1),
                         loads=r"^LDG\.E\.CONSTANT$")
@@ -570,17 +613,22 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
         for columns in (rank, rank, hidden):
             steps = math.ceil(columns / 16 / head_warps)
             head_waits += steps // 4 + steps % 4
-        launches.append(planned(head_launch, "rnn head [g;c;o]",
-                                [term(binary, head_launch.kernel, macs, rows * width * batch)],
-                                head_bytes, count=head_count,
-                                chain=Chain(l2_waits=1, dram_waits=head_waits, barrier_stages=1),
-                                note="J read once from HBM, L2 serves the batch blocks"))
-    slot_launch, slot_count = kernel_launch(
-        plan, f"draft_slot_kernel<__nv_bfloat16, __nv_bfloat16, {str(rnn).lower()}>")
-    launches.append(planned(slot_launch, f"slot: W2 mma + sample ({groups} group(s) of {group})",
-                            terms, slot_bytes, count=slot_count, imbalance=imbalance,
-                            load_bytes=w2 + batch * vocab * BF16, chain=slot_chain,
-                            note=note + f"; busiest warp: {busiest_warp_tiles} tiles"))
+        head_terms = [term(binary, head_launch.kernel, macs, rows * width * batch)]
+        for launch, count in head_groups:
+            launches.append(planned(launch, "rnn head [g;c;o]" + (", dependent" if launch.dependent
+                                                                  else ""),
+                                    head_terms, head_bytes, count=count,
+                                    chain=Chain(l2_waits=1, dram_waits=head_waits,
+                                                barrier_stages=1),
+                                    note="J read once from HBM, L2 serves the batch blocks"))
+    for slot_launch, slot_count in slot_groups:
+        launches.append(planned(slot_launch,
+                                f"slot: W2 ring mma + sample ({groups} group(s) of {group}, "
+                                f"{stages} stages)" + (", dependent" if slot_launch.dependent
+                                                       else ""),
+                                terms, slot_bytes, count=slot_count, imbalance=imbalance,
+                                load_bytes=w2 + batch * vocab * BF16, chain=slot_chain,
+                                note=note + f"; busiest warp: {busiest_warp_tiles} tiles"))
     if filtered:
         # float32 draft rows (the default draft_logits dtype).
         filt_launch, filt_count = kernel_launch(plan, "draft_filter_kernel<float>")

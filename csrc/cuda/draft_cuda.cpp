@@ -53,12 +53,16 @@ kernels::DraftParams draft_params(const DraftArgs& a, at::Tensor& tokens, at::Te
   return p;
 }
 
-// Requests per block: up to 64, halved until the bias inputs fit the device's shared-memory
-// budget (kernels::draft_input_budget).
+// Requests per block: up to 64, halved until the bias inputs and the smallest W2 ring (16-bit
+// weights) fit the device's shared-memory budget (kernels::draft_input_budget); the ring then
+// takes the most stages that still fit (kernels::draft_w2_stages).
 int group_size(int w_type, bool rnn, int64_t batch, int64_t rank, int budget) {
   int size = kernels::kMaxGroup;
   while (size > 8 &&
-         kernels::draft_shared_bytes(w_type, rnn, size, static_cast<int>(rank)) > budget) {
+         kernels::draft_shared_bytes(w_type, rnn, size, static_cast<int>(rank),
+                                     w_type == kernels::kElementFloat ? 0
+                                                                      : kernels::kMinW2Stages) >
+             budget) {
     size /= 2;
   }
   // No wider than the batch (rounded up to whole MMA column tiles of 8).
@@ -74,7 +78,9 @@ void run_draft(bool rnn, const DraftArgs& a, at::Tensor& tokens, at::Tensor& log
   TORCH_CHECK_VALUE(w_type == kernels::kElementFloat || compute_capability_major(device) >= 8, op,
                     "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
                     "on CUDA; pass float32 weights on this GPU");
-  p.group_size = group_size(w_type, rnn, a.batch, a.rank, kernels::draft_input_budget(device));
+  const int budget = kernels::draft_input_budget(device);
+  p.group_size = group_size(w_type, rnn, a.batch, a.rank, budget);
+  p.stages = kernels::draft_w2_stages(w_type, rnn, p.group_size, p.rank, budget);
   const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;
   TORCH_CHECK_VALUE(groups <= 65535 && (a.batch + kernels::kHeadRequests - 1) /
                                            kernels::kHeadRequests <= 65535,
@@ -96,7 +102,7 @@ void run_draft(bool rnn, const DraftArgs& a, at::Tensor& tokens, at::Tensor& log
   }
   // The base logits' dtype is a template parameter of the slot kernel: no per-element type switch
   // in the epilogue.
-  const int shared_bytes = kernels::draft_shared_bytes(w_type, rnn, p.group_size, p.rank);
+  const int shared_bytes = kernels::draft_shared_bytes(w_type, rnn, p.group_size, p.rank, p.stages);
   C10_CUDA_CHECK(kernels::allow_draft_shared(w_type, base_type, rnn, shared_bytes));
   const int64_t resident =
       int64_t{kernels::draft_blocks_per_sm(w_type, base_type, rnn, device, shared_bytes)} *

@@ -31,10 +31,19 @@ auto with_slot_types(int w_type, int base_type, bool rnn, F&& f) {
 
 }  // namespace
 
-int draft_shared_bytes(int w_type, bool rnn, int group_size, int rank) {
+int draft_shared_bytes(int w_type, bool rnn, int group_size, int rank, int stages) {
   return with_weight_type(w_type, rnn, [&](auto w, auto kernel_rnn) {
-    return draft_shared_bytes<decltype(w), decltype(kernel_rnn)::value>(group_size, rank);
+    return draft_shared_bytes<decltype(w), decltype(kernel_rnn)::value>(group_size, rank, stages);
   });
+}
+
+int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget) {
+  if (w_type == kElementFloat) return 0;
+  int stages = kMaxW2Stages;
+  while (stages > kMinW2Stages && draft_shared_bytes(w_type, rnn, group_size, rank, stages) > budget) {
+    stages /= 2;
+  }
+  return stages;
 }
 
 int draft_input_budget(int device) {

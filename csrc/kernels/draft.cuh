@@ -37,30 +37,48 @@
 
 namespace dspark_ops::kernels {
 
-// Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN).
+// Launches the whole block walk on `stream`: G slot launches (plus G head launches for the RNN),
+// every one after the first a programmatic dependent launch.
 // `grid_tiles` blocks per group walk the p.num_tiles vocabulary tiles; the caller has called
 // allow_draft_shared.
 template <typename W, typename Base, bool kRnn>
 cudaError_t launch_draft(DraftParams p, int grid_tiles, cudaStream_t stream) {
   const int groups = (p.batch + p.group_size - 1) / p.group_size;
-  const int shared_bytes = draft_shared_bytes<W, kRnn>(p.group_size, p.rank);
+  const int shared_bytes = draft_shared_bytes<W, kRnn>(p.group_size, p.rank, p.stages);
   for (int j = 0; j < p.block; ++j) {
     p.slot = j;
+    // Every launch after the walk's first is a programmatic dependent launch: its blocks may start
+    // (and the slot kernel's W2 ring fill) while the launch before still runs; each kernel waits
+    // for that grid before it reads what the walk writes. The first waits for the stream as usual
+    // (whatever ran before may have written the weights).
     if constexpr (kRnn && sizeof(W) == 2) {  // 16-bit weights: tensor cores
       const dim3 head_grid((3 * p.rank + 15) / 16, (p.batch + 7) / 8);
-      DSPARK_LAUNCH(head_grid, kHeadMmaThreads, 0, stream, rnn_head_mma_kernel<W>)(p);
+      if (j == 0) {
+        DSPARK_LAUNCH(head_grid, kHeadMmaThreads, 0, stream, rnn_head_mma_kernel<W>)(p);
+      } else {
+        DSPARK_LAUNCH_DEPENDENT(head_grid, kHeadMmaThreads, 0, stream, rnn_head_mma_kernel<W>)(p);
+      }
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     } else if constexpr (kRnn) {
       const dim3 head_grid((3 * p.rank + kDraftWarps * kHeadRowsPerWarp - 1) /
                                (kDraftWarps * kHeadRowsPerWarp),
                            (p.batch + kHeadRequests - 1) / kHeadRequests);
-      DSPARK_LAUNCH(head_grid, kDraftThreads, 0, stream, rnn_head_kernel<W>)(p);
+      if (j == 0) {
+        DSPARK_LAUNCH(head_grid, kDraftThreads, 0, stream, rnn_head_kernel<W>)(p);
+      } else {
+        DSPARK_LAUNCH_DEPENDENT(head_grid, kDraftThreads, 0, stream, rnn_head_kernel<W>)(p);
+      }
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
-    DSPARK_LAUNCH(dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream,
-                  draft_slot_kernel<W, Base, kRnn>)(p);
+    if (!kRnn && j == 0) {
+      DSPARK_LAUNCH(dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream,
+                    draft_slot_kernel<W, Base, kRnn>)(p);
+    } else {
+      DSPARK_LAUNCH_DEPENDENT(dim3(grid_tiles, groups), kDraftThreads, shared_bytes, stream,
+                              draft_slot_kernel<W, Base, kRnn>)(p);
+    }
     cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
     if (has_filters(p)) {

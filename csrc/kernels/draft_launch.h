@@ -18,6 +18,10 @@ constexpr int kTileRows = 16 * kDraftWarps;  // vocabulary rows per block tile: 
 constexpr int kMaxGroup = 64;                // requests per block: 8 MMA column tiles of 8
 // Requests per block of rnn_head_kernel (kernels/draft_rnn_head.cuh).
 constexpr int kHeadRequests = 8;
+// Stages of the slot kernel's W2 ring (16-bit weights, kernels/draft_slot.cuh): a power of two,
+// the most the shared-memory budget leaves beside the group's inputs, at least two.
+constexpr int kMaxW2Stages = 8;
+constexpr int kMinW2Stages = 2;
 
 struct DraftParams {
   const void* w1;  // [V, r] of type W, unit stride along r
@@ -52,6 +56,7 @@ struct DraftParams {
   unsigned long long* best;  // [G, B] packed candidates
   int32_t* arrivals;         // [G, groups]
   int batch, block, rank, hidden_size, group_size, num_tiles, slot;
+  int stages;  // W2 ring stages of the slot kernel (16-bit weights; 0 for float32)
   int64_t vocab;
 };
 
@@ -74,10 +79,15 @@ struct ConfidenceParams {
   int64_t vocab;
 };
 
-// Dynamic shared memory of a slot block holding `group_size` requests' bias inputs.
-int draft_shared_bytes(int w_type, bool rnn, int group_size, int rank);
+// Dynamic shared memory of a slot block holding `group_size` requests' bias inputs and, for
+// 16-bit weights, a W2 ring of `stages` chunks.
+int draft_shared_bytes(int w_type, bool rnn, int group_size, int rank, int stages);
 
-// Dynamic shared memory a slot block may take for its group's inputs on `device` (a host query,
+// The W2 ring's stages beside `group_size` requests' inputs: the most (up to kMaxW2Stages) whose
+// shared memory fits `budget`, at least kMinW2Stages; 0 for float32 weights (no ring).
+int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget);
+
+// Dynamic shared memory a slot block may take for its group's inputs and W2 ring on `device` (a host query,
 // once per device): __launch_bounds__ lets two blocks share an SM by registers, so half the SM's
 // shared memory, less kSlotSharedReserve, and no more than one block may opt in to.
 int draft_input_budget(int device);

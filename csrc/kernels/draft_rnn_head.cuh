@@ -14,6 +14,7 @@
 
 #include "convert.cuh"
 #include "draft_params.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 
 namespace dspark_ops::kernels {
@@ -130,6 +131,7 @@ __device__ float exact_preactivation(const DraftParams& p, int b, int row) {
 
 template <typename W>
 __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftParams p) {
+  wait_for_previous_grid();  // a dependent launch after the previous slot's: its state, tokens
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * kDraftWarps + warp) * kHeadRowsPerWarp;
   const int b0 = blockIdx.y * kHeadRequests;
@@ -306,6 +308,7 @@ __device__ __forceinline__ void head_mma_segment(const W* jg, const W* jg8, int 
 
 template <typename W>
 __global__ void __launch_bounds__(kHeadMmaThreads) rnn_head_mma_kernel(const DraftParams p) {
+  wait_for_previous_grid();  // a dependent launch after the previous slot's: its state, tokens
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rows = 3 * p.rank, row0 = blockIdx.x * 16, b0 = blockIdx.y * 8;
   const W* joint_weight = static_cast<const W*>(p.joint_weight);

@@ -9,8 +9,16 @@
 // draft_rnn_head.cuh) into shared memory, every thread's loads in flight together; per tile a
 // warp multiplies 16 rows of W2 by all of them with mma.sync m16n8k16 (bf16/fp16 in, float32
 // accumulate; float32 weights use CUDA-core FMAs in the same register layout), so W2 is read from
-// HBM once per slot for up to 64 requests. rnn_draft's activation enters as a high and a low
-// 16-bit part (two MMAs against the same W2 fragments: ~16-bit mantissa instead of 8). The
+// HBM once per slot for up to 64 requests. The slot is a skinny GEMM (M = V, N = the group,
+// K = r) with its epilogue overlapped: 16-bit W2 streams through a per-warp ring of k chunks in
+// shared memory (cp.async, 2-8 stages: W2Stream), issued ahead across the warp's tiles, so the
+// next tile's chunks load during this tile's epilogue; each lane copies and reads back only its
+// own fragments, so the ring needs no barrier. The ring's first chunks are issued before
+// anything else, ahead of the wait for the previous launch of the walk (a programmatic dependent
+// launch, kernels/draft.cuh). Base logits are loaded two column tiles ahead of their epilogue
+// call. rnn_draft's activation enters as a high and a low 16-bit part (two MMAs against the same
+// W2 fragments: ~16-bit mantissa instead of 8). The products are the same MMAs in the same order
+// as a plain load of each chunk would feed them, so z does not depend on the ring. The
 // epilogue (base logits of the kernel's Base type) adds the base logits, stores z = draft_logits
 // (float32, or z rounded to bfloat16, a runtime choice: the key is then that of the rounded
 // value), and computes Gumbel-max keys z/T - log(-log1p(-u)) with Philox uniforms (a lane
@@ -38,6 +46,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "async_copy.cuh"
 #include "convert.cuh"
 #include "draft_math.h"
 #include "draft_params.cuh"
@@ -48,7 +57,10 @@
 namespace dspark_ops::kernels {
 
 constexpr int kKChunk = 32;                  // k per fragment load (two m16n8k16 steps)
-constexpr int kChunksInFlight = 4;           // W2 fragment loads issued before the first MMA
+// The W2 ring of 16-bit weights: each warp keeps DraftParams::stages k chunks of its tiles in
+// flight (kMinW2Stages to kMaxW2Stages). A lane copies (cp.async) and later reads back only its
+// own fragments, so the ring needs no barrier.
+constexpr int kW2StageBytes = kDraftWarps * 32 * 32;  // one chunk of every warp: 32 bytes a lane
 // Shared memory a slot block keeps besides its group's inputs: the static GroupSampling and the
 // 1 KB the runtime reserves per block.
 constexpr int kSlotSharedReserve = 5 * 1024;
@@ -69,9 +81,17 @@ __host__ __device__ constexpr int padded_rank(int rank) { return (rank + kKChunk
 template <typename W, bool kRnn>
 constexpr int input_passes() { return kRnn && sizeof(W) == 2 ? 2 : 1; }
 
+// The group's bias inputs (a multiple of 64 bytes for 16-bit weights: the ring after them stays
+// 16-byte aligned).
 template <typename W, bool kRnn>
-__host__ int draft_shared_bytes(int group_size, int rank) {
+__host__ __device__ int draft_input_bytes(int group_size, int rank) {
   return input_passes<W, kRnn>() * group_size * input_stride<W>(padded_rank(rank)) * int{sizeof(W)};
+}
+
+// Dynamic shared memory: the inputs, then for 16-bit weights the W2 ring of `stages` chunks.
+template <typename W, bool kRnn>
+__host__ int draft_shared_bytes(int group_size, int rank, int stages) {
+  return draft_input_bytes<W, kRnn>(group_size, rank) + (sizeof(W) == 2 ? stages * kW2StageBytes : 0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -98,51 +118,135 @@ __device__ __forceinline__ uint4 load_w2_8(const DraftParams& p, int64_t v, int 
   return out;
 }
 
-// acc[nt] += W2[16 rows] x inputs[column tile nt] over all k, for 16-bit weights.
+// The warp's stream of W2 chunks through its ring: stream chunk n is k chunk n % chunks of the
+// warp's (n / chunks)-th tile, in ring slot n % stages. Chunks are issued `stages` ahead of their
+// use and across tiles, so the next tile's first chunks load during this tile's epilogue.
+struct W2Stream {
+  uint4* ring;  // this warp's [stages][2 rows][32 lanes] fragments
+  int stages, chunks;
+  int64_t tile, tile_stride, tiles;  // the tile of the next chunk to issue, the walk's step, end
+  const char* rows[2];  // the lane's W2 rows g, g + 8 of that tile (null past the vocabulary)
+  int k;                // the lane's first k of the next chunk: 32 chunk + 8t
+  int vector_end;       // k + 8 at most this: one 16-byte copy (the rank; 0 for unaligned rows)
+  int issued, used;     // stream chunks issued and used
+};
+
+template <typename W>
+__device__ __forceinline__ void w2_stream_rows(const DraftParams& p, W2Stream& w) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t v = w.tile * 16 + g + 8 * h;
+    w.rows[h] = v < p.vocab ? reinterpret_cast<const char*>(static_cast<const W*>(p.w2) +
+                                                            v * p.w2_stride)
+                            : nullptr;
+  }
+}
+
+// The warp's stream from its first tile, `first_tile` + i `tile_stride` below `tiles`.
+template <typename W>
+__device__ __forceinline__ void w2_stream_start(const DraftParams& p, W2Stream& w, uint4* ring,
+                                                int64_t first_tile, int64_t tile_stride,
+                                                int64_t tiles) {
+  w.ring = ring;
+  w.stages = p.stages;
+  w.chunks = padded_rank(p.rank) / kKChunk;
+  w.tile = first_tile;
+  w.tile_stride = tile_stride;
+  w.tiles = tiles;
+  w.k = 8 * (threadIdx.x & 3);
+  w.vector_end = p.w2_aligned ? p.rank : 0;
+  w.issued = w.used = 0;
+  if (first_tile < tiles) w2_stream_rows<W>(p, w);
+}
+
+// Issues the stream's next chunk into its slot (the slot's previous chunk has been used) and
+// commits its group (empty past the warp's last tile) and kMaxW2Stages / stages - 1 empty ones
+// (wait_w2).
+template <typename W>
+__device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
+  if (w.tile < w.tiles) {
+    uint4* slot = w.ring + (w.issued & (w.stages - 1)) * 64 + (threadIdx.x & 31);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (w.rows[h] && w.k + 8 <= w.vector_end) {
+        copy_async_16(slot + 32 * h, w.rows[h] + w.k * int{sizeof(W)}, true);
+      } else {
+        // Unaligned rows and the rank's tail: a plain load; zeros past the vocabulary or the rank.
+        slot[32 * h] = load_w2_8<W>(p, w.tile * 16 + ((threadIdx.x & 31) >> 2) + 8 * h, w.k);
+      }
+    }
+    w.k += kKChunk;
+    if (w.k >= w.chunks * kKChunk) {
+      w.k -= w.chunks * kKChunk;
+      w.tile += w.tile_stride;
+      if (w.tile < w.tiles) w2_stream_rows<W>(p, w);
+    }
+  }
+  for (int i = 0; i < kMaxW2Stages; i += w.stages) copy_async_commit();
+  ++w.issued;
+}
+
+// Returns once stream chunk w.used has landed: every step of the stream commits
+// kMaxW2Stages / stages groups (the chunk's, then empty ones), so the groups after the chunk's
+// are kMaxW2Stages - 1 at any ring depth and one wait serves them all.
+__device__ __forceinline__ void wait_w2() { copy_async_wait<kMaxW2Stages - 1>(); }
+
+// acc[nt] += W2[16 rows] x inputs[column tile nt] over all k, for 16-bit weights and
+// kColumnTiles column tiles: the tile's chunks from the ring, each slot refilled with the chunk
+// `stages` ahead once its MMAs are issued (their operands are read from it by then).
+template <typename W, int kPasses, int kColumnTiles>
+__device__ __forceinline__ void tile_products_n(const DraftParams& p, W2Stream& w2,
+                                                const W* inputs, int stride, int plane,
+                                                float (&acc)[kMaxGroup / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const W* lane_inputs = inputs + g * stride + 8 * t;
+  for (int c = 0; c < w2.chunks; ++c) {
+    wait_w2();
+    const uint4* slot = w2.ring + (w2.used & (w2.stages - 1)) * 64 + lane;
+    Frag16 a;
+    a.row_lo = slot[0];
+    a.row_hi = slot[32];
+    ++w2.used;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+#pragma unroll
+      for (int nt = 0; nt < kColumnTiles; ++nt) {
+        const W* in = lane_inputs + (pass * plane + nt * 8) * stride + c * kKChunk;
+        const uint4 b = *reinterpret_cast<const uint4*>(in);
+        mma_m16n8k16<W>(acc[nt], a.row_lo.x, a.row_hi.x, a.row_lo.y, a.row_hi.y, b.x, b.y);
+        mma_m16n8k16<W>(acc[nt], a.row_lo.z, a.row_hi.z, a.row_lo.w, a.row_hi.w, b.z, b.w);
+      }
+    }
+    issue_w2<W>(p, w2);
+  }
+}
+
+// The products for the group's column tiles (1..8): one unrolled loop per count, no branch per
+// column tile.
 template <typename W, int kPasses>
-__device__ __forceinline__ void tile_products(const DraftParams& p, int64_t row0,
+__device__ __forceinline__ void tile_products(const DraftParams& p, W2Stream& w2,
                                               const W* inputs, int stride, int plane,
                                               int column_tiles, float (&acc)[kMaxGroup / 8][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int chunks = padded_rank(p.rank) / kKChunk;
-  for (int c0 = 0; c0 < chunks; c0 += kChunksInFlight) {
-    Frag16 a[kChunksInFlight];
-#pragma unroll
-    for (int i = 0; i < kChunksInFlight; ++i) {
-      if (c0 + i < chunks) {
-        const int k = (c0 + i) * kKChunk + 8 * t;
-        a[i].row_lo = load_w2_8<W>(p, row0 + g, k);
-        a[i].row_hi = load_w2_8<W>(p, row0 + g + 8, k);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kChunksInFlight; ++i) {
-      if (c0 + i >= chunks) break;
-      const int k = (c0 + i) * kKChunk + 8 * t;
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-#pragma unroll
-        for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
-          if (nt >= column_tiles) break;
-          const W* in = inputs + (pass * plane + nt * 8 + g) * stride + k;
-          const uint4 b = *reinterpret_cast<const uint4*>(in);
-          mma_m16n8k16<W>(acc[nt], a[i].row_lo.x, a[i].row_hi.x, a[i].row_lo.y, a[i].row_hi.y,
-                          b.x, b.y);
-          mma_m16n8k16<W>(acc[nt], a[i].row_lo.z, a[i].row_hi.z, a[i].row_lo.w, a[i].row_hi.w,
-                          b.z, b.w);
-        }
-      }
-    }
+  static_assert(kMaxGroup / 8 == 8, "one case per column tile count");
+  switch (column_tiles) {
+    case 1: tile_products_n<W, kPasses, 1>(p, w2, inputs, stride, plane, acc); break;
+    case 2: tile_products_n<W, kPasses, 2>(p, w2, inputs, stride, plane, acc); break;
+    case 3: tile_products_n<W, kPasses, 3>(p, w2, inputs, stride, plane, acc); break;
+    case 4: tile_products_n<W, kPasses, 4>(p, w2, inputs, stride, plane, acc); break;
+    case 5: tile_products_n<W, kPasses, 5>(p, w2, inputs, stride, plane, acc); break;
+    case 6: tile_products_n<W, kPasses, 6>(p, w2, inputs, stride, plane, acc); break;
+    case 7: tile_products_n<W, kPasses, 7>(p, w2, inputs, stride, plane, acc); break;
+    default: tile_products_n<W, kPasses, 8>(p, w2, inputs, stride, plane, acc); break;
   }
 }
 
 // The same products for float32 weights on CUDA cores, in the MMA's accumulator layout: lane
 // (g, t) sums over all k for rows g, g + 8 and requests 2t, 2t + 1 of each column tile.
-template <>
-__device__ __forceinline__ void tile_products<float, 1>(const DraftParams& p, int64_t row0,
-                                                        const float* inputs, int stride, int,
-                                                        int column_tiles,
-                                                        float (&acc)[kMaxGroup / 8][4]) {
+__device__ __forceinline__ void tile_products_f32(const DraftParams& p, int64_t row0,
+                                                  const float* inputs, int stride,
+                                                  int column_tiles,
+                                                  float (&acc)[kMaxGroup / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const float* rows[2] = {nullptr, nullptr};
 #pragma unroll
@@ -349,11 +453,27 @@ __device__ float exact_head_logit(const DraftParams& p, int64_t source, int64_t 
   return static_cast<float>(bias + static_cast<double>(base));
 }
 
+// Column tile nt's base logits of a lane (c[e]: row g + 8 (e / 2), request 2t + e % 2; zero past
+// the vocabulary or the group), loaded two column tiles before their epilogue call.
+template <typename Base>
+__device__ __forceinline__ void load_base(const DraftParams& p, const GroupSampling& s,
+                                          int64_t row0, int members, int nt, Base (&out)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int h = e >> 1, i = nt * 8 + 2 * t + (e & 1);
+    const int64_t v = row0 + g + 8 * h;
+    out[e] = i < members && v < p.vocab ? __ldg(static_cast<const Base*>(s.base_row[i]) + v)
+                                        : from_float<Base>(0.f);
+  }
+}
+
 // Stores z and folds the keys of one 16-row x 8-request accumulator tile into the slot's maxima
 // (`best`, in global memory) and s.seen. `any_sampled` is warp-uniform.
-template <typename W, typename Base, bool kRnn>
+template <typename W, bool kRnn>
 __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0, int members,
-                                              int nt, const float (&c)[4], bool any_sampled,
+                                              int nt, const float (&c)[4],
+                                              const float (&base)[4], bool any_sampled,
                                               GroupSampling& s, unsigned long long* best_out) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, quad = g & 3;
   // Philox: the lane at quad position m computes block m of its quad's four, m = (rows g+8?,
@@ -398,15 +518,6 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
     // -inf while none is known; +inf when a key overflowed (only +inf keys can win, by their id).
     threshold[q] = seen_key == INFINITY ? INFINITY : seen_key - 1e-4f * (1.f + fabsf(seen_key));
     out_row[q] = s.out_row[i];
-  }
-  // The four base logits first, so their loads are in flight together.
-  float base[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int h = e >> 1, q = e & 1;
-    const int64_t v = row0 + g + 8 * h;
-    const Base* row = static_cast<const Base*>(s.base_row[nt * 8 + 2 * t + q]);
-    base[e] = member[q] && v < p.vocab ? to_float(__ldg(row + v)) : 0.f;
   }
   float key[4];
   bool needs_log[4];
@@ -487,6 +598,7 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
 template <typename W, typename Base, bool kRnn>
 __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const DraftParams p) {
   constexpr int kPasses = input_passes<W, kRnn>();
+  constexpr bool kRing = sizeof(W) == 2;
   DSPARK_EXTERN_SHARED(unsigned char, shared_raw);
   W* inputs = reinterpret_cast<W*>(shared_raw);
   __shared__ GroupSampling s;
@@ -495,19 +607,31 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   const int first = group * p.group_size;
   const int members = min(p.group_size, p.batch - first);
   const int stride = input_stride<W>(padded_rank(p.rank));
+  // Warp w of block x takes the 16-row warp tiles w * gridDim.x + x, x + (w + 8) * gridDim.x, ...:
+  // the leftover of the last round falls on the low warps of every block, not on whole blocks, so
+  // every block holds its share of the vocabulary to within a warp tile and the SMs finish
+  // together whichever blocks the hardware pairs on one.
+  const int warp = warp_index();
+  const int64_t warp_tiles = (p.vocab + 15) / 16;
+  const int64_t first_tile = int64_t{warp} * gridDim.x + blockIdx.x;
+  const int64_t tile_stride = int64_t{kDraftWarps} * gridDim.x;
+  // The ring's first chunks before anything else: no kernel of the block walk writes W2, so they
+  // may load while the launch before this one (a dependent launch's) still runs.
+  W2Stream w2{};
+  if constexpr (kRing) {
+    uint4* ring = reinterpret_cast<uint4*>(shared_raw +
+                                           draft_input_bytes<W, kRnn>(p.group_size, p.rank)) +
+                  warp * p.stages * 64;
+    w2_stream_start<W>(p, w2, ring, first_tile, tile_stride, warp_tiles);
+    for (int i = 0; i < p.stages; ++i) issue_w2<W>(p, w2);
+  }
+  wait_for_previous_grid();  // the tokens, the RNN head's activations
   load_group<W, Base, kRnn>(p, first, members, inputs, stride, s);
   const bool any_sampled = __any_sync(0xffffffffu, s.any_sampled);  // warp-uniform to the compiler
   unsigned long long* best = p.best + int64_t{p.slot} * p.batch;
 
   const int column_tiles = (members + 7) / 8;
-  const int warp = warp_index();
-  // Warp w of block x takes the 16-row warp tiles w * gridDim.x + x, x + (w + 8) * gridDim.x, ...:
-  // the leftover of the last round falls on the low warps of every block, not on whole blocks, so
-  // every block holds its share of the vocabulary to within a warp tile and the SMs finish
-  // together whichever blocks the hardware pairs on one.
-  const int64_t warp_tiles = (p.vocab + 15) / 16;
-  for (int64_t tile = int64_t{warp} * gridDim.x + blockIdx.x; tile < warp_tiles;
-       tile += int64_t{kDraftWarps} * gridDim.x) {
+  for (int64_t tile = first_tile; tile < warp_tiles; tile += tile_stride) {
     // The grid's best keys so far (other blocks publish theirs as they go), loaded before the
     // products and folded into s.seen after them, so the load's latency is hidden.
     unsigned long long grid_best = 0;
@@ -517,15 +641,33 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
                       .load(cuda::memory_order_relaxed);
     }
     const int64_t row0 = tile * 16;
+    // Base logits two column tiles ahead of their epilogue call: the first two load during the
+    // products, each later one during the two calls before its own.
+    Base base[kMaxGroup / 8][4];
+    load_base(p, s, row0, members, 0, base[0]);
+    if (column_tiles > 1) load_base(p, s, row0, members, 1, base[1]);
     float acc[kMaxGroup / 8][4] = {};
-    tile_products<W, kPasses>(p, row0, inputs, stride, p.group_size, column_tiles, acc);
+    if constexpr (kRing) {
+      tile_products<W, kPasses>(p, w2, inputs, stride, p.group_size, column_tiles, acc);
+    } else {
+      tile_products_f32(p, row0, inputs, stride, column_tiles, acc);
+    }
     if (grid_best != 0) atomicMax(&s.seen[threadIdx.x], static_cast<uint32_t>(grid_best >> 32));
 #pragma unroll
     for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
       if (nt >= column_tiles) break;
-      tile_epilogue<W, Base, kRnn>(p, row0, members, nt, acc[nt], any_sampled, s, best + first);
+      if (nt + 2 < kMaxGroup / 8 && nt + 2 < column_tiles) {
+        load_base(p, s, row0, members, nt + 2, base[nt + 2]);
+      }
+      float b[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) b[e] = to_float(base[nt][e]);
+      tile_epilogue<W, kRnn>(p, row0, members, nt, acc[nt], b, any_sampled, s, best + first);
     }
   }
+  // The next launch of the walk may start its blocks (they wait for this grid before they read
+  // what it writes).
+  allow_dependent_launch();
 
   // The last block of the group to arrive writes the tokens (every thread's maxima are fenced
   // before the barrier that precedes the arrival).
