@@ -163,7 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                             "identical": 0} for m in names}
                 for i, prompt in enumerate(prompts):
                     # Each decoder drafts for request 0: one prompt, one continuation, per call.
-                    oracle.proposals = [OracleProposer([continuations[i]], alpha, vocab,
+                    # In place: the fixed-k decoders hold shallow copies sharing this list.
+                    oracle.proposals[:] = [OracleProposer([continuations[i]], alpha, vocab,
                                                        seed=i).proposals[0]]
                     for name in names[i % len(names):] + names[:i % len(names)]:
                         started = time.perf_counter()

@@ -50,7 +50,7 @@ from .costs import CostTable
 from .goodput import GoodputPolicy, verify_lengths
 from .models import TinyTarget
 from .ops.schedule import allocate_verify, plan_verify_budget, schedule_verify
-from .proposers import Proposer, make_proposer
+from .proposers import make_proposer
 from .steps import part, plain_step, prefill, sample_from_target, verify_step
 
 __all__ = ["GenerateOutput", "RoundStats", "SpeculativeDecoder", "generate_target_only",
@@ -244,8 +244,6 @@ class SpeculativeDecoder:
                  probe_every: int = 8, probe_max: int = 128, prior: float = 0.5):
         proposer = make_proposer(draft, block_size=block_size,
                                  calib_temperature=calib_temperature)
-        if isinstance(draft, Proposer) and block_size is not None:
-            proposer.max_drafts = min(proposer.max_drafts, int(block_size))
         has_confidence = getattr(proposer, "has_confidence", False)
         if scheduler is None:
             scheduler = ("goodput" if costs is not None

@@ -337,6 +337,17 @@ def test_find_continuation():
     assert find_continuation([7], 3, 1, 2) == []
 
 
+def test_decoders_sharing_a_proposer_keep_their_own_block_size():
+    """A decoder's block_size limits its own copy: the proposer passed in is never changed, so
+    decoders of several block sizes over one proposer each draft their own k."""
+    continuation = list(range(10, 40))
+    oracle = OracleProposer([continuation], alpha=1.0, vocab_size=2000, max_drafts=7)
+    target, _ = tiny_pair(seed=0)
+    sizes = [SpeculativeDecoder(target, oracle, block_size=k, scheduler="fixed").block_size
+             for k in (1, 3, 7)]
+    assert sizes == [1, 3, 7] and oracle.max_drafts == 7
+
+
 def test_oracle_drafts_are_right_at_rate_alpha():
     continuation = list(range(10, 1010))
     oracle = OracleProposer([continuation], alpha=0.7, vocab_size=2000, seed=3)

@@ -8,6 +8,8 @@
   measurement.
 """
 
+import copy
+
 from .base import Proposal, Proposer
 from .block import BlockDraftProposer
 from .chain import ChainProposer
@@ -20,9 +22,15 @@ __all__ = ["BlockDraftProposer", "ChainProposer", "OracleProposer", "PromptLooku
 def make_proposer(draft, *, block_size=None, calib_temperature=None) -> Proposer:
     """A draft model as a proposer: a chain for a family that drafts one token per step
     (Eagle3, :mod:`dspark_ops.models.registry`), else a block. A :class:`Proposer` is returned
-    as it is."""
+    as it is, or, when ``block_size`` is below its ``max_drafts``, as a shallow copy drafting at
+    most ``block_size`` (the caller's proposer is never changed: decoders of several block sizes
+    may share one)."""
     if isinstance(draft, Proposer):
-        return draft
+        if block_size is None or int(block_size) >= draft.max_drafts:
+            return draft
+        limited = copy.copy(draft)
+        limited.max_drafts = int(block_size)
+        return limited
     from ..models.registry import family_of
 
     if family_of(draft).drafting == "chain":
