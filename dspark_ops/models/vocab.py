@@ -93,14 +93,18 @@ class DraftVocabulary:
         order = torch.sort(-score, stable=True).indices[:size]
         return cls(torch.sort(order).values, vocab)
 
+    def inside(self, device=None) -> torch.Tensor:
+        """bool ``[V]``: which target ids are in the vocabulary."""
+        inside = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+        inside[self.d2t.to(inside.device)] = True
+        return inside
+
     def coverage(self, tokens: torch.Tensor) -> float:
         """The share of ``tokens`` (target ids, any shape) inside the vocabulary."""
         tokens = tokens.reshape(-1).to("cpu", torch.int64)
         if tokens.numel() == 0:
             return float("nan")
-        inside = torch.zeros(self.vocab_size, dtype=torch.bool)
-        inside[self.d2t] = True
-        return float(inside[tokens].double().mean())
+        return float(self.inside()[tokens].double().mean())
 
     def save(self, directory: str) -> str:
         """Writes ``directory/draft_vocab.safetensors``; returns its path."""

@@ -248,9 +248,7 @@ def collate_blocks(samples: Sequence[Sample], epoch: int, seed: int, device, *, 
     data["anchor_positions"], data["block_keep_mask"] = anchors[:, :used], keep[:, :used]
     trained = data["loss_mask"]
     if vocabulary is not None:
-        inside = torch.zeros(vocabulary.vocab_size, dtype=torch.bool)
-        inside[vocabulary.d2t] = True
-        trained = trained * inside[data["input_ids"]]
+        trained = trained * vocabulary.inside()[data["input_ids"]]
     data["eval_mask"] = build_eval_mask(trained, data["anchor_positions"],
                                         data["block_keep_mask"], block_size)
     data["weights"] = position_weights(data["eval_mask"], loss_decay_gamma)

@@ -230,8 +230,7 @@ def restrict_to_vocabulary(inputs: Dict[str, Optional[torch.Tensor]],
                          f"over {vocab}")
     d2t = vocabulary.d2t.to(device)
     size = d2t.numel()
-    inside = torch.zeros(vocab, dtype=torch.bool, device=device)
-    inside[d2t] = True
+    inside = vocabulary.inside(device)
     to_draft = torch.full((vocab,), size, dtype=torch.long, device=device)
     to_draft[d2t] = torch.arange(size, device=device)
 
