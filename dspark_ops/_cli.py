@@ -16,6 +16,7 @@ import torch
 from .costs import CostTable, cost_key, load_or_profile_costs
 from .decoder import SCHEDULERS, SpeculativeDecoder, generate_target_only
 from .models import DSparkDraft, load_draft
+from .models.release import release_metadata
 from .prompts import chat_prompt, stop_token_ids
 from .proposers import PromptLookupProposer, make_proposer
 
@@ -31,8 +32,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local directory of a transformers causal LM and its tokenizer")
     parser.add_argument("--draft", required=True,
                         help="local directory of a DeepSpec DSpark, DFlash or Eagle3 draft "
-                             "checkpoint, or 'prompt-lookup' (n-gram drafts from the request's "
-                             "own tokens, no model)")
+                             "checkpoint, a release file (python -m dspark_ops.release), or "
+                             "'prompt-lookup' (n-gram drafts from the request's own tokens, no "
+                             "model)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="of both models (default: bfloat16 on CUDA, float32 on CPU; "
@@ -118,7 +120,10 @@ def load_models(args: argparse.Namespace) -> Models:
         target = HFTarget(model, [-1])  # one feature layer: no draft reads them
         return Models(tokenizer, target, proposer,
                       _decoder(args, target, proposer, stop, None), stop)
-    draft = load_draft(args.draft, dtype=draft_dtype, device=device).eval()
+    try:  # a checkpoint directory, or a release file rebuilt with this target's embeddings
+        draft = load_draft(args.draft, dtype=draft_dtype, device=device, target=model).eval()
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--draft {args.draft}: {error}") from error
     config = draft.config
     depth = target_config.num_hidden_layers
     if config.target_num_hidden_layers not in (None, depth):
@@ -169,16 +174,23 @@ def draft_kind(draft) -> str:
 
 
 def load_calibration(args: argparse.Namespace, draft: DSparkDraft) -> Optional[torch.Tensor]:
-    """The confidence head's temperatures (float32 ``[G]``) from ``--calibration`` or the draft
-    directory's ``calibration.json``; None without either or without a confidence head."""
-    path = getattr(args, "calibration", None) or os.path.join(args.draft, "calibration.json")
-    if draft.confidence_head is None or not os.path.isfile(path):
+    """The confidence head's temperatures (float32 ``[G]``) from ``--calibration``, the draft
+    directory's ``calibration.json`` or the release file's; None without any or without a
+    confidence head."""
+    explicit = getattr(args, "calibration", None)
+    path = explicit or os.path.join(args.draft, "calibration.json")
+    if explicit is None and os.path.isfile(args.draft):  # a release file carries its own
+        temps, path = release_metadata(args.draft).get("calibration"), args.draft
+        if temps is None or draft.confidence_head is None:
+            return None
+    elif draft.confidence_head is None or not os.path.isfile(path):
         if getattr(args, "calibration", None):
             raise SystemExit(f"--calibration {path}: no such file, or the draft has no "
                              "confidence head")
         return None
-    with open(path) as f:
-        temps = json.load(f).get("calib_temperature")
+    else:
+        with open(path) as f:
+            temps = json.load(f).get("calib_temperature")
     block = args.block_size or draft.config.block_size
     if not isinstance(temps, list) or len(temps) < block:
         raise SystemExit(f"{path}: 'calib_temperature' must list at least {block} temperatures")

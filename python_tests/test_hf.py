@@ -319,6 +319,38 @@ def test_generate_command(saved_models, capsys):
     assert "greedy output identical to plain decoding: True" in printed
 
 
+def test_release_command_and_generate_with_the_file(saved_models, tmp_path, capsys):
+    """python -m dspark_ops.release writes a file without the target's embedding and LM head;
+    generate takes it for --draft and decodes as the directory does (greedy: plain's tokens)."""
+    import shutil
+
+    from dspark_ops.generate import main as generate
+    from dspark_ops.models.release import release_metadata
+    from dspark_ops.release import main as release
+
+    target_dir, draft_dir = saved_models
+    draft_dir = shutil.copytree(draft_dir, str(tmp_path / "draft"))
+    with open(os.path.join(draft_dir, "calibration.json"), "w") as f:
+        json.dump({"calib_temperature": [1.0] * 7}, f)
+    path = str(tmp_path / "draft.safetensors")
+    summary = release([draft_dir, "--target", target_dir, "--out", path])
+    assert sorted(summary["left_out"]) == ["embed_tokens.weight", "lm_head.weight"]
+    assert release_metadata(path)["calibration"] == [1.0] * 7
+    assert "wrote " + path in capsys.readouterr().out
+    outputs = []
+    for draft in (draft_dir, path):
+        generate(["--target", target_dir, "--draft", draft, "--prompt", "why is the sky blue?",
+                  "--max-new-tokens", "24", "--device", "cpu", "--dtype", "float32",
+                  "--block-size", "4", "--scheduler", "fixed"])
+        printed = capsys.readouterr().out
+        assert "greedy output identical to plain decoding: True" in printed
+        outputs.append(printed.split("generated tokens")[0])
+    assert outputs[0] == outputs[1]
+    with pytest.raises(SystemExit):
+        release([draft_dir, "--target", target_dir, "--out", str(tmp_path / "draft.bin")])
+    assert "'--out' must end in .safetensors" in capsys.readouterr().err
+
+
 def test_generate_command_sampling_flags(saved_models, capsys):
     from dspark_ops.generate import main
 

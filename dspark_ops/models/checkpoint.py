@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import torch
 
-__all__ = ["load_state_dict_file", "save_safetensors", "weights_file"]
+__all__ = ["load_state_dict_file", "read_safetensors_metadata", "save_safetensors",
+           "weights_file"]
 
 #: The weights files a checkpoint directory may hold, in the order they are looked for.
 WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -51,6 +53,23 @@ def _read_safetensors(path: str) -> dict:
     return tensors
 
 
+def read_safetensors_metadata(path: str) -> dict:
+    """The ``__metadata__`` strings of a ``.safetensors`` file's header (the header alone is
+    read)."""
+    with open(path, "rb") as f:
+        size = f.read(8)
+        if len(size) < 8:
+            raise ValueError(f"{path}: not a .safetensors file (shorter than its header)")
+        header_size = int.from_bytes(size, "little")
+        if header_size > 100 << 20:
+            raise ValueError(f"{path}: not a .safetensors file (a {header_size}-byte header)")
+        try:
+            header = json.loads(f.read(header_size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}: not a .safetensors file ({error})") from error
+    return dict(header.get("__metadata__") or {})
+
+
 def load_state_dict_file(path: str) -> dict:
     """A state dict from ``.safetensors`` (read natively), a sharded checkpoint's
     ``*.safetensors.index.json`` (every shard it names) or a ``torch.save`` file."""
@@ -66,11 +85,15 @@ def load_state_dict_file(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def save_safetensors(tensors: dict, path: str) -> None:
+def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
     """Writes ``tensors`` (name -> tensor) as one ``.safetensors`` file, readable by the
-    ``safetensors`` library and by :func:`load_state_dict_file`."""
+    ``safetensors`` library and by :func:`load_state_dict_file`; ``metadata`` (string -> string)
+    goes into the header's ``__metadata__`` (default ``{"format": "pt"}``)."""
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in metadata.items()):
+        raise ValueError("save_safetensors: 'metadata' maps strings to strings")
     names = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    header, blobs, offset = {"__metadata__": dict(metadata or {"format": "pt"})}, [], 0
     for name, tensor in tensors.items():
         if tensor.dtype not in names:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name")

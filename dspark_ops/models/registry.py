@@ -20,6 +20,8 @@ import json
 import os
 from typing import Optional, Tuple
 
+import torch
+
 __all__ = ["DraftFamily", "FAMILIES", "GEMMA4_MODEL_TYPES", "family_named", "family_of",
            "family_of_config", "family_to_train", "load_draft", "trainer_archs"]
 
@@ -145,10 +147,28 @@ def family_of(model_or_config) -> DraftFamily:
     raise TypeError(f"{kind.__name__} is not a draft or config of any family")
 
 
-def load_draft(path: str, *, dtype=None, device=None):
-    """Loads any draft checkpoint directory this library runs, by its ``config.json``: the
-    family's ``from_pretrained`` (an Eagle3 draft for ``Qwen3Eagle3Model`` /
-    ``Gemma4Eagle3Model``, else a Qwen3 or Gemma4 DSpark or DFlash draft)."""
+def load_draft(path: str, *, dtype=None, device=None, target=None):
+    """Loads any draft this library runs: a checkpoint directory, by its ``config.json``, through
+    the family's ``from_pretrained`` (an Eagle3 draft for ``Qwen3Eagle3Model`` /
+    ``Gemma4Eagle3Model``, else a Qwen3 or Gemma4 DSpark or DFlash draft); or a release file
+    (:mod:`.release`), rebuilt with ``target``'s token embedding and LM head (a transformers
+    model or a :class:`~dspark_ops.models.TinyTarget`). ``dtype`` defaults to float32."""
+    if os.path.isfile(path):
+        from .release import read_release
+
+        if target is None:
+            raise ValueError(f"load_draft: {path} is a release file, which takes the target's "
+                             "embedding and LM head: pass 'target'")
+        release = read_release(path, target)
+        family = family_of_config(release.config)
+        model = family.draft_class(family.config_class.from_dict(release.config))
+        model.load_state_dict(release.state, strict=True)
+        if release.vocabulary is not None:
+            model.draft_vocabulary = release.vocabulary
+        return model.to(device=device, dtype=dtype or torch.float32)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"load_draft: {path} is neither a draft checkpoint directory "
+                                "(no config.json) nor a release file")
     with open(os.path.join(path, "config.json")) as f:
         family = family_of_config(json.load(f))
     return family.draft_class.from_pretrained(path, dtype=dtype, device=device)
