@@ -288,10 +288,10 @@ class SpeculativeDecoder:
             count = full if available is None else torch.minimum(full, available)
             return torch.where(active, count, 0).int()
         if self.scheduler == "goodput":
-            confidence = proposal.confidence
-            if confidence is None:
-                confidence = self.policy.estimated_confidence(batch, k, active.device)
-            return verify_lengths(confidence, active, self.costs, available)
+            estimates = self.policy.estimated_confidence(batch, k, active.device)
+            if proposal.confidence is None:  # the estimates are all there is, known before
+                return verify_lengths(estimates, active, self.costs, available)
+            return verify_lengths(proposal.confidence, active, self.costs, available, estimates)
         confidence = torch.where(active[:, None], proposal.confidence, 0.0)
         if self.scheduler == "confidence":
             return schedule_verify(confidence, step_rate)

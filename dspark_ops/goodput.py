@@ -9,13 +9,16 @@ Two decisions per round:
 - **before drafting** (:meth:`GoodputPolicy.drafts_to_propose`), from running estimates of the
   per-position acceptance (:class:`AcceptanceEstimate`, an EMA of what verification accepted):
   the ``k`` of the highest goodput, verifying every drafted slot; ``k = 0``, the plain decoding
-  path, unless some ``k > 0`` beats it by ``margin``. While speculation is off, a probe round
-  now and then keeps the estimates alive;
+  path, unless some ``k > 0`` beats it by ``margin`` (once speculating on its merits, it stays
+  on while it beats the plain path at all). While speculation is off, a probe round now and
+  then keeps the estimates alive;
 - **after drafting** (:func:`verify_lengths`): DSpark's Algorithm 1
   (:func:`dspark_ops.schedule_verify`) on the fresh confidences (or, without a confidence head,
-  the estimates) with the measured step rates, the draft's cost sunk, stopping at the first
-  drop, then every request's length raised to the cheapest padded width at least as wide
-  (:meth:`~dspark_ops.costs.CostTable.cheapest_width`), which the padded forward pays anyway.
+  the estimates) with the measured step rates, stopping at the first drop; then the padded
+  width, at least as wide, of the highest goodput (expected tokens over the round's drafting and
+  verifying time), every request's length raised to it, since the padded forward pays for it
+  anyway. A step-shaped cost curve (a width that costs a third more than the one before, then
+  flat) stops Algorithm 1 short of widths that pay as a whole.
 
 Both are functions of what is known before each draft is drawn, so sampling stays exact.
 """
@@ -177,6 +180,11 @@ class GoodputPolicy:
         self.costs, self.max_drafts, self.margin = costs, max_drafts, margin
         self.probe_every, self.probe_max = probe_every, probe_max
         self.estimate = AcceptanceEstimate(max_drafts, prior, rate)
+        #: Whether the last round speculated on its merits (not as a probe): the margin guards
+        #: turning speculation on against noisy estimates; applied to staying on as well, an
+        #: acceptance just above the threshold flaps off, and the backed-off probes then keep
+        #: it off for long.
+        self.speculating = False
         self.begin(0)
 
     def begin(self, batch: int) -> None:
@@ -185,16 +193,19 @@ class GoodputPolicy:
         self.plain_streak = 0
         self.probe_wait = getattr(self, "probe_wait", self.probe_every)
 
-    def choose(self, batch: int, active: Sequence[int], limit: int) -> int:
-        """The goodput argmax over ``k = 0..limit`` for the ``active`` requests, with the
-        margin: ``k > 0`` only when its goodput exceeds ``margin`` times the plain path's."""
+    def choose(self, batch: int, active: Sequence[int], limit: int,
+               margin: Optional[float] = None) -> int:
+        """The goodput argmax over ``k = 0..limit`` for the ``active`` requests, with a margin
+        (default ``self.margin``): ``k > 0`` only when its goodput exceeds ``margin`` times the
+        plain path's."""
+        margin = self.margin if margin is None else margin
         k_max = min(limit, self.max_drafts)
         if k_max < 1 or not active:
             return 0
         rates = plan_goodput(self.costs, batch, [self.estimate.survival(r) for r in active],
                              k_max)
         best = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
-        return best if rates[best] > self.margin * rates[0] else 0
+        return best if rates[best] > margin * rates[0] else 0
 
     def best_positive(self, batch: int, active: Sequence[int], limit: int) -> int:
         """The probe's size: the best ``k >= 1`` by the estimates, margin aside."""
@@ -204,14 +215,16 @@ class GoodputPolicy:
         return max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
 
     def drafts_to_propose(self, batch: int, active: Sequence[int], limit: int) -> int:
-        """This round's ``k``: :meth:`choose`, or a probe when speculation has been off for
-        ``probe_wait`` rounds. ``limit`` caps it (e.g. the tokens a request still needs)."""
-        k = self.choose(batch, active, limit)
+        """This round's ``k``: :meth:`choose` (with the margin to turn speculation on, without
+        it to stay on), or a probe when speculation has been off for ``probe_wait`` rounds.
+        ``limit`` caps it (e.g. the tokens a request still needs)."""
+        k = self.choose(batch, active, limit, 1.0 if self.speculating else self.margin)
+        if min(limit, self.max_drafts) < 1 or not active:
+            return 0  # nothing to decide: the state stays as it was
+        self.speculating = k > 0
         if k > 0:
             self.plain_streak, self.probe_wait = 0, self.probe_every
             return k
-        if min(limit, self.max_drafts) < 1 or not active:
-            return 0
         self.plain_streak += 1
         if self.plain_streak <= self.probe_wait:
             return 0
@@ -230,19 +243,44 @@ class GoodputPolicy:
 
 
 def verify_lengths(confidence: torch.Tensor, active: torch.Tensor, costs: CostTable,
-                   available: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   available: Optional[torch.Tensor] = None,
+                   estimates: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The decision after drafting: Algorithm 1 (:func:`dspark_ops.schedule_verify`) on the
-    conditional ``confidence [B, k]`` with the measured step rates, then every active
-    request raised to the cheapest width at least as wide as the widest request, within what
-    it drafted (``available [B]``, default ``k``). Returns int32 ``[B]`` (one host sync: the
-    widest request)."""
+    conditional ``confidence [B, k]`` with the measured step rates; then, among the widths at
+    least as wide as its widest request, the one of the highest expected tokens per second of
+    the round (drafting included), at its cheapest padding, every active request raised to it
+    within what it drafted (``available [B]``, default ``k``). Returns int32 ``[B]`` (one host
+    sync: the widest request and the expected tokens per width).
+
+    ``estimates [B, k]``: the conditional acceptance known before drafting, for a
+    ``confidence`` computed from the drafts (a confidence head reads the token before each
+    slot). The width's expected tokens then read the fresh confidence only up to each
+    request's first drop and the estimates past it, so that whether a slot is verified never
+    depends on its own draft or a later one (a stopping time, §5.2); None: ``confidence`` is
+    itself known before drafting and read whole."""
     batch, k = confidence.shape
+    device = confidence.device
     if available is None:
-        available = torch.full((batch,), k, dtype=torch.int32, device=confidence.device)
-    slots = torch.arange(k, device=confidence.device)
+        available = torch.full((batch,), k, dtype=torch.int32, device=device)
+    slots = torch.arange(k, device=device)
     usable = active[:, None] & (slots < available[:, None])
     confidence = torch.where(usable, confidence, 0.0)
-    num_verify = schedule_verify(confidence, costs.step_rate(batch, k, confidence.device))
-    width = costs.cheapest_width(batch, int(num_verify.max()) + 1, limit=k + 1)
+    num_verify = schedule_verify(confidence, costs.step_rate(batch, k, device))
+    planning = confidence
+    if estimates is not None:  # past the slot Algorithm 1 stopped at, what was known before
+        seen = slots[None, :] <= num_verify[:, None]
+        planning = torch.where(seen, confidence, torch.where(usable, estimates, 0.0))
+    # Expected tokens of the batch at each width w = 1..k+1: every active request verifies
+    # min(w - 1, available) drafts, emitting 1 + the survivals of those.
+    gain = torch.cat([planning.new_zeros(batch, 1, dtype=torch.float64),
+                      torch.cumprod(planning.double(), 1).cumsum(1)], 1)
+    verified = torch.minimum(torch.arange(k + 1, device=device)[None, :],
+                             available[:, None].long())
+    tokens = torch.where(active[:, None], 1 + gain.gather(1, verified), 0.0).sum(0)
+    host = torch.cat([tokens, num_verify.max()[None].double()]).tolist()  # the one sync
+    drafting = costs.draft(k)
+    width = max(range(int(host[-1]) + 1, k + 2),
+                key=lambda w: (host[w - 1] / (drafting + costs.target(batch, w)), -w))
+    width = costs.cheapest_width(batch, width, limit=k + 1)
     padded = torch.minimum(available, torch.full_like(available, width - 1))
     return torch.where(active, torch.maximum(num_verify, padded), 0).int()

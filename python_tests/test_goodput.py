@@ -192,6 +192,30 @@ def test_nothing_pays_means_the_plain_path():
     assert policy.choose(1, [], 1) == 0 and policy.choose(1, [0], 0) == 0
 
 
+def test_the_margin_turns_speculation_on_not_off():
+    """Between 1 and ``margin`` times the plain path's goodput, speculation stays as it was:
+    off stays off, on stays on (a probe does not count as on)."""
+    costs = table([50, 50], [1e-3])
+    policy = GoodputPolicy(costs, 1, margin=1.1, probe_every=100, probe_max=100)
+    policy.begin(1)
+    policy.estimate.per_request[0] = [0.05]  # 1.05 times the plain path's goodput
+    assert [policy.drafts_to_propose(1, [0], 1) for _ in range(3)] == [0, 0, 0]
+    policy.estimate.per_request[0] = [0.2]
+    assert policy.drafts_to_propose(1, [0], 1) == 1
+    policy.estimate.per_request[0] = [0.05]
+    assert [policy.drafts_to_propose(1, [0], 1) for _ in range(3)] == [1, 1, 1]
+    policy.estimate.per_request[0] = [0.0]  # no better than plain: off
+    assert policy.drafts_to_propose(1, [0], 1) == 0
+    policy.estimate.per_request[0] = [0.05]
+    assert policy.drafts_to_propose(1, [0], 1) == 0
+    # Nothing to decide (no active request, or no room for a draft) keeps the state.
+    policy.estimate.per_request[0] = [0.2]
+    assert policy.drafts_to_propose(1, [0], 1) == 1
+    assert policy.drafts_to_propose(1, [], 1) == 0 and policy.drafts_to_propose(1, [0], 0) == 0
+    policy.estimate.per_request[0] = [0.05]
+    assert policy.drafts_to_propose(1, [0], 1) == 1
+
+
 def test_probe_schedule_backs_off_and_resets():
     costs = table([45, 75, 88, 68, 71, 71, 71, 65], [40] * 7)
     policy = GoodputPolicy(costs, 7, prior=0.0, probe_every=2, probe_max=8)
@@ -286,8 +310,49 @@ def test_verify_lengths_is_algorithm_1_on_the_measured_rates():
 
     plain = schedule_verify(confidence, costs.step_rate(2, 3))
     lengths = verify_lengths(confidence, active, costs)
-    width = costs.cheapest_width(2, int(plain.max()) + 1, limit=4)
+    assert lengths.tolist() == [max(int(n), brute_force_width(costs, confidence, int(plain.max()))
+                                    - 1) for n in plain]
+
+
+def brute_force_width(costs, confidence, algorithm_1):
+    """The width of the highest expected tokens per second, drafting included, among those
+    wider than Algorithm 1's widest request, every request verifying ``width - 1`` drafts."""
+    batch, k = confidence.shape
+
+    def goodput(width):
+        tokens = sum(1 + sum(math.prod(row[:i + 1]) for i in range(width - 1))
+                     for row in confidence.tolist())
+        return tokens / (costs.draft(k) + costs.target(batch, width))
+
+    best = max(range(algorithm_1 + 1, k + 2), key=lambda w: (goodput(w), -w))
+    return costs.cheapest_width(batch, best, limit=k + 1)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_verify_width_is_the_brute_force_goodput_argmax(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, k = 1 + seed % 3, 6
+    target_ms = torch.cumsum(2 + 20 * torch.rand(k + 1, generator=gen), 0).tolist()
+    costs = table(target_ms, (5 * torch.rand(k, generator=gen)).cumsum(0).tolist(), batch=batch)
+    confidence = torch.rand(batch, k, generator=gen) ** 0.3
+    from dspark_ops import schedule_verify
+
+    plain = schedule_verify(confidence, costs.step_rate(batch, k))
+    width = brute_force_width(costs, confidence, int(plain.max()))
+    lengths = verify_lengths(confidence, torch.ones(batch, dtype=torch.bool), costs)
     assert lengths.tolist() == [max(int(n), width - 1) for n in plain]
+
+
+def test_a_step_in_the_cost_curve_does_not_stop_verification():
+    """SmolLM2 on 2 CPU threads: width 4 costs a third more than 3, then the curve is nearly
+    flat. Algorithm 1 stops at 2 drafts of 0.9; verifying all 7 emits 5.2 tokens for 63 ms
+    against 2.7 for 38 ms."""
+    costs = table([34.7, 35.5, 37.7, 50.2, 53.3, 53.9, 60.1, 62.9], [0.1] * 7)
+    confidence = torch.full((1, 7), 0.9)
+    from dspark_ops import schedule_verify
+
+    assert schedule_verify(confidence, costs.step_rate(1, 7)).tolist() == [2]
+    assert verify_lengths(confidence, torch.tensor([True]), costs).tolist() == [7]
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,3 +571,32 @@ def test_chi_square_rejects_a_stop_that_looks_at_the_drafted_token(monkeypatch):
     monkeypatch.setattr(decoder, "_num_verify", peeking)
     (chi2, df), _ = _chi_square(decoder, target, [1, 2, 3], 3, trials)
     assert not chi_square_passes(chi2, df), (chi2, df)
+
+
+# --------------------------------------------------------------------------------------------
+# The simulation of the rule (bench.goodput_sim)
+
+
+def test_simulated_fixed_block_costs_what_the_table_says():
+    from bench.goodput_sim import decode_seconds
+
+    costs = table([10, 12, 14, 16], [1, 2, 3])
+    # Every draft right: rounds of 3 drafts emit 4 tokens; 1 + 4 + 4 tokens, then 1 draft for
+    # the last two.
+    seconds = decode_seconds(costs, [True] * 20, 11, fixed_k=3)
+    assert seconds == pytest.approx((10 + 2 * (3 + 16) + (1 + 12)) / 1e3)
+    # Every draft wrong: each round emits the target's token alone, drafting no more than the
+    # tokens still needed less one (the last round is the plain step).
+    seconds = decode_seconds(costs, [False] * 20, 4, fixed_k=3)
+    assert seconds == pytest.approx((10 + (2 + 14) + (1 + 12) + 10) / 1e3)
+    with pytest.raises(ValueError, match="exactly one"):
+        decode_seconds(costs, [True], 2)
+
+
+def test_simulated_goodput_finds_the_best_block_and_the_plain_path():
+    from bench.goodput_sim import simulate
+
+    costs = table([34.7, 35.5, 37.7, 50.2, 53.3, 53.9, 60.1, 62.9], [0.1] * 7)
+    rows = {r["alpha"]: r for r in simulate(costs, [0.0, 0.9], prompts=4, tokens=100, seeds=4)}
+    assert rows[0.0]["goodput_vs_plain"] > 0.97  # nothing pays: (almost) the plain path
+    assert rows[0.9]["best_fixed_k"] == 7 and rows[0.9]["goodput_vs_best_fixed"] > 0.9
