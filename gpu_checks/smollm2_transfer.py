@@ -31,7 +31,8 @@ Subcommands, each checking sha256 sums so that nothing is lost or silently corru
     Splits a file over ``--max-mib`` into ``NAME.partNN`` files with a record ``NAME.parts.json``
     (a results folder takes files of at most 16 MiB).
 ``join`` (local)
-    Joins every ``*.parts.json`` of a folder back into its file, checked.
+    Joins every ``*.parts.json`` of a folder back into its file, checked (the folder a GPU
+    machine returned may be read-only, so the files go to ``--out``).
 ``check-release`` (anywhere)
     Loads a release file with ``dspark_ops.load_draft(file, target=model)`` and runs one draft
     forward, so a file that came back is known to be usable.
@@ -149,6 +150,14 @@ def _files_under(root: str, rel: str) -> List[str]:
     return sorted(found)
 
 
+def check_committed(root: str, paths: Sequence[str]) -> None:
+    """Refuses tracked files that differ from the commit: git's copy is the last resort."""
+    changed = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *paths).stdout
+    if changed.strip():
+        raise SystemExit("--set-aside: tracked files differ from the commit (commit them first, "
+                         "so that git keeps a copy while they are set aside):\n" + changed)
+
+
 def set_aside(root: str, paths: Sequence[str], aside: str) -> List[dict]:
     """Moves every file under ``paths`` into ``aside/files/``, recording its sum first. Tracked
     files must equal the commit (git then holds a copy of each); ignored files are left, since
@@ -159,11 +168,8 @@ def set_aside(root: str, paths: Sequence[str], aside: str) -> List[dict]:
         print(f"already set aside ({len(record['files'])} files in {aside}/); run 'restore' to "
               "put them back")
         return record["files"]
+    check_committed(root, paths)
     tracked = set(filter(None, _git(root, "ls-files", "-z", "--", *paths).stdout.split("\0")))
-    changed = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *paths).stdout
-    if changed.strip():
-        raise SystemExit("--set-aside: tracked files differ from the commit (commit them first, "
-                         "so that git keeps a copy while they are set aside):\n" + changed)
     travelling = travelling_files(root)
     entries = []
     for rel in paths:
@@ -388,9 +394,9 @@ def split_file(path: str, max_mib: float, out_dir: str) -> List[str]:
 
 
 def join_files(in_dir: str, out_dir: str) -> List[str]:
-    """Joins every ``*.parts.json`` of ``in_dir`` into ``out_dir``; copies whole files too."""
+    """Joins every ``*.parts.json`` of ``in_dir`` into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
-    joined, parts_seen = [], set()
+    joined = []
     for entry in sorted(os.listdir(in_dir)):
         if not entry.endswith(".parts.json"):
             continue
@@ -408,19 +414,12 @@ def join_files(in_dir: str, out_dir: str) -> List[str]:
                     raise SystemExit(f"join: {source}: sha256 differs from {entry}")
                 digest.update(data)
                 out.write(data)
-                parts_seen.add(part["file"])
         if digest.hexdigest() != record["sha256"]:
             os.remove(target + ".tmp")
             raise SystemExit(f"join: {record['file']} does not match its sha256")
         os.replace(target + ".tmp", target)
         joined.append(target)
         print(f"joined {target} ({_mib(record['bytes'])}, sha256 checked)")
-    for entry in sorted(os.listdir(in_dir)):
-        if entry.endswith(".safetensors") and entry not in parts_seen:
-            if os.path.abspath(os.path.join(in_dir, entry)) != os.path.abspath(
-                    os.path.join(out_dir, entry)):
-                shutil.copyfile(os.path.join(in_dir, entry), os.path.join(out_dir, entry))
-            joined.append(os.path.join(out_dir, entry))
     return joined
 
 
@@ -473,6 +472,8 @@ def _prepare(args: argparse.Namespace) -> None:
             raise SystemExit(f"--wheel: {wheel} is not a .whl file")
     limit = int(args.limit_mib * MIB)
 
+    if not os.path.exists(os.path.join(root, aside, ASIDE_RECORD)):
+        check_committed(root, args.set_aside)
     # Sizes first, nothing moved yet: would every run fit once the paths are set aside?
     travelling = travelling_files(root)
     leaving = {p: s for p, s in travelling.items()
