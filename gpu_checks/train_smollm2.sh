@@ -30,8 +30,10 @@
 #                                             the target
 #   local  restore                    -       put releases/ back, sha256 checked; run it after the
 #                                             runs, also after a failed one
+#   local  status                     -       whether releases/ is set aside; the tree's size
 #   local  dry-run OUT                -       all of it on the CPU at tiny sizes, in float32, the
 #                                             set-aside and restore on a temporary repository
+#                                             (about 5 minutes on 2 CPU cores)
 #
 # Each GPU run writes OUT/summary.json and OUT/logs.tar.gz (every step's log, the trainers'
 # metrics.jsonl, budgets and evaluations); run2 adds OUT/drafts.tar.partNN and
@@ -295,6 +297,12 @@ cmd_run2() {
   run_step assemble 60 "${TRANSFER[@]}" assemble "$WORK/part1" "$PART" --out "$WORK/site" ||
     exit 1
   export PYTHONPATH=$WORK/site:$WORK/pkgs${PYTHONPATH:+:$PYTHONPATH}
+  if ! "$PY" -c "import gguf" 2>/dev/null; then
+    echo "run2: no gguf package here and no wheel of it in $PART/wheels (prepare puts it there)" |
+      tee "$LOGS/error.log"
+    printf 'find_gguf_package\tfailed(rc=1)\t0\n' >>"$LOGS/steps.tsv"
+    exit 1
+  fi
   if ! ((DRY_RUN)) && ! "$PY" -m dspark_ops.info 2>/dev/null | grep -q "built flavour *cuda"; then
     local arch
     arch=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
