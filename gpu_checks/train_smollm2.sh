@@ -42,7 +42,8 @@
 # Time (estimated on an H100/H200 with 16 cores; the trainer's CUDA path has not run on a GPU
 # before, so these are estimates, not readings):
 #   run1: part 1 stored 2 s; build 75 s (limit 150); loss CUDA tests 20 s (limit 60); trainer
-#         smoke on CUDA, flex attention compiled twice, 40-60 s (limit 120). About 2.5 min.
+#         smoke on CUDA, flex attention compiled twice, 40-60 s (limit 120); every limit cut
+#         to a deadline 240 s after the start. About 2.5 min.
 #   run2: hard deadline 570 s after its start, every step limited to what is left of it:
 #         GGUF joined, gguf installed 5 s; conversion 35 s (limit 150); prompts 3 s (limit 30);
 #         answers of 384 prompts (128 per category, as bench/smollm2_train.py), <= 160 new tokens
