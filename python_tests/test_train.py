@@ -357,6 +357,10 @@ def test_lr_schedule_and_default_layers():
     assert lr_factor(0, 100, 4) == 0.25 and lr_factor(3, 100, 4) == 1.0
     assert lr_factor(4, 100, 4) == 1.0 and lr_factor(99, 100, 4) < 1e-3
     assert lr_factor(0, 10, 0) == 1.0
+    # with a floor: the same warm-up, then a cosine from 1 to the floor
+    assert lr_factor(0, 100, 4, 0.1) == 0.25 and lr_factor(4, 100, 4, 0.1) == 1.0
+    assert lr_factor(99, 100, 4, 0.1) == pytest.approx(0.1, abs=1e-3)
+    assert lr_factor(52, 100, 4, 0.1) == pytest.approx(0.1 + 0.9 * lr_factor(52, 100, 4))
     assert default_target_layers(36) == [1, 9, 17, 25, 33]  # DeepSpec's Qwen3-4B/8B
     assert default_target_layers(4) == [1] and default_target_layers(1) == [-1]
     assert all(max(default_target_layers(n)) < n - 1 for n in range(2, 80))

@@ -83,6 +83,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
                        help="optimiser steps (overrides --epochs)")
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--warmup-ratio", type=float, default=0.04)
+    train.add_argument("--min-lr-ratio", type=float, default=0.0,
+                       help="the cosine ends at this fraction of --lr instead of 0 (DeepSpec: 0; "
+                            "a short budget learns in its last steps with e.g. 0.1)")
     train.add_argument("--grad-clip", type=float, default=1.0)
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--batch-tokens", type=int, default=4096,
@@ -116,6 +119,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--max-steps must be >= 1, got {args.max_steps}")
     if not 0 <= args.warmup_ratio < 1:
         raise SystemExit(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise SystemExit(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     if not args.lr > 0:
         raise SystemExit(f"--lr must be > 0, got {args.lr}")
     if not args.loss_decay_gamma > 0:

@@ -15,7 +15,7 @@ The recipe (DeepSpec's defaults, every one a flag):
   the slots' weights ``exp(-k/4)``, CE alone for DFlash; the three denominators are summed over
   ranks and the loss multiplied by the world size, then divided by the gradient accumulation
   steps, as DeepSpec;
-- AdamW (lr 6e-4, weight decay 0), linear warm-up over 4 % of the steps then cosine to 0,
+- AdamW (lr 6e-4, weight decay 0), linear warm-up over 4 % of the steps then cosine to 0 (``--min-lr-ratio``: to a floor),
   gradient clipping at 1.0, bfloat16 autocast on CUDA (float32 master weights);
 - the target runs in the process under ``torch.no_grad`` (:class:`~.target.OnlineTarget`), or
   its features come from DeepSpec's offline cache (``--cache DIR``, written once with
@@ -78,13 +78,16 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 # Schedule of the learning rate
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
+def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.0) -> float:
     """DeepSpec's schedule: ``(step + 1) / warmup`` for the first ``warmup`` steps, then a cosine
-    from 1 to 0 over the rest (``step`` is 0-based)."""
+    from 1 to ``floor`` over the rest (``step`` is 0-based; DeepSpec's floor is 0). A floor
+    keeps a short budget's last steps learning: cosine to 0 spends its last tenth below 2.5 %
+    of the peak."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     span = max(total_steps - warmup_steps, 1)
-    return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, span) / span))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, span) / span))
+    return floor + (1.0 - floor) * cosine
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,7 +410,8 @@ class Trainer:
                                            weight_decay=args.weight_decay)
         warmup = int(args.warmup_ratio * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, self.total_steps, warmup))
+            self.optimizer,
+            lambda step: lr_factor(step, self.total_steps, warmup, args.min_lr_ratio))
 
     def _restore_training_state(self) -> None:
         """A resumed run's optimiser, scheduler, step and random states: it goes on exactly."""
