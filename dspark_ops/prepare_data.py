@@ -234,6 +234,14 @@ class FeatureCapture:
             lambda module, args, output: self._record("norm", output)))
         parameters = inspect.signature(self.backbone.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # The tail forward's mask is full attention; a target with sliding-window layers leaves
+        # its samples' tails to the prefill pass instead.
+        from .hf import _sliding_window, _text_config
+
+        try:
+            self._tails = _sliding_window(_text_config(model.config)) is None
+        except ValueError:
+            self._tails = False
 
     def _record(self, key, hidden: torch.Tensor) -> None:
         if self._records is not None:
@@ -288,7 +296,8 @@ class FeatureCapture:
             the ``S`` tokens of ``samples[row]``; None for a sample that departs from the row's
             prompt and generated tokens more than ``TAIL_LIMIT`` tokens before its end (or at
             its first token). The tokens past the generated ones, at most ``TAIL_LIMIT``, are
-            computed by one forward of all such rows over the K/V cache ``generate`` kept.
+            computed by one forward of all such rows over the K/V cache ``generate`` kept
+            (not for a target with sliding-window layers: None then).
         """
         if self._generation is None:
             raise RuntimeError("FeatureCapture.features before FeatureCapture.generate")
@@ -308,7 +317,7 @@ class FeatureCapture:
             if shared == len(tokens):
                 result[row] = (features[row, first:first + shared],
                                last[row, first:first + shared])
-            elif shared and len(tokens) - shared <= TAIL_LIMIT:
+            elif shared and len(tokens) - shared <= TAIL_LIMIT and self._tails:
                 tails[row] = (first, shared)
             else:
                 result[row] = None
