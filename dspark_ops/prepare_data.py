@@ -458,7 +458,8 @@ def _write_cache(args, config, layers: List[int], dtype: torch.dtype, stage,
         online.close()
     stage.remove()
     print(f"cache: {len(samples)} samples in {args.cache} (target layers {layers}): "
-          f"{len(samples) - computed} from features captured while generating, {computed} "
+          f"{len(samples) - computed} from features captured while generating or already "
+          f"cached, {computed} "
           "by a prefill pass (their re-tokenised conversation departs from the generated "
           "tokens, or they were generated without --cache)", flush=True)
 
