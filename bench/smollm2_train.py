@@ -12,8 +12,11 @@ stopped; the answers file and the checkpoints are resumable):
 2. prompts: ``python -m dspark_ops.prompts`` (``--train-per-category`` per category, interleaved,
    and the held-out evaluation sets that ``bench.e2e`` reads);
 3. answers: ``python -m dspark_ops.prepare_data`` (the target's own answers, DeepSpec's sampling:
-   T 0.7, top-p 0.8, top-k 20, at most ``--max-new-tokens`` tokens);
-4. the target's features of every sample, once, into DeepSpec's offline cache (``OUT/cache``);
+   T 0.7, top-p 0.8, top-k 20, at most ``--max-new-tokens`` tokens), ``--answer-batch-size``
+   prompts at a time, with ``--cache``: the target's features of every sample, captured while
+   it generates, go into DeepSpec's offline cache (``OUT/cache``);
+4. the features of any sample the cache lacks (data written before, or by another run), by one
+   prefill pass (:func:`write_features`; skipped when the cache is complete);
 5. the drafts: ``python -m dspark_ops.train --arch dspark``, ``--arch dflash`` and ``--arch
    eagle3`` with the same flags (data, epochs, batch, anchors, learning rate, seed, draft depth;
    the DSpark draft adds its Markov rank; the Eagle3 draft has one layer and no anchors, and its
@@ -74,7 +77,9 @@ def train_args(args: argparse.Namespace, arch: str, data: str, target: str) -> L
 
 def write_features(args: argparse.Namespace, target: str, data: str, cache: str) -> None:
     """The target's features of every training sample, once, into DeepSpec's offline cache:
-    every draft then reads them (``--cache``) instead of running the target every epoch."""
+    every draft then reads them (``--cache``) instead of running the target every epoch. Returns
+    at once when the cache holds every sample (``prepare_data --cache`` wrote it while
+    generating); else one prefill pass over all samples."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -130,9 +135,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--train-per-category", type=int, default=128)
     parser.add_argument("--eval-per-category", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=160, help="per training answer")
-    parser.add_argument("--answer-batch-size", type=int, default=64,
-                        help="prompts answered together (on 2 CPU threads the target generates "
-                             "about 20 tokens/s at batch 1 and 250 at batch 64)")
+    parser.add_argument("--answer-batch-size", type=int, default=128,
+                        help="prompts answered together: the fastest of the batch sizes "
+                             "python -m bench.answer_throughput measured "
+                             "(bench/results/answer_throughput.json)")
     parser.add_argument("--num-layers", type=int, default=2, help="draft layers")
     parser.add_argument("--markov-rank", type=int, default=64,
                         help="the DSpark draft's Markov rank (DeepSpec's 256 is for 2560-4096 "
@@ -164,9 +170,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _run([sys.executable, "-m", "dspark_ops.prepare_data", "--target", target,
           "--prompts", os.path.join(prompts, "train.jsonl"), "--out", data,
           "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32",
-          "--device", "cpu", "--batch-size", str(args.answer_batch_size)],
+          "--device", "cpu", "--batch-size", str(args.answer_batch_size),
+          "--max-length", str(args.max_length), "--cache", os.path.join(args.out, "cache")],
          threads=args.threads)
-    print(f"answers: {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"answers and their features: {time.perf_counter() - started:.0f} s", flush=True)
     started = time.perf_counter()
     write_features(args, target, data, os.path.join(args.out, "cache"))
     print(f"features: {time.perf_counter() - started:.0f} s", flush=True)

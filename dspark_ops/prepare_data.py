@@ -15,23 +15,48 @@ A conversation with no response token (every answer empty, or the answers cut of
 summary says how many were dropped. The output is appended to and a rerun skips the ids already
 there, so an interrupted run resumes (a dropped prompt, not being there, is answered again).
 
+With ``--cache DIR`` it also writes the target's features of every sample into DeepSpec's
+offline cache (:mod:`dspark_ops.train.cache`, read by ``python -m dspark_ops.train --cache DIR``)
+without a second pass over the data: forward hooks on the target layers (by default those the
+trainer picks, :func:`~dspark_ops.train.draft_config.default_target_layers`) and on the final norm
+record the features while ``model.generate`` prefills and decodes. A sample's features are the
+captured ones of the exact tokens its ``input_ids`` hold: the last turn's prompt (which holds the
+conversation so far) and the generated tokens, with the few tokens generation never fed (its last
+token, the chat template's text after the end-of-turn) run as one short forward over the kept
+K/V cache. A sample whose re-tokenised conversation departs from the generated tokens earlier than
+that gets its features from one prefill pass when the cache is assembled (the summary counts
+them). The features wait in ``DIR.staging/``, one file per sample, written before the sample's
+line, and the cache is assembled from them (and from the cache already in ``DIR``) at the end,
+so an interrupted run resumes here too.
+
+The summary reports the answer tokens generated per second (the progress bar shows it as it
+goes).
+
 Example::
 
     python -m dspark_ops.prepare_data --target qwen3-4b --prompts prompts.jsonl \\
-        --out train.jsonl --max-new-tokens 2048 --batch-size 32
+        --out train.jsonl --max-new-tokens 2048 --batch-size 32 [--cache train_cache]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["conversation_tokens", "main", "parse_args", "read_prompts"]
+__all__ = ["FeatureCapture", "conversation_tokens", "main", "parse_args", "read_prompts"]
+
+# Tokens of a sample past what generation fed that a short forward over the kept K/V cache may
+# compute (the last generated token, the chat template's end of turn); a longer difference is a
+# re-tokenisation that departs from the generated tokens, left to one prefill pass.
+TAIL_LIMIT = 16
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -57,6 +82,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="prompt and answer as plain text (single-turn only)")
+    parser.add_argument("--cache", default=None, metavar="DIR",
+                        help="also write the target's features of every sample into DeepSpec's "
+                             "offline cache in DIR (python -m dspark_ops.train --cache DIR), "
+                             "captured while generating")
+    parser.add_argument("--target-layers", type=int, nargs="+", default=None,
+                        help="the cached feature layers (default: the trainer's default for the "
+                             "target's depth)")
+    parser.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"),
+                        default="bfloat16", help="of the cached hidden states (DeepSpec: bfloat16)")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -161,11 +195,178 @@ def _done_ids(path: str) -> set:
     return done
 
 
+class FeatureCapture:
+    """The draft's target features, recorded while ``model.generate`` answers a batch.
+
+    Forward hooks on the target layers (``-1``: the input of decoder layer 0, the embedding
+    output; ``l``: the raw output of decoder layer ``l``, as :class:`dspark_ops.hf.HFTarget` and
+    :class:`dspark_ops.train.target.OnlineTarget` read them) and on the backbone's final norm
+    record the output of every forward inside :meth:`generate`: the prefill of the left-padded
+    prompts, then one step per generated token but the last (its features were never computed).
+    :meth:`features` cuts each sample's features out of them.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM with ``model.get_decoder().layers`` and ``.norm``, loaded with
+        ``attn_implementation="sdpa"`` or ``"eager"`` (the tail forward passes a 4-D mask).
+    target_layer_ids : sequence of int
+        Strictly increasing, each ``-1`` or a decoder layer.
+    """
+
+    def __init__(self, model, target_layer_ids: Sequence[int]):
+        self.model = model
+        self.backbone = model.get_decoder()
+        layers = self.backbone.layers
+        self.target_layer_ids = [int(i) for i in target_layer_ids]
+        self._records: Optional[Dict[object, List[torch.Tensor]]] = None
+        self._generation = None
+        self._hooks = []
+        if -1 in self.target_layer_ids:
+            self._hooks.append(layers[0].register_forward_pre_hook(
+                lambda module, args, kwargs: self._record(
+                    -1, args[0] if args else kwargs["hidden_states"]), with_kwargs=True))
+        for layer_id in sorted(set(self.target_layer_ids) - {-1}):
+            self._hooks.append(layers[layer_id].register_forward_hook(
+                lambda module, args, output, key=layer_id: self._record(
+                    key, output[0] if isinstance(output, tuple) else output)))
+        self._hooks.append(self.backbone.norm.register_forward_hook(
+            lambda module, args, output: self._record("norm", output)))
+        parameters = inspect.signature(self.backbone.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # The tail forward's mask is full attention; a target with sliding-window layers leaves
+        # its samples' tails to the prefill pass instead.
+        from .hf import _sliding_window, _text_config
+
+        try:
+            self._tails = _sliding_window(_text_config(model.config)) is None
+        except ValueError:
+            self._tails = False
+
+    def _record(self, key, hidden: torch.Tensor) -> None:
+        if self._records is not None:
+            self._records[key].append(hidden.detach())
+
+    @contextlib.contextmanager
+    def _recording(self):
+        records: Dict[object, List[torch.Tensor]] = {k: [] for k in self.target_layer_ids}
+        records["norm"] = []
+        self._records = records
+        try:
+            yield records
+        finally:
+            self._records = None
+
+    def _stacked(self, records) -> Tuple[torch.Tensor, torch.Tensor]:
+        features = torch.cat([torch.cat(records[k], 1) for k in self.target_layer_ids], -1)
+        return features, torch.cat(records["norm"], 1)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 **kwargs) -> torch.Tensor:
+        """``model.generate`` of a left-padded batch with the hooks recording; returns its
+        sequences ``[B, W + G]`` and keeps the features for :meth:`features`."""
+        with self._recording() as records:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      return_dict_in_generate=True, **kwargs)
+        features, last = self._stacked(records)
+        # transformers >= 5.2x names the output's cache ``cache``; earlier ``past_key_values``.
+        cache = out["cache"] if "cache" in out else out.get("past_key_values")
+        self._generation = (attention_mask.sum(1).tolist(), input_ids.shape[1], out.sequences,
+                            features, last, cache)
+        return out.sequences
+
+    @torch.no_grad()
+    def features(self, samples: Dict[int, Sequence[int]], answers: Sequence[Sequence[int]]
+                 ) -> Dict[int, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+        """Cuts the features of samples out of the last :meth:`generate`.
+
+        Parameters
+        ----------
+        samples : dict
+            Batch row to the sample's ``input_ids`` (the rendered conversation re-tokenised,
+            truncated).
+        answers : sequence of list of int
+            Each row's generated tokens up to and including its stop token (a row that stopped
+            early went on being fed padding; those steps are not its tokens).
+
+        Returns
+        -------
+        dict
+            Batch row to ``(features [S, n * H], last_hidden [S, H])``, in the model's dtype, of
+            the ``S`` tokens of ``samples[row]``; None for a sample that departs from the row's
+            prompt and generated tokens more than ``TAIL_LIMIT`` tokens before its end (or at
+            its first token). The tokens past the generated ones, at most ``TAIL_LIMIT``, are
+            computed by one forward of all such rows over the K/V cache ``generate`` kept
+            (not for a target with sliding-window layers: None then).
+        """
+        if self._generation is None:
+            raise RuntimeError("FeatureCapture.features before FeatureCapture.generate")
+        lengths, width, sequences, features, last, cache = self._generation
+        self._generation = None
+        fed = features.shape[1]  # the prompts' width, then one slot per fed generated token
+        result: Dict[int, Optional[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        tails: Dict[int, Tuple[int, int]] = {}  # row -> (first slot, tokens shared)
+        for row, tokens in samples.items():
+            first = width - lengths[row]
+            seen = sequences[row, first:width].tolist() + list(answers[row][:fed - width])
+            shared = 0
+            for a, b in zip(seen, tokens):
+                if a != b:
+                    break
+                shared += 1
+            if shared == len(tokens):
+                result[row] = (features[row, first:first + shared],
+                               last[row, first:first + shared])
+            elif shared and len(tokens) - shared <= TAIL_LIMIT and self._tails:
+                tails[row] = (first, shared)
+            else:
+                result[row] = None
+        if tails:
+            if cache is None or cache.get_seq_length() != fed:
+                raise RuntimeError("model.generate kept no K/V cache of the fed tokens")
+            more, more_last = self._tail(samples, tails, fed, sequences.shape[0], cache)
+            for row, (first, shared) in tails.items():
+                n = len(samples[row]) - shared
+                result[row] = (torch.cat([features[row, first:first + shared], more[row, :n]]),
+                               torch.cat([last[row, first:first + shared], more_last[row, :n]]))
+        return result
+
+    def _tail(self, samples, tails, fed: int, batch: int, cache):
+        """One forward of every row's remaining tokens after the ``shared`` ones, appended to the
+        cache: a row attends to its own ``shared`` cached slots and causally to its tail; rows
+        without a tail run one padding token that sees only itself."""
+        device = self.model.get_input_embeddings().weight.device
+        dtype = self.model.get_input_embeddings().weight.dtype
+        width = max(len(samples[row]) - shared for row, (_, shared) in tails.items())
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        visible = torch.zeros(batch, width, fed + width, dtype=torch.bool)
+        visible[:, :, fed:] = torch.ones(width, width, dtype=torch.bool).tril()
+        for row, (first, shared) in tails.items():
+            tail = list(samples[row][shared:])
+            ids[row, :len(tail)] = torch.tensor(tail)
+            positions[row] = shared + torch.arange(width)
+            visible[row, :, first:first + shared] = True
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible,
+                                                                   torch.finfo(dtype).min)
+        with self._recording() as records:
+            self.backbone(input_ids=ids.to(device), attention_mask=mask[:, None].to(device),
+                          position_ids=positions.to(device), use_cache=True,
+                          **{self._cache_argument: cache})
+        return self._stacked(records)
+
+    def close(self) -> None:
+        """Removes the hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
 @torch.no_grad()
 def _generate(model, tokenizer, prompts: List[List[int]], args, stop: List[int],
-              seed: int) -> List[List[int]]:
+              seed: int, capture: Optional[FeatureCapture] = None) -> List[List[int]]:
     """Sampled (or greedy) answers of a batch of tokenised prompts, up to and including the
-    first stop token."""
+    first stop token (through ``capture`` when given, which keeps the features)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop or [0])[0]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -176,14 +377,101 @@ def _generate(model, tokenizer, prompts: List[List[int]], args, stop: List[int],
     torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
-                         max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                         eos_token_id=stop or None, **sampling)
+    run = model.generate if capture is None else capture.generate
+    out = run(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+              max_new_tokens=args.max_new_tokens, pad_token_id=pad, eos_token_id=stop or None,
+              **sampling)
     answers = []
     for row in out[:, width:].tolist():
         cut = next((i for i, t in enumerate(row) if t in stop), None)
         answers.append(row if cut is None else row[:cut + 1])
     return answers
+
+
+def _row_count(path: str) -> int:
+    """The rows of a data file as ``read_training_data`` numbers them (non-empty lines)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _cache_layers(args, config) -> List[int]:
+    from .train.draft_config import check_target_layers, default_target_layers
+
+    depth = int(config.num_hidden_layers)
+    if args.target_layers is None:
+        return default_target_layers(depth)
+    return check_target_layers(args.target_layers, depth)
+
+
+def _write_cache(args, config, layers: List[int], dtype: torch.dtype, stage,
+                 load_model) -> None:
+    """Assembles ``--cache`` from the staged features and the cache already there; a sample
+    found in neither goes through one prefill pass of the target."""
+    from .train.cache import TargetCache, write_cache
+    from .train.data import read_training_data
+    from .train.target import OnlineTarget
+
+    if _row_count(args.out) == 0:
+        print(f"cache: {args.out} holds no sample; no cache written", flush=True)
+        return
+    samples, _ = read_training_data(args.out, vocab_size=int(config.vocab_size),
+                                    max_length=args.max_length, min_loss_tokens=0)
+    hidden = int(config.hidden_size)
+    try:
+        old = TargetCache(args.cache, layers, hidden)
+        if old.dtype != dtype or old.last_dtype != dtype:
+            old = None
+    except SystemExit:  # none yet, or one made for other layers: written anew
+        old = None
+    staged_rows = stage.rows()
+    if (old is not None and not staged_rows
+            and all(old.find(s) is not None for s in samples)):
+        print(f"cache: {args.cache} already holds all {len(samples)} samples", flush=True)
+        stage.remove()
+        return
+
+    def staged(sample):
+        found = stage.get(sample)
+        if found is None and old is not None:
+            found = old.find(sample)
+        return found
+
+    online = None
+
+    def features_of(ids, valid):
+        nonlocal online
+        if online is None:
+            online = OnlineTarget(load_model(), layers)
+        device = online.hf.device
+        return online(ids.to(device), valid.to(device))
+
+    bar = _progress_bar(args, len(samples), "cache", "sample")
+    computed = write_cache(args.cache, samples, features_of, target_layer_ids=layers,
+                           hidden_size=hidden, target_name=args.target, data_path=args.out,
+                           dtype=dtype, progress=bar.update if bar is not None else None,
+                           staged=staged)
+    if bar is not None:
+        bar.close()
+    if online is not None:
+        online.close()
+    stage.remove()
+    print(f"cache: {len(samples)} samples in {args.cache} (target layers {layers}): "
+          f"{len(samples) - computed} from features captured while generating or already "
+          f"cached, {computed} "
+          "by a prefill pass (their re-tokenised conversation departs from the generated "
+          "tokens, or they were generated without --cache)", flush=True)
+
+
+def _progress_bar(args, total: int, desc: str, unit: str):
+    if args.no_progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -192,11 +480,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit("--batch-size and --max-new-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise SystemExit("--temperature >= 0, --top-p in (0, 1] and --top-k >= 0")
+    if args.max_length < 1:
+        raise SystemExit(f"--max-length must be >= 1, got {args.max_length}")
+    if args.cache is None and args.target_layers is not None:
+        raise SystemExit("--target-layers needs --cache DIR (the layers whose features it "
+                         "writes)")
+    if args.cache is not None and os.path.isfile(args.cache):
+        raise SystemExit(f"--cache {args.cache}: a file; the cache is a directory")
     prompts = read_prompts(args.prompts)[: args.max_samples]
     done = _done_ids(args.out)
     todo = [p for p in prompts if p[0] not in done]
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as error:
         raise SystemExit("prepare_data needs transformers: pip install --no-build-isolation "
                          "'.[hf]'") from error
@@ -204,32 +499,59 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     chat = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
     if not chat and any(len(turns) > 1 for _, turns in todo):
         raise SystemExit("multi-turn prompts need the tokenizer's chat template")
+    stage = config = layers = cache_dtype = None
+    if args.cache is not None:
+        from .train.cache import FeatureStage
+
+        config = AutoConfig.from_pretrained(args.target)
+        config = getattr(config, "text_config", None) or config
+        layers = _cache_layers(args, config)
+        cache_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                       "float32": torch.float32}[args.cache_dtype]
+        stage = FeatureStage(args.cache.rstrip("/") + ".staging", target_layer_ids=layers,
+                             hidden_size=int(config.hidden_size), dtype=cache_dtype,
+                             target_name=args.target)
     print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.out}, "
           f"{len(todo)} to generate", flush=True)
-    if not todo:
-        return
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
         args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda"
                                         else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    stop = _stop_ids(model, tokenizer)
-    bar = None
-    if not args.no_progress:
-        try:
-            from tqdm import tqdm
+    loaded = []
 
-            bar = tqdm(total=len(todo), desc="prepare", unit="prompt")
-        except ImportError:
-            bar = None
+    def load_model():
+        if not loaded:
+            extra = {} if args.cache is None else {"attn_implementation": "sdpa"}
+            loaded.append(AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, **extra)
+                          .to(device).eval())
+        return loaded[0]
+
+    if todo:
+        _answer(args, todo, prompts, tokenizer, chat, load_model(), stage, layers)
+    if args.cache is not None:
+        _write_cache(args, config, layers, cache_dtype, stage, load_model)
+
+
+def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
+    """Generates the answers of ``todo``, appends their rows to ``--out`` (and stages their
+    features when ``stage`` is given)."""
+    stop = _stop_ids(model, tokenizer)
+    capture = FeatureCapture(model, layers) if stage is not None else None
+    bar = _progress_bar(args, len(todo), "prepare", "prompt")
     index = {pid: i for i, (pid, _) in enumerate(prompts)}
-    written = trained = dropped = 0
+    written = trained = dropped = generated = staged = unstaged = 0
+    seconds = 0.0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    row = _row_count(args.out)  # the data row, and cache sample id, of the next line
+    if stage is not None:
+        stage.discard_from(row)  # staged for lines an interruption never wrote
     with open(args.out, "a", encoding="utf-8") as out:
         for start in range(0, len(todo), args.batch_size):
             batch = todo[start:start + args.batch_size]
             conversations = [[] for _ in batch]
             plain = [None] * len(batch)
+            tokens = [None] * len(batch)  # (input_ids, loss_mask) once the last turn is answered
+            features = [None] * len(batch)
             for turn in range(max(len(turns) for _, turns in batch)):
                 rows = [i for i, (_, turns) in enumerate(batch) if turn < len(turns)]
                 tokenized = []
@@ -240,38 +562,69 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     else:
                         text = batch[i][1][turn]
                     tokenized.append(tokenizer(text, add_special_tokens=False).input_ids)
+                began = time.perf_counter()
                 answers = _generate(model, tokenizer, tokenized, args, stop,
-                                    args.seed + index[batch[rows[0]][0]] + turn)
-                for i, prompt_ids, answer in zip(rows, tokenized, answers):
+                                    args.seed + index[batch[rows[0]][0]] + turn, capture)
+                seconds += time.perf_counter() - began
+                generated += sum(len(a) for a in answers)
+                last_turn = {}
+                for position, (i, prompt_ids, answer) in enumerate(zip(rows, tokenized,
+                                                                       answers)):
                     body = [t for t in answer if t not in stop]
                     content = tokenizer.decode(body, skip_special_tokens=True)
                     conversations[i].append({"role": "assistant", "content": content})
                     plain[i] = (prompt_ids, answer)
+                    if turn == len(batch[i][1]) - 1:
+                        if chat:
+                            tokens[i] = conversation_tokens(tokenizer, conversations[i], stop,
+                                                            args.max_length)
+                        else:
+                            tokens[i] = ((prompt_ids + answer)[: args.max_length],
+                                         ([0] * len(prompt_ids) + [1] * len(answer))
+                                         [: args.max_length])
+                        last_turn[position] = tokens[i][0]
+                if capture is not None:
+                    # The last turn's prompt holds the whole conversation before its answer.
+                    for position, found in capture.features(last_turn, answers).items():
+                        features[rows[position]] = found
+            lines = []
             for i, (pid, _) in enumerate(batch):
-                if chat:
-                    ids, mask = conversation_tokens(tokenizer, conversations[i], stop,
-                                                    args.max_length)
-                else:
-                    prompt_ids, answer = plain[i]
-                    ids = (prompt_ids + answer)[: args.max_length]
-                    mask = ([0] * len(prompt_ids) + [1] * len(answer))[: args.max_length]
+                ids, mask = tokens[i]
                 # A plain answer's end token alone is masked but is no response either.
                 if not any(mask) or not chat and all(t in stop for t in plain[i][1]):
                     dropped += 1
                     continue
                 trained += sum(mask)
-                out.write(json.dumps({"id": pid, "conversations": conversations[i],
-                                      "input_ids": ids, "loss_mask": mask}) + "\n")
-                written += 1
+                if stage is not None:
+                    if features[i] is not None:
+                        stage.put(row + len(lines), ids, *features[i])
+                        staged += 1
+                    else:
+                        unstaged += 1
+                lines.append(json.dumps({"id": pid, "conversations": conversations[i],
+                                         "input_ids": ids, "loss_mask": mask}) + "\n")
+            # The staged features first: a line is never there without them but by a crash
+            # between the two, which leaves its sample to the prefill pass.
+            out.writelines(lines)
             out.flush()
+            row += len(lines)
+            written += len(lines)
             if bar is not None:
+                bar.set_postfix(tok_s=f"{generated / seconds:.1f}", refresh=False)
                 bar.update(len(batch))
     if bar is not None:
         bar.close()
+    if capture is not None:
+        capture.close()
     summary = f"wrote {written} samples ({trained} response tokens) to {args.out}"
     if dropped:
         summary += (f"; dropped {dropped} with no response token (empty answers, or answers cut "
                     f"off by --max-length {args.max_length})")
+    summary += (f"; generated {generated} answer tokens in {seconds:.1f} s "
+                f"({generated / seconds:.1f} tokens/s)")
+    if stage is not None:
+        summary += (f"; features captured for {staged} samples, {unstaged} left to a prefill "
+                    "pass (re-tokenised conversation departs from the generated tokens)")
     print(summary, flush=True)
 
 

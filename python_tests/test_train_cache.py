@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from cases.training import (TARGET_LAYERS, read_metrics, save_target, train_args,  # noqa: E402
                             write_greedy_data)
 from dspark_ops.models import load_state_dict_file  # noqa: E402
-from dspark_ops.train.cache import RECORD, TargetCache, write_cache  # noqa: E402
+from dspark_ops.train.cache import (RECORD, FeatureStage, TargetCache,  # noqa: E402
+                                    write_cache)
 from dspark_ops.train.data import collate, read_training_data  # noqa: E402
 from dspark_ops.train.target import OnlineTarget  # noqa: E402
 from dspark_ops.train.trainer import main  # noqa: E402
@@ -209,3 +210,56 @@ def test_cache_errors(setup, online, tmp_path):
     write_cache(other, shifted, online, target_layer_ids=LAYERS, hidden_size=HIDDEN,
                 target_name=target, data_path=data)
     _fails(base + ["--cache", other, "--calibration-samples", "0"], "holds other tokens")
+
+
+def test_staged_features_fill_the_cache(setup, online, tmp_path):
+    """Samples with staged features (or features in another cache) are written from them, the
+    rest through features_of; the cache is the same either way. A stage keeps rows by their
+    tokens: other tokens are not taken, a truncated sample takes its prefix; rows past a point
+    are dropped; a stage made for other layers is emptied when opened."""
+    _, target, data = setup
+    samples, _ = read_training_data(data, min_loss_tokens=4)
+    stage = FeatureStage(str(tmp_path / "stage"), target_layer_ids=LAYERS, hidden_size=HIDDEN,
+                         dtype=torch.float32, target_name=target)
+    for s in samples[::2]:
+        feats, last = online(torch.tensor([s.input_ids]),
+                             torch.ones(1, len(s.input_ids), dtype=torch.bool))
+        stage.put(s.index, s.input_ids, feats[0], last[0])
+    assert stage.rows() == [s.index for s in samples[::2]]
+    computed = []
+
+    def features_of(ids, valid):
+        computed.extend(valid.sum(1).tolist())
+        return online(ids, valid)
+
+    path = str(tmp_path / "cache")
+    count = write_cache(path, samples, features_of, target_layer_ids=LAYERS, hidden_size=HIDDEN,
+                        target_name=target, data_path=data, dtype=torch.float32,
+                        staged=stage.get)
+    assert count == len(samples[1::2]) == len(computed)
+    cache = TargetCache(path, LAYERS, HIDDEN)
+    got = cache.batch(samples, torch.float32, "cpu")
+    want = online(*[collate(samples, "cpu")[k] for k in ("input_ids", "valid")])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # the cache as a source for the next one: every sample found, nothing computed
+    again = write_cache(str(tmp_path / "again"), samples, None, target_layer_ids=LAYERS,
+                        hidden_size=HIDDEN, target_name=target, data_path=data,
+                        dtype=torch.float32, staged=cache.find)
+    assert again == 0
+    first = samples[0]
+    short = type(first)(first.index, first.input_ids[:5], first.loss_mask[:5])
+    assert stage.get(short)[0].shape == (5, len(LAYERS) * HIDDEN)
+    assert cache.find(short)[1].shape == (5, HIDDEN)
+    other = type(first)(first.index, [(t + 1) % 40 for t in first.input_ids], first.loss_mask)
+    assert stage.get(other) is None and cache.find(other) is None
+    assert stage.discard_from(samples[2].index) == len(samples[2::2])
+    assert stage.rows() == [first.index]
+    with pytest.raises(ValueError, match="features"):
+        stage.put(99, [1, 2], torch.zeros(3, 128), torch.zeros(3, 64))
+    reopened = FeatureStage(str(tmp_path / "stage"), target_layer_ids=[0], hidden_size=HIDDEN,
+                            dtype=torch.float32, target_name=target)
+    assert reopened.rows() == []
+    with pytest.raises(ValueError, match="no staged features"):
+        write_cache(str(tmp_path / "none"), samples, None, target_layer_ids=LAYERS,
+                    hidden_size=HIDDEN, target_name=target, data_path=data, staged=stage.get)

@@ -89,8 +89,8 @@ def test_rows_without_a_response_token_are_dropped(target, tmp_path, monkeypatch
 
     real = prepare._generate
 
-    def generate(model, tok, prompts, args, stop, seed):
-        answers = real(model, tok, prompts, args, stop, seed)
+    def generate(model, tok, prompts, args, stop, seed, capture=None):
+        answers = real(model, tok, prompts, args, stop, seed, capture)
         # The sky prompt and the first turn of "a" (its second turn repeats the first as
         # history) are answered with the end token alone.
         texts = [tok.decode(p) for p in prompts]
@@ -153,3 +153,206 @@ def test_errors(tmp_path):
     assert [t for t, m in zip(ids, mask) if m] == tok("yes", add_special_tokens=False).input_ids \
         + [EOT]
     assert conversation_tokens(tok, messages, [EOT], 5)[0] == ids[:5]
+
+
+# -- features captured while generating (--cache) ----------------------------------------------
+
+def _close(got, want):
+    """float32 agreement of captured (decode-step) features with a prefill's: the same sums in
+    another blocking (a [B, 1] step against a [B, L] prefill, attention over the K/V cache
+    against a causal one) differ by a few float32 ulps per layer; 2e-5 of the tensor's largest
+    magnitude (about 170 ulps at that scale) bounds them with a tenfold margin on these models,
+    while one position off changes features by their own size. The cache then stores bfloat16,
+    whose rounding (2^-9 relative) is far coarser."""
+    assert got.shape == want.shape
+    assert (got.float() - want.float()).abs().max() <= 2e-5 * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_target(str(tmp_path_factory.mktemp("capture") / "target"), kind="llama")
+
+
+def test_captured_features_equal_a_prefill_pass():
+    """Left-padded prompts of three lengths, greedy; rows that stop early go on being fed
+    padding. Each sample (prompt, answer, then the chat template's end of turn, which generation
+    never fed) gets the features a plain prefill of its tokens gives."""
+    from cases.training import tiny_target
+
+    from dspark_ops.prepare_data import TAIL_LIMIT, FeatureCapture
+    from dspark_ops.train.target import OnlineTarget
+
+    torch.set_num_threads(1)
+    model = tiny_target("llama")
+    layers = [-1, 0, 2]
+    capture = FeatureCapture(model, layers)
+    tok = tokenizer()
+    prompts = [tok(t, add_special_tokens=False).input_ids
+               for t in ["hello there friend", "hi", "why is the sky"]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        attention[row, width - len(p):] = 1
+    new = 12
+    sequences = capture.generate(ids, attention, max_new_tokens=new, do_sample=False,
+                                 pad_token_id=0, eos_token_id=EOT)
+    answers = []
+    for row in sequences[:, width:].tolist():
+        cut = row.index(EOT) if EOT in row else None
+        answers.append(row if cut is None else row[:cut + 1])
+    # the cases this test is about: a row that runs to the end, rows that stop early
+    assert any(len(a) == new for a in answers) and any(len(a) < new for a in answers)
+    newline = tok("\n", add_special_tokens=False).input_ids
+    samples = {row: prompts[row] + answers[row] + newline for row in range(len(prompts))}
+    samples[1] = samples[1][:len(prompts[1]) + 1]  # truncated inside its answer
+    got = capture.features(samples, answers)
+    online = OnlineTarget(model, layers)
+    for row, tokens in samples.items():
+        want, want_last = online(torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=bool))
+        features, last = got[row]
+        _close(features, want[0])
+        _close(last, want_last[0])
+    # A re-tokenisation that departs from the generated tokens: near the end, the rest runs
+    # over the K/V cache; more than TAIL_LIMIT tokens before it, it is left to a prefill pass.
+    capture.generate(ids, attention, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                     eos_token_id=EOT)
+    other = (answers[1][3] + 1) % 41
+    departed = {0: prompts[0][:1] + [(prompts[0][1] + 1) % 41] + prompts[0][2:] + answers[0],
+                1: prompts[1] + answers[1][:3] + [other] + answers[1][4:] + newline}
+    assert len(departed[0]) - 1 > TAIL_LIMIT and len(answers[1]) - 3 <= TAIL_LIMIT
+    got = capture.features(departed, answers)
+    assert got[0] is None
+    want, want_last = online(torch.tensor([departed[1]]),
+                             torch.ones(1, len(departed[1]), dtype=torch.bool))
+    _close(got[1][0], want[0])
+    _close(got[1][1], want_last[0])
+    online.close()
+    capture.close()
+
+
+def _prompts_for_the_cache(path):
+    path.write_text('{"id": "a", "turns": ["hello there", "and then?"]}\n'
+                    '{"turns": ["why is the sky blue?"]}\n'
+                    '{"turns": ["hi"]}\n'
+                    '{"turns": ["count to ten, slowly please"]}\n')
+    return str(path)
+
+
+def _cache_equals_a_prefill_pass(target, data, cache_dir, layers):
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ops.train.cache import TargetCache
+    from dspark_ops.train.data import read_training_data
+    from dspark_ops.train.target import OnlineTarget
+
+    samples, _ = read_training_data(data, min_loss_tokens=0)
+    cache = TargetCache(cache_dir, layers, 64)
+    model = AutoModelForCausalLM.from_pretrained(target, attn_implementation="sdpa")
+    online = OnlineTarget(model.eval(), layers)
+    for s in samples:
+        ids, loss, features, last = cache.read(s.index)
+        assert ids.tolist() == s.input_ids and loss.tolist() == [float(m) for m in s.loss_mask]
+        want, want_last = online(torch.tensor([s.input_ids]),
+                                 torch.ones(1, len(s.input_ids), dtype=torch.bool))
+        _close(features, want[0])
+        _close(last, want_last[0])
+    online.close()
+    return samples
+
+
+def test_cache_captured_while_generating(llama, tmp_path, monkeypatch, capsys):
+    """--cache: every sample's features, a two-turn conversation (its last turn's prefill holds
+    the first) and rows that stopped early among them, equal a prefill pass of the written
+    input_ids; what departs from the generated tokens is computed by that pass; the trainer
+    reads the cache."""
+    from dspark_ops.prepare_data import FeatureCapture
+    from dspark_ops.train.cache import FeatureStage
+
+    staged, lengths = [], []
+    put, features = FeatureStage.put, FeatureCapture.features
+    monkeypatch.setattr(FeatureStage, "put",
+                        lambda self, row, *rest: (staged.append(row), put(self, row, *rest)))
+
+    def cut(self, samples, answers):  # the answer lengths of the samples it captured
+        got = features(self, samples, answers)
+        lengths.extend(len(answers[row]) for row in samples if got[row] is not None)
+        return got
+
+    monkeypatch.setattr(FeatureCapture, "features", cut)
+    out, cache = str(tmp_path / "data.jsonl"), str(tmp_path / "cache")
+    main(["--target", llama, "--prompts", _prompts_for_the_cache(tmp_path / "p.jsonl"), "--out",
+          out, "--max-new-tokens", "16", "--batch-size", "4", "--temperature", "0",
+          "--no-progress", "--cache", cache, "--target-layers", "0", "2", "--cache-dtype",
+          "float32"])
+    printed = capsys.readouterr().out
+    assert "tokens/s)" in printed
+    rows = _rows(out)
+    assert len(rows) == 4 and len(rows[0]["conversations"]) == 4
+    assert 0 in staged  # the two-turn conversation was captured
+    assert min(lengths) < 16 and max(lengths) == 16  # answers that stopped early, and not
+    samples = _cache_equals_a_prefill_pass(llama, out, cache, [0, 2])
+    captured = sum(s.index in staged for s in samples)
+    assert f"{captured} from features captured while generating or already cached, " \
+        f"{len(samples) - captured} by a prefill" in printed
+    assert not (tmp_path / "cache.staging").exists()
+    train_main(train_args(llama, out, str(tmp_path / "run"), "--max-steps", "1",
+                          "--min-loss-tokens", "2", "--calibration-samples", "0", "--cache",
+                          cache))
+
+
+def test_cache_resumes(llama, tmp_path, capsys):
+    """An interrupted run's features are kept (staged, then in the cache) and a resumed run
+    adds the new samples' features; staged rows past the data file's end are dropped; a
+    complete cache is left alone."""
+    from dspark_ops.train.cache import FeatureStage
+
+    prompts = _prompts_for_the_cache(tmp_path / "p.jsonl")
+    out, cache = str(tmp_path / "data.jsonl"), str(tmp_path / "cache")
+    common = ["--target", llama, "--prompts", prompts, "--out", out, "--max-new-tokens", "12",
+              "--temperature", "0", "--no-progress", "--cache", cache, "--target-layers", "0",
+              "2", "--cache-dtype", "float32"]
+    main(common + ["--max-samples", "2"])
+    _cache_equals_a_prefill_pass(llama, out, cache, [0, 2])
+    # a stale staged row, as a crash between staging and writing its line leaves one
+    stage = FeatureStage(cache + ".staging", target_layer_ids=[0, 2], hidden_size=64,
+                         dtype=torch.float32, target_name=llama)
+    stage.put(len(_rows(out)), [5, 6], torch.ones(2, 128), torch.ones(2, 64))
+    capsys.readouterr()
+    main(common)
+    assert "0 by a prefill pass" in capsys.readouterr().out  # the first two came from the cache
+    assert len(_rows(out)) == 4
+    samples = _cache_equals_a_prefill_pass(llama, out, cache, [0, 2])
+    main(common)
+    assert f"already holds all {len(samples)} samples" in capsys.readouterr().out
+
+
+def test_cache_of_data_written_without_it(llama, tmp_path, capsys):
+    """Rows generated without --cache get their features from one prefill pass."""
+    prompts = _prompts_for_the_cache(tmp_path / "p.jsonl")
+    out, cache = str(tmp_path / "data.jsonl"), str(tmp_path / "cache")
+    common = ["--target", llama, "--prompts", prompts, "--out", out, "--max-new-tokens", "8",
+              "--temperature", "0", "--no-progress"]
+    main(common)
+    capsys.readouterr()
+    main(common + ["--cache", cache, "--cache-dtype", "float32", "--target-layers", "0", "2"])
+    printed = capsys.readouterr().out
+    assert "0 to generate" in printed
+    assert "0 from features captured while generating or already cached" in printed
+    _cache_equals_a_prefill_pass(llama, out, cache, [0, 2])
+
+
+def test_cache_errors(llama, tmp_path):
+    prompts = _prompts_for_the_cache(tmp_path / "p.jsonl")
+    common = ["--target", llama, "--prompts", prompts, "--out", str(tmp_path / "d.jsonl"),
+              "--no-progress"]
+    with pytest.raises(SystemExit, match="--target-layers needs --cache"):
+        main(common + ["--target-layers", "0"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--cache .*file: a file"):
+        main(common + ["--cache", str(tmp_path / "file")])
+    with pytest.raises(SystemExit, match=r"--target-layers \[0, 3\]: 3 is the target's final"):
+        main(common + ["--cache", str(tmp_path / "c"), "--target-layers", "0", "3"])
+    with pytest.raises(SystemExit, match="--max-length must be >= 1"):
+        main(common + ["--max-length", "0"])

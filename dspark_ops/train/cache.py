@@ -14,6 +14,10 @@ A cache is a directory:
   ``[S, n * H]`` (the hooked layers' outputs, concatenated) and ``target_last_hidden_states``
   ``[S, H]`` (after the final norm), both bfloat16 by default.
 
+Features can be computed ahead of the cache (``python -m dspark_ops.prepare_data --cache`` captures
+them while the target generates the answers): :class:`FeatureStage` keeps them, one file per
+sample, until :func:`write_cache` assembles the cache from them (``staged``).
+
 A cache costs ``6 + 2 (n + 1) H`` bytes per token in bfloat16 (n = 5, H = 576: 6,918 bytes; a
 Qwen3-4B target: 30,726), which is why training reads features online by default.
 """
@@ -28,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["CACHE_VERSION", "TargetCache", "write_cache"]
+__all__ = ["CACHE_VERSION", "FeatureStage", "TargetCache", "write_cache"]
 
 CACHE_VERSION = 2
 RECORD = struct.Struct("<QIIQQQQQ")
@@ -47,18 +51,28 @@ def _shard(index: int) -> str:
 def write_cache(path: str, samples, features_of, *, target_layer_ids: Sequence[int],
                 hidden_size: int, target_name: str, data_path: str,
                 dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
-                max_shard_bytes: int = MAX_SHARD_BYTES, progress=None) -> None:
+                max_shard_bytes: int = MAX_SHARD_BYTES, progress=None, staged=None) -> int:
     """Writes the cache of ``samples`` into ``path`` (replacing it; written into a temporary
     directory first, so an interrupted write leaves no cache behind).
 
     Parameters
     ----------
     samples : sequence of :class:`~.data.Sample`
-    features_of : callable
+    features_of : callable or None
         ``features_of(input_ids [B, L] int64, valid [B, L] bool) -> (features [B, L, n * H],
-        last_hidden [B, L, H])``, e.g. an :class:`~.target.OnlineTarget`.
+        last_hidden [B, L, H])``, e.g. an :class:`~.target.OnlineTarget`: the features of the
+        samples ``staged`` has none for (None when it has them all).
     dtype : torch.dtype
         Of the two hidden-state tensors (DeepSpec: bfloat16).
+    staged : callable, optional
+        ``staged(sample) -> (features [S, n * H], last_hidden [S, H])`` of a sample whose
+        features were computed before (e.g. captured while its answer was generated, see
+        :class:`FeatureStage`), or None; those samples skip ``features_of``.
+
+    Returns
+    -------
+    int
+        How many samples went through ``features_of``.
     """
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
@@ -70,8 +84,49 @@ def write_cache(path: str, samples, features_of, *, target_layer_ids: Sequence[i
     shards: List[dict] = []
     shard_id, shard_bytes, handle = 0, 0, open(os.path.join(tmp, _shard(0)), "wb")
     order = sorted(samples, key=lambda s: len(s.input_ids))  # similar lengths batch together
-    start = 0
+
+    def put(s, feats: torch.Tensor, last: torch.Tensor) -> None:
+        nonlocal shard_id, shard_bytes, handle
+        n = len(s.input_ids)
+        if feats.shape != (n, width) or last.shape != (n, hidden_size):
+            raise ValueError(f"sample {s.index}: features {tuple(feats.shape)} / "
+                             f"{tuple(last.shape)}; the manifest says ({n}, {width}) / "
+                             f"({n}, {hidden_size})")
+        parts = [torch.tensor(s.input_ids, dtype=torch.int32),
+                 torch.ones(n, dtype=torch.uint8),
+                 torch.tensor(s.loss_mask, dtype=torch.uint8),
+                 feats.to("cpu", dtype).contiguous(), last.to("cpu", dtype).contiguous()]
+        size = sum(p.numel() * p.element_size() for p in parts)
+        if shard_bytes and shard_bytes + size > max_shard_bytes:
+            handle.close()
+            shards.append({"file": _shard(shard_id), "bytes": shard_bytes})
+            shard_id, shard_bytes = shard_id + 1, 0
+            handle = open(os.path.join(tmp, _shard(shard_id)), "wb")
+        offsets = []
+        for p in parts:
+            offsets.append(shard_bytes)
+            data = p.view(torch.uint8) if p.dtype != torch.uint8 else p
+            handle.write(data.numpy().tobytes())
+            shard_bytes += p.numel() * p.element_size()
+        records.append((s.index, RECORD.pack(s.index, shard_id, n, *offsets)))
+
+    computed = 0
     try:
+        if staged is not None:
+            pending = []
+            for s in order:
+                found = staged(s)
+                if found is None:
+                    pending.append(s)
+                    continue
+                put(s, *found)
+                if progress is not None:
+                    progress(1)
+            order = pending
+        if order and features_of is None:
+            raise ValueError(f"{len(order)} samples have no staged features and features_of "
+                             "is None")
+        start = 0
         while start < len(order):
             stop = start + 1
             while (stop < len(order)
@@ -92,23 +147,8 @@ def write_cache(path: str, samples, features_of, *, target_layer_ids: Sequence[i
             feats, last = feats.to("cpu", dtype), last.to("cpu", dtype)
             for row, s in enumerate(chunk):
                 n = len(s.input_ids)
-                parts = [torch.tensor(s.input_ids, dtype=torch.int32),
-                         torch.ones(n, dtype=torch.uint8),
-                         torch.tensor(s.loss_mask, dtype=torch.uint8),
-                         feats[row, :n].contiguous(), last[row, :n].contiguous()]
-                size = sum(p.numel() * p.element_size() for p in parts)
-                if shard_bytes and shard_bytes + size > max_shard_bytes:
-                    handle.close()
-                    shards.append({"file": _shard(shard_id), "bytes": shard_bytes})
-                    shard_id, shard_bytes = shard_id + 1, 0
-                    handle = open(os.path.join(tmp, _shard(shard_id)), "wb")
-                offsets = []
-                for p in parts:
-                    offsets.append(shard_bytes)
-                    data = p.view(torch.uint8) if p.dtype != torch.uint8 else p
-                    handle.write(data.numpy().tobytes())
-                    shard_bytes += p.numel() * p.element_size()
-                records.append((s.index, RECORD.pack(s.index, shard_id, n, *offsets)))
+                put(s, feats[row, :n], last[row, :n])
+            computed += len(chunk)
             if progress is not None:
                 progress(len(chunk))
             start = stop
@@ -130,6 +170,101 @@ def write_cache(path: str, samples, features_of, *, target_layer_ids: Sequence[i
         json.dump(manifest, f, indent=1)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
+    return computed
+
+
+class FeatureStage:
+    """Features of samples computed before their cache is written: a directory of one file per
+    sample, named by the sample's row in the data file, each written atomically.
+
+    ``stage.json`` records what the features are (target layers, hidden size, dtype, target); a
+    stage made for anything else is emptied when opened. Rows are matched to samples by their
+    tokens when the cache is assembled (:meth:`get`), so a stale file costs a recomputation,
+    never a wrong feature.
+
+    Parameters
+    ----------
+    path : str
+        The directory (created if needed).
+    target_layer_ids : sequence of int
+    hidden_size : int
+    dtype : torch.dtype
+        The features are stored in it (the cache's dtype).
+    target_name : str
+    """
+
+    def __init__(self, path: str, *, target_layer_ids: Sequence[int], hidden_size: int,
+                 dtype: torch.dtype, target_name: str):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        self.path, self.dtype = path, dtype
+        self.width = len(target_layer_ids) * int(hidden_size)
+        self.hidden_size = int(hidden_size)
+        description = {"target_layer_ids": [int(i) for i in target_layer_ids],
+                       "hidden_size": int(hidden_size), "dtype": _name(dtype),
+                       "target_model": target_name}
+        manifest = os.path.join(path, "stage.json")
+        try:
+            with open(manifest) as f:
+                same = json.load(f) == description
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+            with open(manifest + ".tmp", "w") as f:
+                json.dump(description, f, indent=1)
+            os.replace(manifest + ".tmp", manifest)
+
+    def _file(self, row: int) -> str:
+        return os.path.join(self.path, f"row-{row:09d}.pt")
+
+    def rows(self) -> List[int]:
+        """The rows that have staged features, ascending."""
+        return sorted(int(name[4:-3]) for name in os.listdir(self.path)
+                      if name.startswith("row-") and name.endswith(".pt"))
+
+    def put(self, row: int, input_ids: Sequence[int], features: torch.Tensor,
+            last_hidden: torch.Tensor) -> None:
+        """Stores the features ``[S, n * H]`` and ``[S, H]`` of the ``S`` tokens ``input_ids``
+        of the sample in data row ``row``."""
+        n = len(input_ids)
+        if features.shape != (n, self.width) or last_hidden.shape != (n, self.hidden_size):
+            raise ValueError(f"row {row}: features {tuple(features.shape)} / "
+                             f"{tuple(last_hidden.shape)} for {n} tokens; the stage holds "
+                             f"({n}, {self.width}) / ({n}, {self.hidden_size})")
+        file = self._file(row)
+        torch.save({"input_ids": torch.tensor(list(input_ids), dtype=torch.int32),
+                    "features": features.detach().to("cpu", self.dtype).contiguous(),
+                    "last_hidden": last_hidden.detach().to("cpu", self.dtype).contiguous()},
+                   file + ".tmp")
+        os.replace(file + ".tmp", file)
+
+    def discard_from(self, row: int) -> int:
+        """Removes the rows ``>= row`` (staged for data lines an interruption never wrote);
+        returns how many."""
+        stale = [r for r in self.rows() if r >= row]
+        for r in stale:
+            os.remove(self._file(r))
+        return len(stale)
+
+    def get(self, sample) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(features [S, n * H], last_hidden [S, H])`` of ``sample`` (a
+        :class:`~.data.Sample`) when its row is staged with its tokens (or with more tokens that
+        begin with them: a sample truncated shorter), else None."""
+        file = self._file(sample.index)
+        if not os.path.isfile(file):
+            return None
+        data = torch.load(file, weights_only=True)
+        n = len(sample.input_ids)
+        if data["input_ids"].shape[0] < n or data["input_ids"][:n].tolist() != list(
+                sample.input_ids):
+            return None
+        return data["features"][:n], data["last_hidden"][:n]
+
+    def remove(self) -> None:
+        """Deletes the stage (once its features are in a cache)."""
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 class TargetCache:
@@ -217,6 +352,17 @@ class TargetCache:
         last = take(o_last, length * self.hidden_size, self.last_dtype).view(length,
                                                                             self.hidden_size)
         return ids, loss, feats, last
+
+    def find(self, sample) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(features [S, n * H], last_hidden [S, H])`` of ``sample`` when the cache holds its
+        row with its tokens (or more tokens that begin with them), else None."""
+        if sample.index not in self.records:
+            return None
+        ids, _, feats, last = self.read(sample.index)
+        n = len(sample.input_ids)
+        if ids.shape[0] < n or ids[:n].tolist() != list(sample.input_ids):
+            return None
+        return feats[:n], last[:n]
 
     def batch(self, samples, dtype: torch.dtype, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(features [B, L, n * H], last_hidden [B, L, H])`` of a micro-batch, right-padded
