@@ -19,8 +19,9 @@ stopped; the answers file and the checkpoints are resumable):
    prefill pass (:func:`write_features`; skipped when the cache is complete);
 5. the drafts: ``python -m dspark_ops.train --arch dspark``, ``--arch dflash`` and ``--arch
    eagle3`` with the same flags (data, epochs, batch, anchors, learning rate, seed, draft depth;
-   the DSpark draft adds its Markov rank; the Eagle3 draft has one layer and no anchors, and its
-   training-time test runs over the block size), all reading the cache, side by side, one
+   the DSpark draft adds its Markov rank and ``--draft-vocab``; the Eagle3 draft has one layer
+   and no anchors, and its training-time test runs over the block size), all reading the
+   cache, side by side, one
    thread each when ``--threads`` is at least their number; each writes ``OUT/<arch>/budget.json``
    (steps, tokens, minutes) when it finishes.
 
@@ -70,6 +71,10 @@ def train_args(args: argparse.Namespace, arch: str, data: str, target: str) -> L
                "--cache", os.path.join(args.out, "cache")]
     if arch == "dspark":
         command += ["--markov-rank", str(args.markov_rank)]
+        if args.draft_vocab:
+            command += ["--draft-vocab", str(args.draft_vocab)]
+    if args.min_lr_ratio:
+        command += ["--min-lr-ratio", str(args.min_lr_ratio)]
     if os.path.lexists(os.path.join(out, "step_latest")):
         command.append("--resume")
     return command
@@ -148,6 +153,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--min-lr-ratio", type=float, default=0.0,
+                        help="the learning rate's cosine ends at this fraction of --lr")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="the DSpark draft drafts from the N most frequent answer tokens "
+                             "(the released draft: 8192); default: the whole vocabulary")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--archs", nargs="+", choices=ARCHS, default=["dspark", "dflash"],
