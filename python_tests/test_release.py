@@ -3,6 +3,9 @@ in bfloat16, rebuilt with its target, and refused with another."""
 
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 import torch
 
@@ -129,3 +132,28 @@ def test_not_a_release(pair, tmp_path):
         release_metadata(str(junk))
     with pytest.raises(FileNotFoundError, match="neither a draft checkpoint directory"):
         load_draft(str(tmp_path), target=target)
+
+
+RELEASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "releases")
+RELEASED = sorted(glob.glob(os.path.join(RELEASES, "*", "*.safetensors")))
+
+
+@pytest.mark.parametrize("path", RELEASED, ids=[os.path.relpath(p, RELEASES) for p in RELEASED])
+def test_committed_releases_are_whole(path):
+    """Each committed release reads (its header, its tensors) and names a config this library
+    builds, within the 25 MB a release may take; its README gives the command that made it."""
+    from dspark_ops.models.checkpoint import load_state_dict_file
+    from dspark_ops.models.registry import family_of_config
+
+    assert os.path.getsize(path) <= 25_000_000
+    meta = release_metadata(path)
+    family = family_of_config(meta["config"])
+    config = family.config_class.from_dict(meta["config"])
+    tensors = load_state_dict_file(path)
+    assert set(meta["left_out"]) <= {"embed_tokens.weight", "lm_head.weight"}
+    assert all(t.dtype == torch.bfloat16 for n, t in tensors.items()
+               if t.is_floating_point() and not n.startswith("target_check."))
+    if getattr(config, "enable_confidence_head", False):
+        assert len(meta["calibration"]) >= config.block_size
+    with open(os.path.join(os.path.dirname(path), "README.md")) as f:
+        assert os.path.basename(path) in f.read()

@@ -254,3 +254,36 @@ def test_speculative_greedy_equals_plain_on_the_real_target(model_and_tokenizer,
                         else out.plain_share < 0.5), (name, out.plain_share)
     finally:
         target.close()
+
+
+RELEASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "releases", "smollm2-135m-instruct")
+RELEASED = sorted(f for f in (os.listdir(RELEASES) if os.path.isdir(RELEASES) else [])
+                  if f.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_released_draft_on_the_real_target(model_and_tokenizer, name):
+    """A committed SmolLM2 release rebuilds with the converted target (its embedding and LM head
+    check out), drafts tokens the target accepts, and greedy decoding with it emits plain
+    decoding's tokens."""
+    from dspark_ops import load_draft
+    from dspark_ops.decoder import SpeculativeDecoder, generate_target_only
+    from dspark_ops.hf import HFTarget
+    from dspark_ops.prompts import chat_prompt, stop_token_ids
+
+    model, tokenizer = model_and_tokenizer
+    draft = load_draft(os.path.join(RELEASES, name), target=model).eval()
+    prompts = [chat_prompt(tokenizer, "Write a Python function that returns the maximum of a "
+                                      "list."),
+               chat_prompt(tokenizer, "What is 15 plus 27?")]
+    stop = stop_token_ids(model, tokenizer)
+    target = HFTarget(model, draft.config.target_layer_ids)
+    try:
+        plain = generate_target_only(target, prompts, 24, eos_token_id=stop)
+        out = SpeculativeDecoder(target, draft, scheduler="fixed", eos_token_id=stop).generate(
+            prompts, 24)
+    finally:
+        target.close()
+    assert out.tokens == plain
+    assert sum(a for r in out.rounds for a in r.accepted) > 0
