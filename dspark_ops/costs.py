@@ -249,11 +249,13 @@ def cost_key(target, proposer, *, device, dtype, batch_sizes: Sequence[int] = (1
 
 
 def default_cost_dir() -> str:
-    """``$DSPARK_OPS_CACHE_DIR/costs``, else ``$XDG_CACHE_HOME/dspark_ops/costs`` (default
-    ``~/.cache``)."""
-    root = os.environ.get("DSPARK_OPS_CACHE_DIR") or os.path.join(
+    """``$DSPARK_OPS_CACHE/costs`` (the root the converted SmolLM2 is cached under too; the
+    older name ``DSPARK_OPS_CACHE_DIR`` is read as well), else
+    ``$XDG_CACHE_HOME/dspark_ops/costs`` (default ``~/.cache``)."""
+    root = (os.environ.get("DSPARK_OPS_CACHE") or os.environ.get("DSPARK_OPS_CACHE_DIR")
+            or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "dspark_ops")
+        "dspark_ops"))
     return os.path.join(root, "costs")
 
 
