@@ -147,16 +147,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         raise SystemExit("--repeats, --max-new-tokens and --threads must be >= 1")
 
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from dspark_ops import smollm2
     from dspark_ops.prompts import chat_prompt, stop_token_ids
 
     torch.set_num_threads(args.threads)
-    path = smollm2.ensure_hf_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model, tokenizer = smollm2.load()
     stop = stop_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop or [0])[0]
     sizes = sorted(set(args.batch_sizes))

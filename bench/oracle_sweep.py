@@ -112,8 +112,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         raise SystemExit("--alphas must be in [0, 1] and --ks >= 1")
 
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from dspark_ops import smollm2
     from dspark_ops.prompts import stop_token_ids
     from dspark_ops.costs import load_or_profile_costs
@@ -122,10 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from dspark_ops.proposers import OracleProposer
 
     torch.set_num_threads(args.threads)
-    path = smollm2.ensure_hf_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model, tokenizer = smollm2.load()
     stop = stop_token_ids(model, tokenizer)
     target = HFTarget(model, [-1])  # no draft reads features
     vocab = model.config.vocab_size
