@@ -28,6 +28,7 @@ import json
 import os
 import random
 import statistics
+import sys
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -137,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
               f"{r['goodput_vs_plain']:>7.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python -m bench.goodput_sim " + " ".join(argv or []),
+            words = sys.argv[1:] if argv is None else list(argv)
+            json.dump({"command": " ".join(["python -m bench.goodput_sim", *words]),
                        "rows": rows}, f, indent=1)
     return rows
 
