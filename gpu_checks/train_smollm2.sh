@@ -325,10 +325,12 @@ cmd_run2() {
 
   # 3. Both drafts side by side on the one GPU (a 135M target leaves it mostly idle), with the
   #    recipe of bench/smollm2_train.py's train_args (2 layers, 32 anchors, 1,024-token batches,
-  #    lr 6e-4, seed 42, 512 tokens, Markov rank 64 for DSpark) and a draft vocabulary of 8,192
-  #    for DSpark; the target runs online, in DTYPE under autocast.
+  #    lr 6e-4 with its cosine ending at 10 %, seed 42, 512 tokens, Markov rank 64 for DSpark)
+  #    and a draft vocabulary of 8,192 for DSpark, as the released drafts; the target runs
+  #    online, in DTYPE under autocast.
   local common=(--target "$target" --data "$data" --num-layers 2 --anchors 32 --batch-tokens 1024
-    --epochs "$epochs" --lr 6e-4 --seed 42 --max-length 512 --checkpoint-every 50
+    --epochs "$epochs" --lr 6e-4 --min-lr-ratio 0.1 --seed 42 --max-length 512
+    --checkpoint-every 50
     --device "$DEVICE" --dtype "$DTYPE" --no-progress)
   local train_limit pids=() arch
   train_limit=$(limit_for 270 100)  # 60 s to pack, 40 s for at least a short evaluation
