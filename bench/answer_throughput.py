@@ -28,6 +28,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from bench.common import device_name
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -75,19 +77,12 @@ def answer(model, prompts: List[List[int]], pad: int, stop: Sequence[int],
            max_new_tokens: int) -> int:
     """Greedy answers of a left-padded batch; returns the answer tokens generated (each row up
     to and including its first stop token)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        attention[row, width - len(p):] = 1
+    from dspark_ops.prepare_data import cut_at_stop, left_padded
+
+    ids, attention = left_padded(prompts, pad)
     out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad, eos_token_id=list(stop) or None)
-    total = 0
-    for row in out[:, width:].tolist():
-        cut = next((i for i, t in enumerate(row) if t in stop), None)
-        total += len(row) if cut is None else cut + 1
-    return total
+    return sum(len(a) for a in cut_at_stop(out[:, ids.shape[1]:].tolist(), stop))
 
 
 def chart(results: dict, path: str) -> None:
@@ -190,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                "threads": args.threads, "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "decoding": "greedy",
                "prompts": "dspark_ops.prompts training set (seed 0), chat template",
-               "cpu": _cpu_name(), "cpus": os.cpu_count(),
+               "cpu": device_name(torch.device("cpu")), "cpus": os.cpu_count(),
                "load_average_before_after": [list(load_before), list(os.getloadavg())],
                "note": args.note,
                "command": "python -m bench.answer_throughput " + " ".join(
@@ -209,17 +204,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         chart(results, args.chart)
         print(f"chart: {args.chart}")
     return results
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FeatureCapture", "conversation_tokens", "main", "parse_args", "read_prompts"]
+__all__ = ["FeatureCapture", "conversation_tokens", "cut_at_stop", "left_padded", "main",
+           "parse_args", "read_prompts"]
 
 # Tokens of a sample past what generation fed that a short forward over the kept K/V cache may
 # compute (the last generated token, the chat template's end of turn); a longer difference is a
@@ -362,18 +363,34 @@ class FeatureCapture:
         self._hooks = []
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of a batch of token lists, left-padded with ``pad`` (the
+    layout ``generate`` continues every row from its end)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        attention[row, width - len(p):] = 1
+    return ids, attention
+
+
+def cut_at_stop(rows: Sequence[Sequence[int]], stop: Sequence[int]) -> List[List[int]]:
+    """Each generated row up to and including its first stop token (whole if it has none)."""
+    out = []
+    for row in rows:
+        cut = next((i for i, t in enumerate(row) if t in stop), None)
+        out.append(list(row) if cut is None else list(row[:cut + 1]))
+    return out
+
+
 @torch.no_grad()
 def _generate(model, tokenizer, prompts: List[List[int]], args, stop: List[int],
               seed: int, capture: Optional[FeatureCapture] = None) -> List[List[int]]:
     """Sampled (or greedy) answers of a batch of tokenised prompts, up to and including the
     first stop token (through ``capture`` when given, which keeps the features)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop or [0])[0]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        attention[row, width - len(p):] = 1
+    ids, attention = left_padded(prompts, pad)
     torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
@@ -381,11 +398,7 @@ def _generate(model, tokenizer, prompts: List[List[int]], args, stop: List[int],
     out = run(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
               max_new_tokens=args.max_new_tokens, pad_token_id=pad, eos_token_id=stop or None,
               **sampling)
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((i for i, t in enumerate(row) if t in stop), None)
-        answers.append(row if cut is None else row[:cut + 1])
-    return answers
+    return cut_at_stop(out[:, ids.shape[1]:].tolist(), stop)
 
 
 def _row_count(path: str) -> int:
