@@ -48,7 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 MIB = 1 << 20
 GGUF_RECORD = "gguf.json"
@@ -344,23 +344,33 @@ def assemble(part_dirs: Sequence[str], out_dir: str) -> str:
     with open(os.path.join(package, "__init__.py"), "w") as f:
         f.write('"""SmolLM2-135M-Instruct\'s GGUF file, reassembled from its parts."""\n')
     target = os.path.join(package, record["file"])
+    _join_parts(record, [located[p["file"]] for p in record["parts"]], target,
+                part_differs=lambda source: f"assemble: {source}: sha256 differs from the "
+                                            "recorded one",
+                whole_differs=f"assemble: the joined {record['file']} does not match its sha256")
+    print(f"assembled {target} ({_mib(record['bytes'])}, sha256 {record['sha256'][:16]}... "
+          "checked)")
+    return target
+
+
+def _join_parts(record: dict, sources: List[str], target: str, *,
+                part_differs: Callable[[str], str], whole_differs: str) -> None:
+    """Writes the parts of ``record`` (at ``sources``, in order) into ``target``, checking each
+    part's sha256 and the whole's; written under a temporary name and renamed when whole.
+    ``part_differs(source)`` and ``whole_differs`` are the refusals."""
     digest = hashlib.sha256()
     with open(target + ".tmp", "wb") as out:
-        for part in record["parts"]:
-            with open(located[part["file"]], "rb") as f:
+        for part, source in zip(record["parts"], sources):
+            with open(source, "rb") as f:
                 data = f.read()
             if hashlib.sha256(data).hexdigest() != part["sha256"]:
-                raise SystemExit(f"assemble: {located[part['file']]}: sha256 differs from the "
-                                 "recorded one")
+                raise SystemExit(part_differs(source))
             digest.update(data)
             out.write(data)
     if digest.hexdigest() != record["sha256"]:
         os.remove(target + ".tmp")
-        raise SystemExit(f"assemble: the joined {record['file']} does not match its sha256")
+        raise SystemExit(whole_differs)
     os.replace(target + ".tmp", target)
-    print(f"assembled {target} ({_mib(record['bytes'])}, sha256 {record['sha256'][:16]}... "
-          "checked)")
-    return target
 
 
 # --- results in parts -----------------------------------------------------------------------
@@ -401,23 +411,14 @@ def join_files(in_dir: str, out_dir: str) -> List[str]:
         if not entry.endswith(".parts.json"):
             continue
         record = _read_json(os.path.join(in_dir, entry), "join")
-        digest = hashlib.sha256()
         target = os.path.join(out_dir, record["file"])
-        with open(target + ".tmp", "wb") as out:
-            for part in record["parts"]:
-                source = os.path.join(in_dir, part["file"])
-                if not os.path.isfile(source):
-                    raise SystemExit(f"join: {source} is missing (of {record['file']})")
-                with open(source, "rb") as f:
-                    data = f.read()
-                if hashlib.sha256(data).hexdigest() != part["sha256"]:
-                    raise SystemExit(f"join: {source}: sha256 differs from {entry}")
-                digest.update(data)
-                out.write(data)
-        if digest.hexdigest() != record["sha256"]:
-            os.remove(target + ".tmp")
-            raise SystemExit(f"join: {record['file']} does not match its sha256")
-        os.replace(target + ".tmp", target)
+        sources = [os.path.join(in_dir, part["file"]) for part in record["parts"]]
+        for source in sources:
+            if not os.path.isfile(source):
+                raise SystemExit(f"join: {source} is missing (of {record['file']})")
+        _join_parts(record, sources, target,
+                    part_differs=lambda source: f"join: {source}: sha256 differs from {entry}",
+                    whole_differs=f"join: {record['file']} does not match its sha256")
         joined.append(target)
         print(f"joined {target} ({_mib(record['bytes'])}, sha256 checked)")
     return joined

@@ -40,7 +40,8 @@ RELEASE_VERSION = "1"
 #: The draft tensors a release may take from the target, and which of the target's they are.
 COPIED = {"embed_tokens.weight": "input", "lm_head.weight": "output"}
 _CHECK_POINTS = 512
-_W2 = "markov_head.markov_w2.weight"
+#: The Markov head's W2, stored with the draft vocabulary's rows only.
+W2 = "markov_head.markov_w2.weight"
 _D2T = "draft_vocab.d2t"
 
 
@@ -119,7 +120,7 @@ def save_release(draft, target, path: str, *, calibration: Optional[List[float]]
         if name in left_out:
             continue
         tensor = tensor.detach().cpu()
-        if name == _W2 and vocabulary is not None and tensor.shape[0] == vocabulary.vocab_size:
+        if name == W2 and vocabulary is not None and tensor.shape[0] == vocabulary.vocab_size:
             tensor = tensor[vocabulary.d2t]
             w2_rows = tensor.shape[0]
         tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
@@ -176,9 +177,9 @@ def read_release(path: str, target) -> Release:
     vocabulary = None
     if _D2T in stored:
         vocabulary = DraftVocabulary(stored[_D2T], int(metadata["config"]["vocab_size"]))
-        rows = state.get(_W2)
+        rows = state.get(W2)
         if rows is not None and rows.shape[0] == vocabulary.size:
             full = rows.new_zeros(vocabulary.vocab_size, rows.shape[1])
             full[vocabulary.d2t] = rows
-            state[_W2] = full
+            state[W2] = full
     return Release(metadata["config"], state, vocabulary, metadata.get("calibration"))
