@@ -600,3 +600,24 @@ def test_simulated_goodput_finds_the_best_block_and_the_plain_path():
     rows = {r["alpha"]: r for r in simulate(costs, [0.0, 0.9], prompts=4, tokens=100, seeds=4)}
     assert rows[0.0]["goodput_vs_plain"] > 0.97  # nothing pays: (almost) the plain path
     assert rows[0.9]["best_fixed_k"] == 7 and rows[0.9]["goodput_vs_best_fixed"] > 0.9
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_verify_width_never_reads_confidences_past_the_first_drop(seed):
+    """With a confidence computed from the drafts, the lengths are a stopping time: changing the
+    fresh confidences after the slot each request's Algorithm 1 stopped at (which depend on the
+    drafts before them) changes nothing; past it only the estimates known before drafting
+    count. (Reading them would make whether a draft is verified depend on that draft.)"""
+    from dspark_ops import schedule_verify
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, k = 3, 7
+    costs = table([34.7, 35.5, 37.7, 50.2, 53.3, 53.9, 60.1, 62.9], [0.1] * 7, batch=batch)
+    confidence = torch.rand(batch, k, generator=gen)
+    estimates = torch.full((batch, k), 0.9)
+    active = torch.ones(batch, dtype=torch.bool)
+    stopped = schedule_verify(confidence, costs.step_rate(batch, k))
+    later = torch.arange(k)[None, :] > stopped[:, None]
+    other = torch.where(later, torch.rand(batch, k, generator=gen), confidence)
+    lengths = verify_lengths(confidence, active, costs, estimates=estimates)
+    assert torch.equal(lengths, verify_lengths(other, active, costs, estimates=estimates))
