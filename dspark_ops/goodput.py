@@ -54,8 +54,13 @@ class AcceptanceEstimate:
     - The base of the pooled estimate at position 1 is ``prior``; at a deeper position it is the
       estimate of the position before, so a position that is rarely reached (a draft mostly
       rejected early) follows its predecessor instead of staying at the prior.
-    - A request's base at every position is the pooled estimate when it began, so a new request
-      starts from what the draft achieved on earlier ones and moves to its own rate as it runs.
+    - A request's base at position 1 is the pooled estimate when it began; at a deeper position
+      it is the request's own estimate of the position before, times the pooled estimates' ratio
+      of the two positions (at most 1). A new request starts from what the draft achieved on
+      earlier ones and moves to its own rate as it runs, at the positions it has not reached
+      yet as well: a request that accepts everything it verifies raises the positions past the
+      ones it verifies, so the goodput rule comes to verify them (with a fixed base, a position
+      never verified would stay at the pooled estimate for the whole request).
 
     Parameters
     ----------
@@ -80,42 +85,54 @@ class AcceptanceEstimate:
         self.pooled = self._estimate(self._pooled_counts, None)
         self.per_request: List[List[float]] = []
         self._counts: List[tuple] = []
-        self._bases: List[List[float]] = []
+        self._profiles: List[List[float]] = []
 
     def _no_counts(self):
         """``(hits, seen, w)`` before any observation."""
         return ([0.0] * self.max_drafts, [0.0] * self.max_drafts,
                 [self.strength] * self.max_drafts)
 
-    def _estimate(self, counts, base: Optional[Sequence[float]]) -> List[float]:
-        """``c`` from the counts; ``base`` None: the pooled rule (prior, then the predecessor)."""
+    def _estimate(self, counts, profile: Optional[Sequence[float]]) -> List[float]:
+        """``c`` from the counts; ``profile`` None: the pooled rule (the prior, then the
+        predecessor), else a request's (``profile[0]``, then the predecessor scaled by the
+        profile's ratio of the two positions)."""
         hits, seen, weight = counts
         out: List[float] = []
         for i in range(self.max_drafts):
-            b = base[i] if base is not None else (out[i - 1] if i else self.prior)
+            if profile is None:
+                b = out[i - 1] if i else self.prior
+            elif i == 0:
+                b = profile[0]
+            elif profile[i - 1] > 0:
+                b = min(1.0, out[i - 1] * profile[i] / profile[i - 1])
+            else:
+                b = profile[i]
             out.append((hits[i] + weight[i] * b) / (seen[i] + weight[i]))
         return out
 
     def begin(self, batch: int) -> None:
         """New requests, each starting from the pooled estimate."""
-        self._bases = [list(self.pooled) for _ in range(batch)]
+        self._profiles = [list(self.pooled) for _ in range(batch)]
         self._counts = [self._no_counts() for _ in range(batch)]
         self.per_request = [list(self.pooled) for _ in range(batch)]
 
     def observe(self, request: int, verified: int, accepted: int) -> None:
         """One round of ``request``: ``verified`` drafts checked, the first ``accepted``
         accepted. Positions ``1..accepted`` saw an acceptance, ``accepted + 1`` (if verified) a
-        rejection; later positions were not reached and learn nothing directly."""
+        rejection; later positions were not reached and learn nothing, but what they saw
+        earlier ages (their counts decay, the base's weight does not), so a position that a few
+        rejections priced out of verification returns toward its base and is tried again."""
         reached = min(verified, accepted + 1, self.max_drafts)
         keep = 1 - self.rate
         for hits, seen, weight in (self._counts[request], self._pooled_counts):
-            for i in range(reached):
-                hits[i] = keep * hits[i] + (1.0 if i < accepted else 0.0)
-                seen[i] = keep * seen[i] + 1.0
-                weight[i] *= keep
+            for i in range(self.max_drafts):
+                hits[i] = keep * hits[i] + (1.0 if i < min(accepted, reached) else 0.0)
+                seen[i] = keep * seen[i] + (1.0 if i < reached else 0.0)
+                if i < reached:
+                    weight[i] *= keep
         self.pooled = self._estimate(self._pooled_counts, None)
         self.per_request[request] = self._estimate(self._counts[request],
-                                                   self._bases[request])
+                                                   self._profiles[request])
 
     def conditional(self, request: int) -> List[float]:
         return self.per_request[request]

@@ -235,26 +235,95 @@ def test_acceptance_estimate_learns_only_what_was_verified():
     estimate.begin(2)
     estimate.observe(0, verified=3, accepted=1)  # position 1 accepted, 2 rejected, 3 unseen
     # one observation against the base's strength, decayed once: (hit + 0.5 * base) / 1.5; the
-    # request's base is the pooled estimate when it began, 0.5 everywhere
-    assert estimate.conditional(0) == pytest.approx([1.25 / 1.5, 0.25 / 1.5, 0.5, 0.5])
-    assert estimate.conditional(1) == [0.5] * 4  # another request: untouched
-    # the pooled estimate's base is the position before: 3 and 4 follow 2
+    # request's base at position 1 is the pooled estimate when it began (0.5), deeper ones
+    # its own estimate of the position before times the pooled ratio (1: the profile is flat)
     c1 = 1.25 / 1.5
     c2 = 0.5 * c1 / 1.5
+    assert estimate.conditional(0) == pytest.approx([c1, c2, c2, c2])
+    assert estimate.conditional(1) == [0.5] * 4  # another request: untouched
+    # the pooled estimate's base is the position before: 3 and 4 follow 2
     assert estimate.pooled == pytest.approx([c1, c2, c2, c2])
-    estimate.observe(1, verified=2, accepted=2)  # all accepted: nothing learnt past 2
-    assert estimate.conditional(1) == pytest.approx([c1, c1, 0.5, 0.5])
-    assert estimate.survival(1) == pytest.approx([c1, c1 ** 2, c1 ** 2 / 2, c1 ** 2 / 4])
+    estimate.observe(1, verified=2, accepted=2)  # all accepted: nothing seen past 2
+    d2 = (1 + 0.5 * c1) / 1.5
+    assert estimate.conditional(1) == pytest.approx([c1, d2, d2, d2])
+    assert estimate.survival(1) == pytest.approx([c1, c1 * d2, c1 * d2 ** 2, c1 * d2 ** 3])
     # pooled counts decay by 1 - rate per observation: position 1 saw hit, hit; 2 miss, hit
     p1 = (1.5 + 0.25 * 0.5) / 1.75
     p2 = (1.0 + 0.25 * p1) / 1.75
     assert estimate.pooled == pytest.approx([p1, p2, p2, p2])
+    # Request 0 verifies one draft, accepted: position 2's rejection ages (its counts halve,
+    # the base keeps its weight) and its estimate moves back toward the base.
+    estimate.observe(0, verified=1, accepted=1)
+    e1 = (1 + 0.5 * 1 + 0.25 * 0.5) / (1 + 0.5 + 0.25)
+    assert estimate.conditional(0)[:2] == pytest.approx([e1, 0.5 * e1 / (0.5 + 0.5)])
     estimate.begin(1)  # a new request starts from the pooled estimate
     assert estimate.conditional(0) == estimate.pooled
     with pytest.raises(ValueError, match="0 < rate <= 1"):
         AcceptanceEstimate(4, rate=0.0)
     with pytest.raises(ValueError, match="strength > 0"):
         AcceptanceEstimate(4, strength=0.0)
+
+
+def test_a_request_starts_from_the_pooled_profile():
+    """A draft whose acceptance falls with the position: a new request's estimates are the
+    pooled ones, and a request that does better at the positions it verifies is expected to do
+    better, in proportion, at the ones past them."""
+    estimate = AcceptanceEstimate(3, prior=0.8, rate=0.1, strength=2.0)
+    estimate.begin(1)
+    for _ in range(60):
+        estimate.observe(0, verified=3, accepted=1)  # position 1 right, position 2 wrong
+    pooled = list(estimate.pooled)
+    assert pooled[0] > 0.95 and pooled[1] < 0.05
+    estimate.begin(1)
+    assert estimate.conditional(0) == pooled
+    estimate.observe(0, verified=1, accepted=1)
+    c = estimate.conditional(0)
+    assert c[1] == pytest.approx(min(1.0, c[0] * pooled[1] / pooled[0]))
+    assert c[2] == pytest.approx(min(1.0, c[1] * pooled[2] / pooled[1]))
+
+
+def test_accepting_every_verified_draft_raises_the_positions_past_them():
+    """A request whose drafts are all right, verified two at a time (what the estimates
+    started from pays for): the positions past 2, never verified, follow the rising estimates
+    of 1 and 2, so the rule comes to verify them. With a fixed per-request base they stayed at
+    the start's 0.5 and the request verified 2 drafts a round to its end."""
+    costs = table([34.7, 35.5, 37.7, 50.2, 53.3, 53.9, 60.1, 62.9], [0.1] * 7)
+    policy = GoodputPolicy(costs, 7, prior=0.5)
+    policy.begin(1)
+    chosen = []
+    for _ in range(12):
+        k = policy.drafts_to_propose(1, [0], 7)
+        chosen.append(k)
+        policy.observe(0, verified=k, accepted=k)
+    assert chosen[0] == 2 and max(chosen) > 2 and chosen[-1] == 7
+
+
+def test_a_position_priced_out_by_rejections_is_tried_again():
+    """Early rejections at position 3 price positions 3.. out (the rule verifies 2); the
+    counts of positions not verified age, so position 3 returns toward its base (the estimate
+    of position 2, which keeps accepting) and is verified again. Without the ageing the rule
+    verified 2 drafts a round from then on."""
+    costs = table([34.7, 35.5, 37.7, 50.2, 53.3, 53.9, 60.1, 62.9], [0.1] * 7)
+    policy = GoodputPolicy(costs, 7, prior=0.9)
+    policy.begin(1)
+    assert policy.drafts_to_propose(1, [0], 7) == 7
+    for _ in range(3):
+        policy.observe(0, verified=7, accepted=2)  # positions 1, 2 right, 3 wrong
+    chosen = []
+    for _ in range(40):
+        k = policy.drafts_to_propose(1, [0], 7)
+        chosen.append(k)
+        policy.observe(0, verified=k, accepted=k)
+    assert chosen[0] == 2
+    assert chosen[-1] > 2
+    # Aged: after the rounds that stopped at 2, position 3 is close to its base again.
+    estimate = AcceptanceEstimate(3, prior=0.9, rate=0.1, strength=2.0)
+    estimate.begin(1)
+    estimate.observe(0, verified=3, accepted=2)
+    for _ in range(60):
+        estimate.observe(0, verified=2, accepted=2)
+    c = estimate.conditional(0)
+    assert c[2] == pytest.approx(c[1], abs=0.02)
 
 
 def test_acceptance_estimate_converges_and_forgets():
@@ -266,7 +335,8 @@ def test_acceptance_estimate_converges_and_forgets():
         estimate.observe(0, verified=2, accepted=0)  # position 1 rejected three times
     seen, weight = 1 + 0.9 + 0.81, 2 * 0.9 ** 3
     assert estimate.conditional(0)[0] == pytest.approx(0.5 * weight / (seen + weight))
-    assert estimate.conditional(0)[1] == 0.5  # never reached: the request's start
+    # never reached: the request's estimate of position 1 (the pooled profile is flat)
+    assert estimate.conditional(0)[1] == pytest.approx(estimate.conditional(0)[0])
     assert estimate.pooled[1] == pytest.approx(estimate.pooled[0])  # follows position 1
     for _ in range(200):
         estimate.observe(0, verified=2, accepted=2)
