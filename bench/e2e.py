@@ -1,8 +1,15 @@
-"""End to end on a real model: SmolLM2-135M-Instruct on the CPU with the drafts that
-``python -m bench.smollm2_train`` trains, against what users run today.
+"""End to end on a real model: SmolLM2-135M-Instruct on the CPU with the released drafts
+(``releases/smollm2-135m-instruct/``) or ones ``python -m bench.smollm2_train`` trained, against
+what users run today.
 
-    python -m bench.e2e [--runs runs/smollm2] [--prompts 12] [--sampled-prompts 6]
-        [--max-new-tokens 128] [--threads 2]
+    python -m bench.e2e [--dspark FILE_OR_DIR] [--dflash FILE_OR_DIR] [--eagle3 DIR]
+        [--prompts 12] [--sampled-prompts 6] [--max-new-tokens 128] [--threads 2]
+
+Each draft is a release file or a checkpoint directory (its calibration from the file's metadata
+or the directory's ``calibration.json``); by default the released DSpark and DFlash drafts, and
+``runs/smollm2/eagle3/step_latest`` where it exists. A method whose draft is missing is left
+out. The held-out prompts are ``python -m dspark_ops.prompts``' (seed 0), written on first use
+into ``--prompts-dir``.
 
 Per held-out category (math, code, chat; prompts the drafts never saw), greedy and at T = 1,
 one request at a time, every method on the same prompts:
@@ -88,21 +95,50 @@ def _acceptance(rounds, block: int) -> List[int]:
     return hits
 
 
-def _load_draft(path: str, arch: str):
+RELEASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "releases",
+                        "smollm2-135m-instruct")
+DEFAULT_DRAFTS = {"dspark": os.path.join(RELEASES, "dspark.safetensors"),
+                  "dflash": os.path.join(RELEASES, "dflash.safetensors"),
+                  "eagle3": os.path.join("runs", "smollm2", "eagle3", "step_latest")}
+
+
+def _load_draft(path: str, model):
+    """A release file (rebuilt with ``model``'s embedding and LM head) or a checkpoint
+    directory, float32."""
     from dspark_ops import load_draft
 
-    if not os.path.isdir(path):
-        raise SystemExit(f"no trained {arch} draft at {path}: run python -m bench.smollm2_train "
-                         "first")
-    return load_draft(path, dtype=torch.float32).eval()
+    try:
+        return load_draft(path, dtype=torch.float32, target=model).eval()
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{path}: {error}") from error
 
 
 def _calibration(path: str) -> Optional[torch.Tensor]:
-    file = os.path.join(path, "calibration.json")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        return torch.tensor(json.load(f)["calib_temperature"], dtype=torch.float32)
+    """The confidence head's temperatures: a release file's metadata or a checkpoint
+    directory's ``calibration.json``; None without them."""
+    from dspark_ops.models.release import release_metadata
+
+    if os.path.isfile(path):
+        temps = release_metadata(path).get("calibration")
+    else:
+        file = os.path.join(path, "calibration.json")
+        if not os.path.isfile(file):
+            return None
+        with open(file) as f:
+            temps = json.load(f).get("calib_temperature")
+    return None if temps is None else torch.tensor(temps, dtype=torch.float32)
+
+
+def _training(path: str) -> Optional[dict]:
+    """How a checkpoint directory's draft was trained (its ``budget.json``), or for a release
+    file the file's name and size; None without either."""
+    if os.path.isfile(path):
+        return {"release": os.path.relpath(path), "bytes": os.path.getsize(path)}
+    budget = os.path.join(path, "budget.json")
+    if os.path.isfile(budget):
+        with open(budget) as f:
+            return json.load(f)
+    return None
 
 
 def random_draft(model, trained):
@@ -115,6 +151,7 @@ def random_draft(model, trained):
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
         draft.lm_head.weight.copy_(model.get_output_embeddings().weight)
+    draft.draft_vocabulary = trained.draft_vocabulary  # the same cost per drafted slot
     return draft.eval()
 
 
@@ -306,7 +343,13 @@ def print_table(results: dict) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="runs/smollm2", help="bench.smollm2_train's --out")
+    for arch in DRAFTS:
+        parser.add_argument(f"--{arch}", default=DEFAULT_DRAFTS[arch],
+                            help=f"the {arch} draft: a release file or a checkpoint directory "
+                                 f"(default {os.path.relpath(DEFAULT_DRAFTS[arch])}; left out "
+                                 "when missing, 'none' to leave it out)")
+    parser.add_argument("--prompts-dir", default=os.path.join("runs", "smollm2", "prompts"),
+                        help="python -m dspark_ops.prompts' output (written here when missing)")
     parser.add_argument("--prompts", type=int, default=12, help="greedy prompts per category")
     parser.add_argument("--sampled-prompts", type=int, default=6,
                         help="T = 1 prompts per category (0: greedy only)")
@@ -345,12 +388,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                  attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     stop = stop_token_ids(model, tokenizer)
-    drafts = {arch: _load_draft(os.path.join(args.runs, arch, "step_latest"), arch)
-              for arch in DRAFTS if os.path.isdir(os.path.join(args.runs, arch, "step_latest"))}
-    if "dspark" not in drafts:
-        raise SystemExit(f"no trained DSpark draft in {args.runs}: run python -m "
-                         "bench.smollm2_train first")
-    drafts["calibration"] = _calibration(os.path.join(args.runs, "dspark", "step_latest"))
+    paths = {arch: getattr(args, arch) for arch in DRAFTS
+             if getattr(args, arch) != "none" and os.path.exists(getattr(args, arch))}
+    if "dspark" not in paths:
+        raise SystemExit(f"--dspark {args.dspark}: no such draft (a release file or a checkpoint "
+                         "directory of python -m bench.smollm2_train)")
+    drafts = {arch: _load_draft(path, model) for arch, path in paths.items()}
+    drafts["calibration"] = _calibration(paths["dspark"])
     layers = drafts["dspark"].config.target_layer_ids
     if any(drafts[a].config.target_layer_ids != layers for a in DRAFTS if a in drafts):
         raise SystemExit("the drafts read different target layers")
@@ -358,8 +402,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     target = HFTarget(model, layers)
     counter = _ForwardCounter(model)
 
+    if not all(os.path.isfile(os.path.join(args.prompts_dir, f"eval_{c}.jsonl"))
+               for c in CATEGORIES):
+        from dspark_ops import prompts as prompt_sets
+
+        prompt_sets.write(args.prompts_dir, seed=0)
+
     def load(category: str, count: int) -> List[List[int]]:
-        file = os.path.join(args.runs, "prompts", f"eval_{category}.jsonl")
+        file = os.path.join(args.prompts_dir, f"eval_{category}.jsonl")
         rows = [json.loads(line) for line in open(file) if line.strip()][:count]
         return [chat_prompt(tokenizer, row["turns"][0]) for row in rows]
 
@@ -379,11 +429,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                    sys.argv[1:] if argv is None else argv),
                "max_new_tokens": args.max_new_tokens, "block_size": block,
                "lookup_tokens": args.lookup_tokens, "settings": {}}
-    for name in DRAFTS:
-        budget = os.path.join(args.runs, name, "budget.json")
-        if os.path.isfile(budget):
-            with open(budget) as f:
-                results[f"{name}_training"] = json.load(f)
+    for name, path in paths.items():
+        results[f"{name}_draft"] = os.path.relpath(path)
+        training = _training(path)
+        if training is not None:
+            results[f"{name}_training"] = training
     with torch.no_grad(), tqdm(total=total, unit="run", desc="e2e") as progress:
         for setting, (temperature, count) in settings.items():
             runners = build_runners(model, target, drafts, stop, args.max_new_tokens,
