@@ -685,10 +685,10 @@ CONFIDENCE_CASES = [
 def test_draft_confidence_matches_cpu_and_reference(sim, params, layout):
     """draft_confidence (one warp per row, the weight vector staged whole in shared memory by
     asynchronous copies, 16-byte row loads two rounds ahead or element by element, a shuffle
-    reduction) within test_draft's tolerances
-    of the reference, the float64 logit and the CPU kernel, with and without bias and calibration,
-    hidden/rank below and above 32 lanes and one segment, int32/int64 ids; ``offset``: hidden and
-    W1 rows that start one element past a 16-byte boundary."""
+    reduction) within test_draft's tolerances of the reference, the float64 logit and the CPU
+    kernel, with and without bias and calibration, hidden/rank below and above 32 lanes and one
+    segment, int32/int64 ids; ``offset``: hidden and W1 rows that start one element past a
+    16-byte boundary."""
     batch, block, vocab, rank, d, hidden, w1, weight, bias, calib, ids = params
     case = make_confidence_case(batch, block, vocab, rank, d, seed=stable_seed("sim-conf", params),
                                 hidden_dtype=hidden, w1_dtype=w1, weight_dtype=weight, bias=bias,
