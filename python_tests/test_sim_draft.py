@@ -683,11 +683,12 @@ CONFIDENCE_CASES = [
                              f"-{DTYPE_IDS[c[10]]}"))
 @pytest.mark.parametrize("layout", ["contiguous", "offset"])
 def test_draft_confidence_matches_cpu_and_reference(sim, params, layout):
-    """draft_confidence (one warp per row, weights staged in shared memory segment by segment,
-    16-byte row loads or element by element, a shuffle reduction) within test_draft's tolerances
-    of the reference, the float64 logit and the CPU kernel, with and without bias and calibration,
-    hidden/rank below and above 32 lanes and one segment, int32/int64 ids; ``offset``: hidden and
-    W1 rows that start one element past a 16-byte boundary."""
+    """draft_confidence (one warp per row, the weight vector staged whole in shared memory by
+    asynchronous copies, 16-byte row loads two rounds ahead or element by element, a shuffle
+    reduction) within test_draft's tolerances of the reference, the float64 logit and the CPU
+    kernel, with and without bias and calibration, hidden/rank below and above 32 lanes and one
+    segment, int32/int64 ids; ``offset``: hidden and W1 rows that start one element past a
+    16-byte boundary."""
     batch, block, vocab, rank, d, hidden, w1, weight, bias, calib, ids = params
     case = make_confidence_case(batch, block, vocab, rank, d, seed=stable_seed("sim-conf", params),
                                 hidden_dtype=hidden, w1_dtype=w1, weight_dtype=weight, bias=bias,
@@ -706,6 +707,48 @@ def test_draft_confidence_matches_cpu_and_reference(sim, params, layout):
     torch.testing.assert_close(got, torch.sigmoid(confidence_logits(case) / tau), rtol=1e-5,
                                atol=1e-6)
     torch.testing.assert_close(got, case.call(), rtol=1e-4, atol=1e-5)
+
+
+# (B, G, r, d, hidden dtype, w1 dtype, weight dtype): B * G not a multiple of the block's four
+# rows; hidden rows of more than two rounds of 16-byte loads a lane (float32 d 6144: 48 vectors a
+# lane, segment sums across rounds), W1 rows past the first round (float32 r 1024: 8 vectors a
+# lane), a weight vector that is no whole number of 16-byte copies.
+CONFIDENCE_ROUND_CASES = [
+    (3, 3, 8, 6144, F32, F32, F32),
+    (2, 5, 1024, 2051, BF16, F32, BF16),
+    (5, 1, 1000, 3000, F16, F16, F16),
+    (1, 7, 9, 4097, BF16, BF16, F32),
+]
+
+
+@pytest.mark.parametrize("params", CONFIDENCE_ROUND_CASES,
+                         ids=lambda c: "B{}-G{}-r{}-d{}".format(*c[:4]))
+@pytest.mark.parametrize("weight_layout", ["aligned", "offset"])
+def test_draft_confidence_rounds_and_staged_weights(sim, params, weight_layout):
+    """Rows streamed in more rounds than are issued ahead, W1 rows past their first round, and
+    the weight vector staged by 16-byte copies with an element-by-element remainder, or wholly
+    element by element when the tensor starts one element past a 16-byte boundary: the same
+    confidences as the reference and the float64 logit."""
+    batch, block, rank, d, hidden, w1, weight = params
+    case = make_confidence_case(batch, block, 60, rank, d, seed=stable_seed("sim-conf-rounds",
+                                                                            params),
+                                hidden_dtype=hidden, w1_dtype=w1, weight_dtype=weight)
+    if weight_layout == "offset":
+        storage = torch.full((d + rank + 1,), NAN, dtype=weight)
+        case.weight = storage[1:].copy_(case.weight)
+    got = case.call(sim)
+    torch.testing.assert_close(got, case.call(reference), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, torch.sigmoid(confidence_logits(case) /
+                                                  case.calib_temperature), rtol=1e-5, atol=1e-6)
+
+
+def test_draft_confidence_refuses_a_weight_vector_beyond_shared_memory(sim):
+    """The CUDA kernel stages [d + r] whole in shared memory: a larger weight vector is refused
+    with the limit, before any launch; the CPU kernel takes it."""
+    case = make_confidence_case(1, 1, 4, 8, 96 * 1024 // 4, seed=5)
+    with pytest.raises(ValueError, match="at most 98304 bytes"):
+        case.call(sim)
+    assert case.call().shape == (1, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,7 +784,8 @@ def test_launches(sim):
     """G launches of draft_slot_kernel per markov_draft call, G RNN head launches (tensor cores,
     rnn_head_mma_kernel, for 16-bit weights; rnn_head_kernel for float32) + G draft_slot_kernel
     per rnn_draft call, one draft_confidence_kernel; one instantiation per weight dtype, base
-    logits dtype (a template parameter: no type switch per element) and head."""
+    logits dtype (a template parameter: no type switch per element) and head; the confidence
+    kernel's per W1 dtype and weight-vector dtype."""
     sim.clear_launch_log()
     bases = {"f32": (F32, "float"), "bf16": (BF16, "__nv_bfloat16"), "f16": (F16, "__half")}
     for weights, base in zip(("f32", "bf16", "f16"), ("bf16", "f16", "f32")):
@@ -756,7 +800,7 @@ def test_launches(sim):
         expected[f"draft_slot_kernel<{w}, float, false>"] = 3
         expected[f"draft_slot_kernel<{w}, {b}, true>"] = 2
         expected[f"rnn_head_{'' if weights == 'f32' else 'mma_'}kernel<{w}>"] = 2
-        expected[f"draft_confidence_kernel<{w}>"] = 1
+        expected[f"draft_confidence_kernel<{w}, float>"] = 1
     got = {name.replace("dspark_ops::kernels::", ""): n for name, n in emulator.launches().items()}
     assert got == expected
 

@@ -24,7 +24,7 @@ from cases.schedule import make_capacity, make_confidence, make_step_rate, rando
 pytestmark = pytest.mark.sim
 
 INT32_MAX = 2**31 - 1
-SHARED_KEYS = 32768  # kSharedKeys in schedule_launch.h: 32-bit keys
+SHARED_KEYS = 16384  # kSharedKeys in schedule_launch.h: 64-bit pair keys
 SHARED_OPTIN = {"h200": 227 * 1024, "a100": 163 * 1024, "l4": 99 * 1024}  # csrc/sim/runtime.cpp
 STATIC_SHARED_MARGIN = 2048  # kScheduleStaticSharedMargin in schedule_launch.h
 MODES = {"schedule_verify": 0, "plan_verify_budget": 1, "allocate_verify": 2}
@@ -42,7 +42,7 @@ def i32(*values):
 def shared_sort(batch: int, block: int, device: str = "h200") -> bool:
     """Whether the launcher should merge in shared memory on `device` (the path the fix chooses)."""
     n = batch * block
-    return n <= SHARED_KEYS and n * 4 <= SHARED_OPTIN[device] - STATIC_SHARED_MARGIN
+    return n <= SHARED_KEYS and n * 8 <= SHARED_OPTIN[device] - STATIC_SHARED_MARGIN
 
 
 def expected_kernel(op: str, batch: int, block: int, device: str = "h200") -> str:
@@ -90,8 +90,9 @@ def budgets_for(batch, block, gen):
 
 # (B, G, confidence kinds, (rate kind, capacity kind, capped) combos). B = 1, odd, 1024 and beyond
 # (several requests per thread); G = 1, 7, 32 (odd G: merge segments crossing pairs of runs);
-# 1024 x 32 is exactly kSharedKeys (four segments per thread in registers); 1100 x 32 takes the
-# global workspace; the large shapes are slow in the emulator's reference check: few.
+# 1024 x 16 is exactly kSharedKeys (two segments per thread in registers); 1024 x 32 and
+# 1100 x 32 take the global workspace; the large shapes are slow in the emulator's reference
+# check: few.
 ALL = [("linear", "full", False), ("jagged", "tight", True), ("tiles", "full", True),
        ("flat", "tight", False), ("steep", "full", True), ("linear", "minimal", True)]
 FEW = [("jagged", "full", True), ("flat", "tight", False)]
@@ -245,6 +246,26 @@ def test_survival_ties_across_thread_chunks(sim):
                      [1024 + 1, 1024 + 4000, 1024 + 17000])
 
 
+@pytest.mark.parametrize("batch,block", [(64, 7), (100, 20), (300, 16)])
+def test_first_stop_at_every_segment_edge(sim, batch, block):
+    """The step rates of a thread's first two admission counts are read before the sort, its
+    later ones after it (B * G > 1024: several counts a thread): a rate that drops right after
+    count s makes Theta stop at exactly s, for s at, before and after the edges of the threads'
+    segments, in schedule and plan; the CPU's lengths and budgets every time."""
+    confidence = 0.5 + 0.5 * torch.rand(batch, block, generator=generator(batch))
+    pairs = batch * block
+    per_thread = -(-pairs // 1024)  # segments sized by the most admissions: M - 1 - B >= B * G
+    stops = {0, 1, 2, pairs - 1}
+    for edge in range(per_thread, pairs, per_thread * 211):
+        stops.update({edge - 1, edge, edge + 1})
+    for stop in sorted(s for s in stops if 0 <= s < pairs):
+        rate = torch.ones(batch + pairs + 1)
+        rate[batch + stop + 1:] = 0.01  # no later admission wins back the drop
+        check_schedulers(sim, confidence, rate, None, [batch + stop], what=f"stop={stop}")
+        assert int(sim.schedule_verify(confidence, rate, None).sum()) == stop
+        assert sim.plan_verify_budget(confidence, rate).tolist() == [batch + stop]
+
+
 def test_empty_batch(sim):
     """B = 0 launches and returns what the CPU kernel returns."""
     confidence = torch.rand(0, 4, generator=generator(7))
@@ -261,11 +282,12 @@ def test_empty_batch(sim):
 
 @pytest.mark.parametrize("device", ["l4", "a100", "h200"])
 def test_shared_memory_fits_the_device(sim, device):
-    """On every emulated device (l4: 99 KB opt-in per block) small merges, a 64 KB merge and a
-    128 KB merge (32768 keys) run and match the CPU kernel; the 128 KB merge takes the shared path
-    where it fits (a100, h200) and the global workspace on l4."""
+    """On every emulated device (l4: 99 KB opt-in per block) small merges, a 64 KB merge, a 128 KB
+    merge (16384 keys of 8 bytes) and a 256 KB one run and match the CPU kernel; the 128 KB merge
+    takes the shared path where it fits (a100, h200) and the global workspace on l4, the 256 KB
+    one the global workspace everywhere."""
     gen = generator(17)
-    cases = [(3, 4), (64, 16), (1024, 16), (1024, 32)]  # 12, 1024, 16384, 32768 keys
+    cases = [(3, 4), (512, 16), (1024, 16), (1024, 32)]  # 12, 8192, 16384, 32768 keys
     with emulator.emulated_device(device):
         for batch, block in cases:
             confidence = make_confidence("uniform", batch, block, gen)
@@ -273,16 +295,17 @@ def test_shared_memory_fits_the_device(sim, device):
             launched = check_schedulers(sim, confidence, rate, random_caps(batch, block, gen),
                                         [batch + 7], what=f"{device} B={batch} G={block}")
             assert set(launched) == {expected_kernel(op, batch, block, device) for op in MODES}
-    assert expected_kernel("schedule_verify", 1024, 32, "l4") == "schedule_kernel<0, false>"
-    assert expected_kernel("schedule_verify", 1024, 32, "h200") == "schedule_kernel<0, true>"
-    assert expected_kernel("schedule_verify", 1024, 16, "l4") == "schedule_kernel<0, true>"
+    assert expected_kernel("schedule_verify", 1024, 16, "l4") == "schedule_kernel<0, false>"
+    assert expected_kernel("schedule_verify", 1024, 16, "h200") == "schedule_kernel<0, true>"
+    assert expected_kernel("schedule_verify", 512, 16, "l4") == "schedule_kernel<0, true>"
+    assert expected_kernel("schedule_verify", 1024, 32, "h200") == "schedule_kernel<0, false>"
 
 
 def test_device_switch_in_one_process(sim):
     """The path is chosen from the current device on each call (no cached limit): the same 128 KB
     merge alternates between the global path on l4 and the shared path on h200."""
-    confidence = make_confidence("high", 1024, 32, generator(23))
-    rate = make_step_rate("linear", make_capacity("full", 1024, 32), 1024, generator(24))
+    confidence = make_confidence("high", 1024, 16, generator(23))
+    rate = make_step_rate("linear", make_capacity("full", 1024, 16), 1024, generator(24))
     expected = CPU.schedule_verify(confidence, rate, None)
     for device in ("h200", "l4", "h200", "l4"):
         with emulator.emulated_device(device):

@@ -662,22 +662,30 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
 def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidden: int,
                   vocab: int, rank: int) -> Op:
     plan = planner.confidence(batch, block, hidden, vocab, rank)
-    launch, _ = kernel_launch(plan, "draft_confidence_kernel<__nv_bfloat16>")
+    launch, _ = kernel_launch(plan, "draft_confidence_kernel<__nv_bfloat16, __nv_bfloat16>")
     rows = batch * block
     nbytes = rows * hidden * BF16 + rows * rank * BF16 + (hidden + rank) * BF16 + rows * 12
-    # Weights staged in shared memory kConfidenceSegment at a time, each lane's eight 16-byte row
-    # loads issued before its multiply-adds, a warp per row.
-    staged = LoopSpec("row . weight (16-byte loads)", {r"^LDG\.E\.128": 8, r"^FFMA": 64}, 64,
-                      (r"^LDG\.E\.128", 8))
-    segment = constant("kConfidenceSegment")
-    segments = -(-hidden // segment) + -(-rank // segment)
-    # A block's path (kernels/draft_confidence.cuh, staged_dot): per segment the weights staged
-    # from HBM behind two barriers, then the lanes' row loads, issued only after the staging (one
-    # more HBM wait); the drafted token of the W1 row, read from L2 first.
-    chain = Chain(l2_waits=1, dram_waits=2 * segments, barrier_stages=2 * segments)
-    launches = [planned(launch, "stage weights, dot + sigmoid (warp per row)",
-                        [term(binary, launch.kernel, staged, rows * (hidden + rank))], nbytes,
-                        chain=chain, note=f"{segments} weight segments staged in turn")]
+    # A lane's 16-byte row loads in rounds of kConfidenceLoads, two rounds per iteration, each
+    # issued a round before it is summed; the weights read back from shared memory.
+    loads = constant("kConfidenceLoads")
+    vec = 16 // BF16
+    streamed = LoopSpec("row . staged weights (16-byte loads, two rounds)",
+                        {r"^LDG\.E\.128": 2 * loads, r"^FFMA": 2 * loads * vec}, 2 * loads * vec,
+                        (r"^LDG\.E\.128", 2 * loads))
+    # A block's path (kernels/draft_confidence.cuh, row_products): the weights' asynchronous copies,
+    # the hidden row's first two rounds and the W1 row's first round are issued before the one
+    # barrier; the W1 row waits for its token (L2) first. Each later pair of rounds of a row is
+    # issued when the pair before it is summed: one more HBM wait.
+    def pairs_of_rounds(n: int) -> int:
+        return -(-(-(-n // (32 * vec))) // (2 * loads))
+    hidden_waits = max(1, pairs_of_rounds(hidden))
+    markov_first = Chain(l2_waits=1, dram_waits=1)
+    head = max(Chain(dram_waits=hidden_waits), markov_first, key=lambda c: c.time_s())
+    chain = head + Chain(dram_waits=max(0, pairs_of_rounds(rank) - 1), barrier_stages=1)
+    launches = [planned(launch, "stage weights (async), dot + sigmoid (warp per row)",
+                        [term(binary, launch.kernel, streamed, rows * (hidden + rank))], nbytes,
+                        chain=chain, note="weights staged whole beside the rows' loads; "
+                                          f"{hidden_waits} HBM wait(s) of the hidden row")]
     return Op("draft_confidence", f"B={batch} G={block} d={hidden} r={rank}", "calibrated",
               nbytes, launches, launch_bound=True,
               match=dict(op="draft_confidence", params=dict(B=batch, G=block, d=hidden, r=rank),
@@ -811,11 +819,12 @@ def schedule_op(binary: Binary, planner: Planner, batch: int, block: int) -> Op:
     segments = math.ceil(pairs / items)
     per_thread = min(chunks_per_thread, math.ceil(segments / launch.threads))
     widths = merge_rounds(batch, block)
-    load, store = (r"^LDS$", r"^STS\.128") if shared else (r"^LDG", r"^STG\.E\.128")
-    rounds_need = {r"^BAR": 2 if shared else 1, store: 2 * per_thread, load: 8 * per_thread}
+    # 64-bit pair keys: a segment's 8 outputs are four 16-byte stores.
+    load, store = (r"^LDS\.64", r"^STS\.128") if shared else (r"^LDG\.E\.64", r"^STG\.E\.128")
+    rounds_need = {r"^BAR": 2 if shared else 1, store: 4 * per_thread, load: 8 * per_thread}
     # One source-level iteration = one segment; the unrolled chunks are the unrolling.
     round_spec = LoopSpec(f"merge round: {items} outputs per segment", rounds_need, items,
-                          (store, 2), innermost=not shared)
+                          (store, 4), innermost=not shared)
     search = LoopSpec("merge-path search step", {load: 2}, 1, (load, 2))
     steps = [max(1, math.ceil(math.log2(w + 1))) for w in widths]   # run A holds w keys
     # Critical path of a round: the dependent search steps, then the dependent merge steps.
@@ -824,10 +833,11 @@ def schedule_op(binary: Binary, planner: Planner, batch: int, block: int) -> Op:
     nbytes = pairs * F32 + batch * 8
     # One block: its phases follow each other. The merge rounds issue at the SM's rate (issue)
     # with their dependent shared loads (the merge chain); beyond them a thread walks every other
-    # phase in series (its request's survival keys from HBM, the block reductions and scans,
-    # theta over its ranks, the lengths): at the modelled shapes their loops run one to a few
-    # times, so that path is taken as every instruction of the kernel outside the merge round's
-    # loop, once. Both are work the block does after (not beside) the merge: serial.
+    # phase in series (its request's pair keys from HBM with its first step rates beside them,
+    # the block reductions and scan, theta over its ranks, the lengths' atomics, which nothing
+    # waits for): at the modelled shapes their loops run one to a few times, so that path is
+    # taken as every instruction of the kernel outside the merge round's loop, once. Both are
+    # work the block does after (not beside) the merge: serial.
     merge_loop, _, _, _ = select_loop(binary, k, round_spec)
     cfg = binary.cfg(k.name)
     straight = sum(len(b.instrs) for b in cfg.blocks) - len(merge_loop.instrs(cfg))

@@ -173,6 +173,7 @@ at::Tensor draft_confidence(const at::Tensor& hidden, const at::Tensor& prev_tok
   if (value_checks_enabled(hidden) && a.calib_temperature.defined()) {
     check_finite_positive(kOp, "calib_temperature", a.calib_temperature);
   }
+  Backend::check(a);
   const typename Backend::Guard guard(hidden.device());
   auto out = at::empty({a.batch, a.block}, a.hidden.options().dtype(at::kFloat));
   Backend::run(a, out);

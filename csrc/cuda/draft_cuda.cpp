@@ -139,6 +139,14 @@ struct RnnDraftCuda : CudaBackend {
 };
 
 struct DraftConfidenceCuda : CudaBackend {
+  // The kernel stages the whole weight vector in shared memory.
+  static void check(const ConfidenceArgs& a) {
+    const int64_t bytes = (a.hidden_size + a.rank) * a.weight.element_size();
+    TORCH_CHECK_VALUE(bytes <= kernels::kConfidenceMaxWeightBytes,
+                      "draft_confidence(): on CUDA 'weight' [d + r] must hold at most ",
+                      kernels::kConfidenceMaxWeightBytes, " bytes, got d + r = ",
+                      a.hidden_size + a.rank, " of ", a.weight.scalar_type());
+  }
   static void run(const ConfidenceArgs& a, at::Tensor& out);
 };
 

@@ -86,7 +86,9 @@ cudaError_t launch_draft(int w_type, int base_type, bool rnn, const DraftParams&
 
 cudaError_t launch_draft_confidence(int w_type, const ConfidenceParams& p, cudaStream_t stream) {
   return with_element_type(w_type, [&](auto w) {
-    return launch_draft_confidence<decltype(w)>(p, stream);
+    return with_element_type(p.weight_type, [&](auto weight) {
+      return launch_draft_confidence<decltype(w), decltype(weight)>(p, stream);
+    });
   });
 }
 

@@ -36,9 +36,10 @@ void run_schedule(int mode, const ScheduleArgs& a, const at::Tensor& num_verify,
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         c.device().index()));
   at::Tensor workspace;
-  if (!kernels::schedule_sorts_in_shared(pairs, shared_optin)) {  // two buffers of 32-bit keys
-    workspace = at::empty({kernels::schedule_spare_offset(pairs)}, c.options().dtype(at::kLong));
-    p.global_keys = reinterpret_cast<uint32_t*>(workspace.data_ptr<int64_t>());
+  if (!kernels::schedule_sorts_in_shared(pairs, shared_optin)) {  // two buffers of 64-bit keys
+    workspace =
+        at::empty({2 * kernels::schedule_spare_offset(pairs)}, c.options().dtype(at::kLong));
+    p.global_keys = reinterpret_cast<uint64_t*>(workspace.data_ptr<int64_t>());
   }
   const cudaError_t error =
       kernels::launch_schedule(mode, p, c10::cuda::getCurrentCUDAStream());

@@ -11,7 +11,7 @@ namespace {
 template <int Mode, bool SharedSort>
 cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
   const size_t shared_bytes =
-      SharedSort ? size_t(p.batch) * size_t(p.block) * sizeof(uint32_t) : 0;
+      SharedSort ? size_t(p.batch) * size_t(p.block) * sizeof(uint64_t) : 0;
   if (SharedSort) {  // beyond the default 48 KB; the opt-in is per device, so set every time,
                      // to what this sort needs (more than the device allows fails)
     const cudaError_t opted_in =

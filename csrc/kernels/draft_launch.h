@@ -105,7 +105,12 @@ int draft_blocks_per_sm(int w_type, int base_type, bool rnn, int device, int sha
 cudaError_t launch_draft(int w_type, int base_type, bool rnn, const DraftParams& p,
                          int grid_tiles, cudaStream_t stream);
 
-// draft_confidence_kernel, one warp per (request, slot) row.
+// draft_confidence_kernel stages the weight vector [d + r] whole in shared memory: at most this
+// many bytes (cuda/draft_cuda.cpp refuses a larger one; within every sm_80+ device's opt-in limit).
+constexpr int kConfidenceMaxWeightBytes = 96 * 1024;
+
+// draft_confidence_kernel, one warp per (request, slot) row, instantiated per W1 type (w_type) and
+// weight type (p.weight_type).
 cudaError_t launch_draft_confidence(int w_type, const ConfidenceParams& p, cudaStream_t stream);
 
 }  // namespace dspark_ops::kernels

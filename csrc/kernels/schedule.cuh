@@ -3,26 +3,24 @@
 // Math: kernels/schedule_math.h (shared with the CPU kernels). Each op is one launch of one block
 // of 1024 threads, which is all B <= 1024, G <= 32 needs; the cost is launch latency plus a few
 // microseconds, and no host sync:
-//   1. survivals per request (a thread walks its request's G confidences) -> one 32-bit survival
-//      key per pair (survival_key: ascending = survival descending), stored at r * G + j. Survivals
-//      never grow along j, so each request's G keys are already a sorted run;
+//   1. survivals per request (a thread walks its request's G confidences) -> the pair's 64-bit
+//      key (pair_key: survival descending, then j, then r, the CPU kernel's ranking), stored at
+//      r * G + j; the request's lengths are zeroed. Survivals never grow along j and j breaks
+//      ties, so each request's G keys are already a sorted run. The thread also loads the step
+//      rates of its admission counts in phase 3, so that wait overlaps this one;
 //   2. merge sort of the B runs: ceil(log2 B) rounds, each merging pairs of adjacent runs. A thread
 //      produces 8 consecutive outputs (merge path: one binary search for its start, then a serial
-//      merge). In dynamic shared memory up to 32768 keys (B = 1024, G = 32: 128 KB) where the
-//      device's opt-in limit per block allows: a thread keeps its up to 4 x 8 outputs in
+//      merge). In dynamic shared memory up to 16384 keys (B = 1024, G = 16: 128 KB) where the
+//      device's opt-in limit per block allows: a thread keeps its up to 2 x 8 outputs in
 //      registers until every thread has read its inputs, then writes them back in place; else a
-//      global workspace of two buffers (at most 2^20 pairs are allowed). B = 256, G = 16 is 8
-//      rounds of one search (at most 12 steps) and 8 merge steps in 512 threads, where a bitonic
-//      sort of the 4096 keys took 78 stages;
+//      global workspace of two buffers (at most 2^20 pairs are allowed). Eligible keys are
+//      distinct, so the sorted keys are the CPU kernel's ranking itself;
 //   3. schedule/plan: fixed-point prefix sums of the sorted survivals (a block scan over
 //      contiguous per-thread segments), Theta for every admission count, then a block reduction:
 //      the first admission that does not improve Theta (schedule) or the best Theta (plan);
-//      allocate: admit min(budget - B, eligible). Equal survivals add equally, so the sums need
-//      no tie order;
-//   4. num_verify: the admitted pairs are those ranked before the last admitted survival s*, and
-//      the first m of the pairs equal to s* in (j, r) order. A request's pairs equal to s* are a
-//      run of positions; when not all of them are admitted, a binary search over j finds the
-//      position j* where the m-th falls, and a block scan over requests ranks those tied at j*.
+//      allocate: admit min(budget - B, eligible);
+//   4. num_verify: every admitted pair raises its request's length to j + 1 (a shared-nothing
+//      atomic max in global memory, nothing waits for it): the ranked order needs no tie search.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -57,13 +55,14 @@ __device__ __forceinline__ PlanCandidate better_plan(PlanCandidate a, PlanCandid
 }
 
 // Outputs [p, p + kMergeItems) (those below n) of the merge round whose sorted runs are `width`
-// long: runs 2i and 2i + 1 merge into [2i * width, (2i + 2) * width). Equal keys are
-// indistinguishable, so the tie rule only has to agree between the search and the merge.
+// long: runs 2i and 2i + 1 merge into [2i * width, (2i + 2) * width). Only ineligible keys are
+// equal, and they are indistinguishable, so the tie rule only has to agree between the search and
+// the merge.
 // Crossing: 2 * width is not a multiple of kMergeItems, so a segment may run into the next pair of
 // runs (small odd G, first rounds); else that check is left out of the steps.
 template <bool Crossing>
-__device__ __forceinline__ void merge_segment(const uint32_t* keys, int n, int width, int p,
-                                              uint32_t (&out)[kMergeItems]) {
+__device__ __forceinline__ void merge_segment(const uint64_t* keys, int n, int width, int p,
+                                              uint64_t (&out)[kMergeItems]) {
   const int group = p - p % (2 * width);
   int a = group, a_end = min(group + width, n), b_end = min(group + 2 * width, n);
   const int diagonal = p - group;
@@ -78,7 +77,7 @@ __device__ __forceinline__ void merge_segment(const uint32_t* keys, int n, int w
   }
   int b = a_end + diagonal - lo;
   a += lo;
-  uint32_t a_key = a < a_end ? keys[a] : 0u, b_key = b < b_end ? keys[b] : 0u;
+  uint64_t a_key = a < a_end ? keys[a] : 0u, b_key = b < b_end ? keys[b] : 0u;
 #pragma unroll
   for (int i = 0; i < kMergeItems; ++i) {
     if (Crossing) {
@@ -98,18 +97,23 @@ __device__ __forceinline__ void merge_segment(const uint32_t* keys, int n, int w
     a += take_a;
     b += !take_a;
     const int next = take_a ? a : b;
-    const uint32_t loaded = next < (take_a ? a_end : b_end) ? keys[next] : 0u;
+    const uint64_t loaded = next < (take_a ? a_end : b_end) ? keys[next] : 0u;
     a_key = take_a ? loaded : a_key;
     b_key = take_a ? b_key : loaded;
   }
 }
 
-__device__ __forceinline__ void store_segment(uint32_t* keys, int n, int p,
-                                              const uint32_t (&out)[kMergeItems]) {
-  if (p + kMergeItems <= n) {  // p is a multiple of 8: 16-byte aligned
+__device__ __forceinline__ uint4 pack_keys(uint64_t first, uint64_t second) {
+  return make_uint4(static_cast<uint32_t>(first), static_cast<uint32_t>(first >> 32),
+                    static_cast<uint32_t>(second), static_cast<uint32_t>(second >> 32));
+}
+
+__device__ __forceinline__ void store_segment(uint64_t* keys, int n, int p,
+                                              const uint64_t (&out)[kMergeItems]) {
+  if (p + kMergeItems <= n) {  // p is a multiple of 8: 64-byte aligned
     uint4* to = reinterpret_cast<uint4*>(keys + p);
-    to[0] = make_uint4(out[0], out[1], out[2], out[3]);
-    to[1] = make_uint4(out[4], out[5], out[6], out[7]);
+#pragma unroll
+    for (int i = 0; i < kMergeItems / 2; ++i) to[i] = pack_keys(out[2 * i], out[2 * i + 1]);
   } else {
 #pragma unroll
     for (int i = 0; i < kMergeItems; ++i) {
@@ -118,7 +122,7 @@ __device__ __forceinline__ void store_segment(uint32_t* keys, int n, int p,
   }
 }
 
-// The survival keys of request r below its cap, walked in order.
+// The pair keys of request r, ineligible past its cap, walked in order.
 template <typename Visit>
 __device__ __forceinline__ void walk_request(const ScheduleParams& p, int r, Visit visit) {
   const float* __restrict__ confidence = p.confidence + int64_t{r} * p.block;
@@ -126,7 +130,7 @@ __device__ __forceinline__ void walk_request(const ScheduleParams& p, int r, Vis
   float a = 1.f;
   for (int j = 0; j < p.block; ++j) {
     a *= clamp_confidence(confidence[j]);
-    visit(j, j < cap ? survival_key(a) : kIneligibleSurvival);
+    visit(j, j < cap ? pair_key(a, static_cast<uint32_t>(j * p.batch + r)) : kIneligible);
   }
 }
 
@@ -134,32 +138,46 @@ __device__ __forceinline__ void walk_request(const ScheduleParams& p, int r, Vis
 // p.global_keys; separate instantiations so the shared path compiles to LDS/STS.
 template <int Mode, bool SharedSort>
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const ScheduleParams p) {
-  DSPARK_EXTERN_SHARED(uint32_t, dynamic_keys);
+  DSPARK_EXTERN_SHARED(uint64_t, dynamic_keys);
   __shared__ int64_t scan_scratch[32];
   __shared__ int int_scratch[32];
   __shared__ PlanCandidate plan_scratch[32];
-  uint32_t* keys = SharedSort ? dynamic_keys : p.global_keys;
+  uint64_t* keys = SharedSort ? dynamic_keys : p.global_keys;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int pairs = p.batch * p.block;
 
-  // 1. Survival keys, one sorted run per request; positions past a cap or after a zero survival
-  // are ineligible (and sort last).
+  // Phase 3's contiguous segments of admission counts are sized by the most admissions there can
+  // be, not yet by the eligible count, so a thread reads the step rates of its segment's first
+  // two counts now, beside the confidences: only its later counts (B * G > 1024) read theirs then.
+  const int64_t room = p.capacity - 1 - p.batch;  // admissions that keep the batch below M
+  const int most = static_cast<int>(room < pairs ? (room < 0 ? 0 : room) : pairs);
+  const int per_thread = (most + threads - 1) / threads;
+  float first_rate = 0.f, second_rate = 0.f;  // step_rate[batch + begin], [batch + begin + 1]
+  if (Mode != kModeAllocate) {
+    const int64_t first = int64_t{p.batch} + min(tid * per_thread, most);  // <= M - 1
+    first_rate = p.step_rate[first];
+    if (first + 1 < p.capacity) second_rate = p.step_rate[first + 1];
+  }
+
+  // 1. Pair keys, one sorted run per request; positions past a cap or after a zero survival are
+  // ineligible (and sort last). Lengths start at zero (phase 4 raises them).
   int my_eligible = 0;
   for (int r = tid; r < p.batch; r += threads) {
-    walk_request(p, r, [&](int j, uint32_t key) {
+    walk_request(p, r, [&](int j, uint64_t key) {
       keys[r * p.block + j] = key;
-      my_eligible += key != kIneligibleSurvival;
+      my_eligible += key != kIneligible;
     });
+    if (Mode != kModePlan) p.num_verify[r] = 0;
   }
   const int eligible = block_reduce(my_eligible, [](int a, int b) { return a + b; }, 0,
-                                    int_scratch);  // its barriers publish the keys
+                                    int_scratch);  // its barriers publish the keys and zeros
 
   // 2. Merge rounds: runs of G, 2G, 4G, ... keys.
-  uint32_t* spare = SharedSort ? nullptr : p.global_keys + (pairs + 7) / 8 * 8;
+  uint64_t* spare = SharedSort ? nullptr : p.global_keys + (pairs + 7) / 8 * 8;
   for (int width = p.block; width < pairs; width *= 2) {
-    uint32_t out[kMergeChunks][kMergeItems];
+    uint64_t out[kMergeChunks][kMergeItems];
     const bool crossing = (2 * width) % kMergeItems != 0;  // block-uniform
-    const auto merge = [&](int at, uint32_t(&to)[kMergeItems]) {
+    const auto merge = [&](int at, uint64_t(&to)[kMergeItems]) {
       if (crossing) {
         merge_segment<true>(keys, pairs, width, at, to);
       } else {
@@ -187,7 +205,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
       }
       __syncthreads();
     } else {
-      uint32_t* const sorted = spare;
+      uint64_t* const sorted = spare;
       spare = keys;
       keys = sorted;
     }
@@ -199,22 +217,26 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
     const int64_t want = int64_t{p.budget[0]} - p.batch;  // int64: no overflow on any budget
     admitted = static_cast<int>(want < 0 ? 0 : (want < eligible ? want : eligible));
   } else {
-    const int64_t room = p.capacity - 1 - p.batch;  // admissions that keep the batch below M
-    const int limit = static_cast<int>(eligible < room ? eligible : room);
-    const int per_thread = (limit + threads - 1) / threads;
+    const int limit = min(eligible, most);
     const int begin = min(tid * per_thread, limit), end = min(begin + per_thread, limit);
     int64_t segment = 0;
-    for (int k = begin; k < end; ++k) segment += fixed_survival(survival_of(keys[k]));
+    for (int k = begin; k < end; ++k) segment += fixed_survival(key_survival(keys[k]));
     int64_t total;
     int64_t tau = int64_t{p.batch} * static_cast<int64_t>(kSurvivalScale) +
                   block_exclusive_scan(segment, scan_scratch, total);
     // Theta after k admissions is theta(tau_k, batch + k); this thread covers k in [begin, end].
-    double previous = theta(tau, p.step_rate, p.batch + begin);
+    // A thread with some k (and thread 0, whose begin is 0) has begin = tid * per_thread: the
+    // prefetched rates are its first two.
+    const auto theta_after = [&](int64_t tau_k, int k) {  // theta(tau_k, batch + k + 1)
+      const float rate = k == begin ? second_rate : p.step_rate[p.batch + k + 1];
+      return static_cast<double>(tau_k) * static_cast<double>(rate);
+    };
+    double previous = static_cast<double>(tau) * static_cast<double>(first_rate);
     if (Mode == kModeSchedule) {
       int first_stop = limit;
       for (int k = begin; k < end; ++k) {
-        tau += fixed_survival(survival_of(keys[k]));
-        const double value = theta(tau, p.step_rate, p.batch + k + 1);
+        tau += fixed_survival(key_survival(keys[k]));
+        const double value = theta_after(tau, k);
         if (!(value > previous)) {
           first_stop = k;
           break;
@@ -226,8 +248,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
     } else {
       PlanCandidate best{tid == 0 ? previous : -INFINITY, 0};
       for (int k = begin; k < end; ++k) {
-        tau += fixed_survival(survival_of(keys[k]));
-        best = better_plan(best, PlanCandidate{theta(tau, p.step_rate, p.batch + k + 1), k + 1});
+        tau += fixed_survival(key_survival(keys[k]));
+        best = better_plan(best, PlanCandidate{theta_after(tau, k), k + 1});
       }
       best = block_reduce(best, better_plan, PlanCandidate{-INFINITY, 0}, plan_scratch);
       if (tid == 0) p.budget_out[0] = p.batch + best.count;
@@ -235,96 +257,11 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
     }
   }
 
-  // 4. Lengths. Pairs ranked before s* = keys[admitted - 1]: those with a smaller key; then m
-  // pairs whose key equals it, in (j, r) order.
-  if (admitted == 0) {
-    for (int r = tid; r < p.batch; r += threads) p.num_verify[r] = 0;
-    return;
-  }
-  const uint32_t last = keys[admitted - 1];
-  int lo = 0, hi = admitted - 1;  // the first rank holding `last` (the same search in every thread)
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (keys[mid] < last) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  const int ties_admitted = admitted - lo;
-  // Per request: its pairs below `last` (a prefix of positions) and its run tied with `last`,
-  // right after them. Request tid's in registers; those of later chunks (B > 1024, so G < 1024)
-  // packed into num_verify until the final lengths replace them.
-  int my_before = 0, my_tied = 0, my_ties = 0;
-  for (int base = 0; base < p.batch; base += threads) {
-    const int r = base + tid;
-    if (r >= p.batch) break;
-    int before = 0, tied = 0;
-    walk_request(p, r, [&](int, uint32_t key) {
-      before += key < last;
-      tied += key == last;
-    });
-    if (base == 0) {
-      my_before = before;
-      my_tied = tied;
-    } else {
-      p.num_verify[r] = before + 65536 * tied;
-    }
-    my_ties += tied;
-  }
-  const auto runs = [&](int base, int& before, int& tied) {
-    if (base == 0) {
-      before = my_before;
-      tied = my_tied;
-    } else {
-      const int packed = p.num_verify[base + tid];
-      before = packed & 0xFFFF;
-      tied = packed >> 16;
-    }
-  };
-  const auto sum = [](int a, int b) { return a + b; };
-  const int ties = block_reduce(my_ties, sum, 0, int_scratch);
-  // Tied pairs rank by (j, r): find the position j* of the ties_admitted-th and how many tied at
-  // j* are admitted (a binary search over j, one block reduction a step); all of them when every
-  // tied pair is admitted (the usual case: `last` unique).
-  int tie_position = p.block, ties_there = 0;
-  if (ties > ties_admitted) {
-    int low = 0, high = p.block - 1, below = 0;  // below = ties at positions < low
-    while (low < high) {
-      const int mid = (low + high) >> 1;
-      int up_to_mid = 0;  // ties at positions <= mid
-      for (int base = 0; base < p.batch && base + tid < p.batch; base += threads) {
-        int before, tied;
-        runs(base, before, tied);
-        up_to_mid += min(max(mid + 1 - before, 0), tied);
-      }
-      up_to_mid = block_reduce(up_to_mid, sum, 0, int_scratch);
-      if (up_to_mid >= ties_admitted) {
-        high = mid;
-      } else {
-        low = mid + 1;
-        below = up_to_mid;
-      }
-    }
-    tie_position = low;
-    ties_there = ties_admitted - below;
-  }
-  int64_t ranked = 0;  // requests tied at j* in earlier chunks
-  for (int base = 0; base < p.batch; base += threads) {  // uniform trip count: block scans
-    const int r = base + tid;
-    int before = 0, tied = 0;
-    if (r < p.batch) runs(base, before, tied);
-    const bool at_j = before <= tie_position && tie_position < before + tied;
-    int64_t rank = 0;
-    if (ties > ties_admitted) {  // block-uniform
-      int64_t chunk_total;
-      rank = ranked + block_exclusive_scan(int64_t{at_j}, scan_scratch, chunk_total);
-      ranked += chunk_total;
-    }
-    if (r < p.batch) {
-      const int tied_before_j = min(max(tie_position - before, 0), tied);
-      p.num_verify[r] = before + tied_before_j + (at_j && rank < ties_there ? 1 : 0);
-    }
+  // 4. Lengths: the admitted pairs are the first `admitted` keys; a request's are a prefix of its
+  // positions (j breaks ties), so its length is its largest admitted j + 1.
+  for (int k = tid; k < admitted; k += threads) {
+    const uint32_t index = key_index(keys[k]);
+    atomicMax(p.num_verify + index % p.batch, static_cast<int>(index / p.batch) + 1);
   }
 }
 

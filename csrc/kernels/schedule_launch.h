@@ -10,9 +10,11 @@
 namespace dspark_ops::kernels {
 
 constexpr int kScheduleThreads = 1024;
-constexpr int kMergeItems = 8;   // outputs per merge segment (two 16-byte stores)
-constexpr int kMergeChunks = 4;  // segments a thread holds in registers on the shared path
-constexpr int kSharedKeys = kScheduleThreads * kMergeItems * kMergeChunks;  // 32768: 128 KB
+constexpr int kMergeItems = 8;   // outputs per merge segment (four 16-byte stores)
+// Segments a thread holds in registers on the shared path: 2 x 8 64-bit keys, 32 of the 64
+// registers a thread of 1024 has.
+constexpr int kMergeChunks = 2;
+constexpr int kSharedKeys = kScheduleThreads * kMergeItems * kMergeChunks;  // 16384: 128 KB
 
 enum ScheduleMode : int { kModeSchedule = 0, kModePlan = 1, kModeAllocate = 2 };
 
@@ -24,7 +26,7 @@ struct ScheduleParams {
   const int32_t* budget;      // [1], allocate only
   int32_t* num_verify;        // [B], schedule and allocate
   int32_t* budget_out;        // [1], plan
-  uint32_t* global_keys;      // two buffers of B * G keys, schedule_spare_offset apart, unless schedule_sorts_in_shared, else null
+  uint64_t* global_keys;      // two buffers of B * G pair keys, schedule_spare_offset apart, unless schedule_sorts_in_shared, else null
   int batch, block;
 };
 
@@ -36,11 +38,11 @@ constexpr int kScheduleStaticSharedMargin = 2048;
 // (cudaDevAttrMaxSharedMemoryPerBlockOptin) is `optin_bytes`; else the global workspace.
 inline bool schedule_sorts_in_shared(int64_t pairs, int optin_bytes) {
   return pairs <= kSharedKeys &&
-         pairs * int64_t{sizeof(uint32_t)} + kScheduleStaticSharedMargin <= int64_t{optin_bytes};
+         pairs * int64_t{sizeof(uint64_t)} + kScheduleStaticSharedMargin <= int64_t{optin_bytes};
 }
 
 // Where the second buffer of the global workspace starts (in keys; a multiple of 8, so its
-// segments stay 16-byte aligned).
+// segments stay 64-byte aligned).
 inline int64_t schedule_spare_offset(int64_t pairs) { return (pairs + 7) / 8 * 8; }
 
 // One scheduling kernel (`mode`: a ScheduleMode) on one block; p.global_keys null: the sort in

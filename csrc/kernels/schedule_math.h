@@ -38,16 +38,6 @@ DSPARK_HOST_DEVICE float key_survival(uint64_t key) {
 
 DSPARK_HOST_DEVICE uint32_t key_index(uint64_t key) { return static_cast<uint32_t>(key); }
 
-// The high word of pair_key alone (the CUDA kernel sorts these and breaks ties by (j, r) after the
-// sort, on the few pairs tied with the last admitted one).
-constexpr uint32_t kIneligibleSurvival = ~uint32_t{0};
-
-DSPARK_HOST_DEVICE uint32_t survival_key(float survival) {
-  return survival > 0.f ? kOneBits - float_bits(survival) : kIneligibleSurvival;
-}
-
-DSPARK_HOST_DEVICE float survival_of(uint32_t key) { return bits_float(kOneBits - key); }
-
 DSPARK_HOST_DEVICE int64_t fixed_survival(float survival) {
   return static_cast<int64_t>(rint(static_cast<double>(survival) * kSurvivalScale));
 }

@@ -116,7 +116,7 @@ DRAFT_CHUNK = 2048
 DRAFT_WARP_TILE = 16
 DRAFT_BLOCK_TILE = 8 * DRAFT_WARP_TILE
 DRAFT_VOCABS = (DRAFT_WARP_TILE + 1, DRAFT_BLOCK_TILE + 1, DRAFT_CHUNK + 1)
-# draft_confidence stages its weight vector [d + r] in segments of kConfidenceSegment = 2048.
+# draft_confidence sums [h; W1[x]] in segments of kConfidenceSegment = 2048, each on its own.
 CONFIDENCE_SEGMENT = DRAFT_CHUNK
 
 
