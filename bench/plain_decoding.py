@@ -1,14 +1,12 @@
 """Plain greedy decoding of SmolLM2-135M-Instruct on the CPU: this library's
 ``generate_target_only`` through :class:`dspark_ops.hf.HFTarget` against transformers'
-``model.generate``, per generated token, and against the same adapter with transformers' own
-``DynamicCache`` (which concatenates the cache at every forward; HFTarget's appends in place).
+``model.generate``, per generated token.
 
-All three decode the same chat prompts one at a time, greedy, exactly ``--new-tokens`` tokens (no stop
-token), the prefill included; the repetitions interleave the three (rotating which goes first)
-so that a noisy machine slows all alike. Prints the median and the spread (min, quartiles, max)
-of milliseconds per token over all prompts and repetitions, and whether all produced the same
-tokens up to the first stop token (``model.generate`` is held from stopping by
-``min_new_tokens``, which also keeps it from choosing a stop token, so it differs after one)::
+Both decode the same chat prompts one at a time, greedy, exactly ``--new-tokens`` tokens (no stop
+token), the prefill included; the repetitions interleave the two (alternating which goes first)
+so that a noisy machine slows both alike. Prints the median and the spread (min, quartiles, max)
+of milliseconds per token over all prompts and repetitions, and whether both produced the same
+tokens::
 
     python -m bench.plain_decoding [--threads 2] [--new-tokens 64] [--reps 5]
 
@@ -29,28 +27,6 @@ import torch
 PROMPTS = ("What is the capital of France, and what is it famous for?",
            "Write a Python function that checks whether a number is prime.",
            "Give me three tips for learning a new language.")
-
-
-def _concatenating_target():
-    """:class:`dspark_ops.hf.HFTarget` with transformers' own ``DynamicCache``, which
-    concatenates the whole cache with the new rows at every forward (HFTarget's layers append
-    in place): the cost of that copy, measured."""
-    from transformers import DynamicCache
-
-    from dspark_ops.hf import HFTarget, _Cache
-
-    class ConcatenatingTarget(HFTarget):
-        def new_cache(self, num_rows: int, length: int) -> _Cache:
-            return _Cache(DynamicCache(), num_rows, self.device)
-
-    return ConcatenatingTarget
-
-
-def _until_stop(tokens: Sequence[int], stop: Sequence[int]) -> List[int]:
-    for i, t in enumerate(tokens):
-        if t in stop:
-            return list(tokens[:i])
-    return list(tokens)
 
 
 def quantiles(values: Sequence[float]) -> dict:
@@ -75,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ops import smollm2
-    from dspark_ops.prompts import chat_prompt, stop_token_ids
+    from dspark_ops.prompts import chat_prompt
     from dspark_ops.decoder import generate_target_only
     from dspark_ops.hf import HFTarget
 
@@ -85,26 +61,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                  attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     target = HFTarget(model, args.feature_layers)
-    ConcatenatingTarget = _concatenating_target()
     prompts = [chat_prompt(tokenizer, text) for text in PROMPTS]
-    stop = stop_token_ids(model, tokenizer)
     n = args.new_tokens
-
-    concatenating = ConcatenatingTarget(model, args.feature_layers)
 
     def ours(prompt: List[int]) -> List[int]:
         return generate_target_only(target, [prompt], n)[0]
-
-    def ours_concatenating(prompt: List[int]) -> List[int]:
-        return generate_target_only(concatenating, [prompt], n)[0]
 
     def theirs(prompt: List[int]) -> List[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False)
         return out[0, len(prompt):].tolist()
 
-    runners = {"dspark_ops (HFTarget)": ours, "model.generate": theirs,
-               "dspark_ops, concatenating cache": ours_concatenating}
+    runners = {"dspark_ops (HFTarget)": ours, "model.generate": theirs}
     with torch.no_grad():
         for run in runners.values():  # warm-up: allocator, first-call costs
             run(prompts[0][:8])
@@ -112,16 +80,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         same = True
         for rep in range(args.reps):
             for prompt in prompts:
-                shift = (rep + prompts.index(prompt)) % len(runners)
-                order = list(runners)[shift:] + list(runners)[:shift]
+                order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
                 tokens = {}
                 for name in order:
                     started = time.perf_counter()
                     tokens[name] = runners[name](prompt)
                     times[name].append((time.perf_counter() - started) * 1e3 / n)
-                same &= len({tuple(_until_stop(t, stop)) for t in tokens.values()}) == 1
+                same &= len(set(map(tuple, tokens.values()))) == 1
     target.close()
-    concatenating.close()
 
     result = {"threads": args.threads, "new_tokens": n, "reps": args.reps,
               "prompt_tokens": [len(p) for p in prompts], "feature_layers": args.feature_layers,
@@ -131,15 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     result["ratio"] = ratio
     print(f"SmolLM2-135M-Instruct float32, {args.threads} threads, {n} new tokens, prompts of "
           f"{result['prompt_tokens']} tokens, {args.reps} interleaved repetitions")
-    print(f"{'ms/token':32s} {'median':>8s} {'min':>8s} {'q1':>8s} {'q3':>8s} {'max':>8s}")
+    print(f"{'ms/token':24s} {'median':>8s} {'min':>8s} {'q1':>8s} {'q3':>8s} {'max':>8s}")
     for name, q in result["ms_per_token"].items():
-        print(f"{name:32s} {q['median']:8.1f} {q['min']:8.1f} {q['q1']:8.1f} {q['q3']:8.1f} "
+        print(f"{name:24s} {q['median']:8.1f} {q['min']:8.1f} {q['q1']:8.1f} {q['q3']:8.1f} "
               f"{q['max']:8.1f}")
-    result["ratio_concatenating"] = (
-        result["ms_per_token"]["dspark_ops (HFTarget)"]["median"]
-        / result["ms_per_token"]["dspark_ops, concatenating cache"]["median"])
-    print(f"ours / generate (medians): {ratio:.3f}; ours / ours with the concatenating cache: "
-          f"{result['ratio_concatenating']:.3f}; identical greedy tokens: {same}")
+    print(f"ours / generate (medians): {ratio:.3f}; identical greedy tokens: {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
