@@ -19,7 +19,6 @@ this module imports it.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -73,84 +72,6 @@ def _sliding_window(config):
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _growing_cache_class():
-    """transformers' ``DynamicCache`` whose layers keep their keys and values in a buffer that
-    doubles when full (imported on first use: transformers is optional)."""
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        """A ``DynamicLayer`` that appends in place. transformers' concatenates the whole cache
-        with the new rows at every forward of every layer, so a decoding step copies the cache
-        twice per layer (about a tenth of a SmolLM2 step on 2 CPU threads at a few hundred
-        tokens); here a step copies its own rows, and the cache is copied once per doubling.
-        ``keys``/``values`` are views of the first ``n`` rows of the buffers."""
-
-        def lazy_initialization(self, key_states, value_states) -> None:
-            super().lazy_initialization(key_states, value_states)
-            self._buffers, self._rows = None, 0
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            start, end = self._rows, self._rows + key_states.shape[-2]
-            self._reserve(end, key_states, value_states)
-            self._buffers[0][..., start:end, :] = key_states
-            self._buffers[1][..., start:end, :] = value_states
-            self._rows = end
-            self.keys = self._buffers[0][..., :end, :]
-            self.values = self._buffers[1][..., :end, :]
-            return self.keys, self.values
-
-        def _reserve(self, rows: int, key_states, value_states) -> None:
-            """Buffers of at least ``rows`` rows, holding the rows kept so far."""
-            capacity = 0 if self._buffers is None else self._buffers[0].shape[-2]
-            if rows <= capacity:
-                return
-            capacity = max(rows, 2 * capacity, 64)
-            grown = []
-            for kept, new in ((self.keys, key_states), (self.values, value_states)):
-                buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
-                if self._rows:
-                    buffer[..., : self._rows, :] = kept
-                grown.append(buffer)
-            self._buffers = tuple(grown)
-
-        def _rebuild(self) -> None:
-            """After an operation that replaced ``keys``/``values`` (crop, batch selection):
-            they become the buffers."""
-            if self.keys.dim() != 4:  # nothing cached yet
-                self._buffers, self._rows = None, 0
-                return
-            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
-            self._buffers, self._rows = (self.keys, self.values), self.keys.shape[-2]
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)
-            if self.is_initialized:
-                self._rebuild()
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            super().batch_repeat_interleave(repeats)
-            if self.is_initialized:
-                self._rebuild()
-
-        def batch_select_indices(self, indices) -> None:
-            super().batch_select_indices(indices)
-            if self.is_initialized:
-                self._rebuild()
-
-        def reset(self) -> None:
-            self._buffers, self._rows = None, 0
-            super().reset()
-
-    class GrowingCache(DynamicCache):
-        def __init__(self):
-            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
-
-    return GrowingCache
-
-
 class _Cache:
     """The HF key/value cache of a batch plus which of its slots each request may attend to.
 
@@ -201,9 +122,8 @@ class HFTarget:
 
     Notes
     -----
-    What this costs compared with a serving engine: the K/V cache is one contiguous buffer per
-    layer for the whole batch (transformers' ``DynamicCache`` with layers that append in place
-    and double when full, instead of concatenating), not a paged one. Every forward appends its padded
+    What this costs compared with a serving engine: the K/V cache is transformers' contiguous
+    ``DynamicCache`` of the whole batch, not a paged one. Every forward appends its padded
     width to every request (a verify round appends ``max_b(1 + num_verify[b])`` slots, a
     prefill the longest prompt), and the rows a request does not keep (padding, rejected
     drafts) stay in memory as holes hidden by a dense ``[B, 1, T, S]`` additive attention mask
@@ -278,8 +198,10 @@ class HFTarget:
 
     def new_cache(self, num_rows: int, length: int) -> _Cache:
         """An empty cache for ``num_rows`` requests (``length`` is not preallocated: the
-        cache's buffers double when full)."""
-        return _Cache(_growing_cache_class()(), num_rows, self.device)
+        transformers cache grows)."""
+        from transformers import DynamicCache
+
+        return _Cache(DynamicCache(), num_rows, self.device)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, num_valid: torch.Tensor, cache: _Cache,

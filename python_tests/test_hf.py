@@ -257,36 +257,6 @@ def test_draft_rope_matches_transformers_rope_of_the_loaded_base(theta):
     assert (other - expected.transpose(1, 2)).abs().max() > 0.1  # the base matters
 
 
-def test_growing_cache_holds_what_transformers_dynamic_cache_holds():
-    """The adapter's cache appends in place into buffers that double; what each layer returns
-    equals transformers' concatenating cache after every update, across doublings (64, 128,
-    256 rows), a crop and a batch selection."""
-    from transformers import DynamicCache
-    from dspark_ops.hf import _growing_cache_class
-
-    grow, ref = _growing_cache_class()(), DynamicCache()
-    gen = torch.Generator().manual_seed(0)
-
-    def step(rows, batch=2):
-        for layer in range(2):
-            k, v = (torch.randn(batch, 3, rows, 4, generator=gen) for _ in range(2))
-            got, want = grow.update(k, v, layer), ref.update(k, v, layer)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-    for rows in (5, 1, 1, 70, 3, 1, 130):
-        step(rows)
-    assert grow.get_seq_length() == ref.get_seq_length() == 211
-    assert grow.layers[0]._buffers[0].shape[-2] == 256  # copied once per doubling
-    grow.crop(-7)
-    ref.crop(-7)
-    step(2)
-    grow.batch_select_indices(torch.tensor([1]))
-    ref.batch_select_indices(torch.tensor([1]))
-    step(1, batch=1)
-    step(60, batch=1)
-    assert grow.get_seq_length() == ref.get_seq_length() == 267
-
-
 def test_adapter_refuses_what_it_cannot_serve():
     model = tiny_model("qwen3", layers=2)
     with pytest.raises(ValueError, match="feature_layers"):
