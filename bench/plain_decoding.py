@@ -6,7 +6,8 @@ Both decode the same chat prompts one at a time, greedy, exactly ``--new-tokens`
 token), the prefill included; the repetitions interleave the two (alternating which goes first)
 so that a noisy machine slows both alike. Prints the median and the spread (min, quartiles, max)
 of milliseconds per token over all prompts and repetitions, and whether both produced the same
-tokens::
+tokens up to the first stop token either chose (``model.generate`` is held from stopping by
+``min_new_tokens``, which also keeps it from choosing a stop token, so it differs after one)::
 
     python -m bench.plain_decoding [--threads 2] [--new-tokens 64] [--reps 5]
 
@@ -27,6 +28,11 @@ import torch
 PROMPTS = ("What is the capital of France, and what is it famous for?",
            "Write a Python function that checks whether a number is prime.",
            "Give me three tips for learning a new language.")
+
+
+def _first_stop(tokens: Sequence[int], stop: Sequence[int]) -> int:
+    """The index of the first stop token in ``tokens``, or their length."""
+    return next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
 
 
 def quantiles(values: Sequence[float]) -> dict:
@@ -51,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ops import smollm2
-    from dspark_ops.prompts import chat_prompt
+    from dspark_ops.prompts import chat_prompt, stop_token_ids
     from dspark_ops.decoder import generate_target_only
     from dspark_ops.hf import HFTarget
 
@@ -62,6 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     target = HFTarget(model, args.feature_layers)
     prompts = [chat_prompt(tokenizer, text) for text in PROMPTS]
+    stop = stop_token_ids(model, tokenizer)
     n = args.new_tokens
 
     def ours(prompt: List[int]) -> List[int]:
@@ -86,7 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                     started = time.perf_counter()
                     tokens[name] = runners[name](prompt)
                     times[name].append((time.perf_counter() - started) * 1e3 / n)
-                same &= len(set(map(tuple, tokens.values()))) == 1
+                shared = min(_first_stop(t, stop) for t in tokens.values())
+                same &= len({tuple(t[:shared]) for t in tokens.values()}) == 1
     target.close()
 
     result = {"threads": args.threads, "new_tokens": n, "reps": args.reps,
