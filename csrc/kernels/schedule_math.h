@@ -42,9 +42,14 @@ DSPARK_HOST_DEVICE int64_t fixed_survival(float survival) {
   return static_cast<int64_t>(rint(static_cast<double>(survival) * kSurvivalScale));
 }
 
+// Theta of fixed-point expected tokens `tau` at a verify batch's step rate.
+DSPARK_HOST_DEVICE double theta(int64_t tau, float rate) {
+  return static_cast<double>(tau) * static_cast<double>(rate);
+}
+
 // Theta for a verify batch of `tokens` tokens with fixed-point expected tokens `tau`.
 DSPARK_HOST_DEVICE double theta(int64_t tau, const float* step_rate, int64_t tokens) {
-  return static_cast<double>(tau) * static_cast<double>(step_rate[tokens]);
+  return theta(tau, step_rate[tokens]);
 }
 
 }  // namespace dspark_ops
