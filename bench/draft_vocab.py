@@ -34,7 +34,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from bench.e2e import CATEGORIES, _calibration, _load_draft, _trim
+from bench.e2e import CATEGORIES, _calibration, _load_draft
+from dspark_ops.prepare_data import cut_at_stop
 
 
 def _vocabularies(runs: str, vocab_size: int, sizes: Sequence[int], always: Sequence[int]):
@@ -85,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     stop = stop_token_ids(model, tokenizer)
     draft_dir = os.path.join(args.runs, "dspark", "step_latest")
-    draft = _load_draft(draft_dir, "dspark")
+    draft = _load_draft(draft_dir, model)
     calib = _calibration(draft_dir)
     vocab_size = draft.config.vocab_size
     always = sorted(set(stop) | set(tokenizer.all_special_ids) | {draft.config.mask_token_id})
@@ -160,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                             [prompt], args.max_new_tokens)
                         tokens, rounds = out.tokens[0], out.rounds
                     seconds = time.perf_counter() - started
-                    tokens = _trim(tokens, stop)
+                    tokens = cut_at_stop([tokens], stop)[0]
                     outputs[entry] = tokens
                     if entry == "plain":
                         plain_tokens += len(tokens)
