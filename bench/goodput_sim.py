@@ -3,7 +3,7 @@ where ``bench.oracle_sweep`` takes minutes, and no timing noise, so a change to 
 its effect at once (the sweep on the real model then confirms it).
 
     python -m bench.goodput_sim [--cost-table TABLE.json] [--alphas 0 0.3 0.5 0.7 0.9]
-        [--prompts 2] [--max-new-tokens 48] [--seeds 40] [--json OUT.json]
+        [--prompts 2] [--max-new-tokens 48] [--seeds 40] [--profile-skew 1.0] [--json OUT.json]
 
 Each request is an oracle draft as ``bench.oracle_sweep``'s
 (:class:`dspark_ops.proposers.OracleProposer`): continuation index ``i`` is drafted right with
@@ -13,7 +13,10 @@ A round of the goodput rule runs :class:`dspark_ops.goodput.GoodputPolicy` (befo
 policy's estimates (after drafting), then costs ``draft(k) + target(1, verified + 1)`` seconds
 from the table and emits the accepted drafts and one more token; a fixed ``k`` verifies every
 drafted slot. One policy per ``alpha`` and seed is kept across the ``--prompts`` requests, as
-the sweep keeps one decoder. The table is not corrected online (its timings are the truth here).
+the sweep keeps one decoder. The table's timings are the truth here. With ``--profile-skew F``
+the rule prices rounds with the table times ``F`` (a table profiled in a spell ``F`` times
+slower) and corrects its copy online from the true timings, as the decoder does; the fixed
+``k`` are timed by the truth either way.
 
 ``--cost-table`` is a table ``python -m dspark_ops.profile`` wrote (batch 1 is read); without it,
 the table committed with the oracle sweep (``bench/results/oracle_sweep_smollm2.json``). Prints
@@ -51,29 +54,41 @@ def decode_seconds(costs: CostTable, right: Sequence[bool], tokens: int,
                    policy: Optional[GoodputPolicy] = None, fixed_k: Optional[int] = None) -> float:
     """Seconds to emit ``tokens`` tokens (the prefill's first included) of one request whose
     continuation index ``i`` drafts right where ``right[i]``: with ``policy`` (the goodput rule)
-    or every round drafting and verifying ``fixed_k`` slots."""
+    or every round drafting and verifying ``fixed_k`` slots. The policy prices rounds with its
+    own table (``policy.costs``); where that is not ``costs``, it is corrected online from the
+    true timings."""
     if (policy is None) == (fixed_k is None):
         raise ValueError("decode_seconds: give exactly one of 'policy' and 'fixed_k'")
     if policy is not None:
         policy.begin(1)
     done, seconds = 1, costs.target(1, 1)
+    believed = policy.costs if policy is not None else costs
+    learn = believed is not costs
     active = torch.tensor([True])
     while done < tokens:
         limit = tokens - done - 1  # drafting past the last needed token cannot pay
         k = min(fixed_k, limit) if fixed_k is not None else policy.drafts_to_propose(1, [0], limit)
         if k == 0:
             seconds += costs.target(1, 1)
+            if learn:
+                believed.observe_target(1, 1, costs._row(1)[0])
             done += 1
             continue
         if fixed_k is not None:
             verified = k
         else:
             confidence = policy.estimated_confidence(1, k, "cpu")
-            verified = int(verify_lengths(confidence, active, costs)[0])
+            verified = int(verify_lengths(confidence, active, believed)[0])
         accepted = 0
         while accepted < verified and right[done + accepted]:
             accepted += 1
-        seconds += costs.draft(k) + costs.target(1, verified + 1)
+        # the decoder pads to the width its table prices cheapest, and pays that width's time
+        width = believed.cheapest_width(1, verified + 1)
+        step = costs._row(1)[width - 1]
+        seconds += costs.draft(k) + step
+        if learn:
+            believed.observe_draft(k, costs.draft(k))
+            believed.observe_target(1, width, step)
         if policy is not None and verified:
             policy.observe(0, verified, accepted)
         done += accepted + 1
@@ -81,8 +96,9 @@ def decode_seconds(costs: CostTable, right: Sequence[bool], tokens: int,
 
 
 def simulate(costs: CostTable, alphas: Sequence[float], prompts: int, tokens: int, seeds: int,
-             max_drafts: int = 7) -> List[Dict[str, float]]:
-    """Per ``alpha``: mean tokens/s of plain, each fixed ``k``, and goodput, over ``seeds``."""
+             max_drafts: int = 7, profile_skew: float = 1.0) -> List[Dict[str, float]]:
+    """Per ``alpha``: mean tokens/s of plain, each fixed ``k``, and goodput, over ``seeds``;
+    with ``profile_skew`` != 1 the rule starts from the table times that (module doc)."""
     if max_drafts > costs.max_drafts:
         raise ValueError(f"the cost table prices at most {costs.max_drafts} drafts")
     plain = 1.0 / costs.target(1, 1)
@@ -91,7 +107,11 @@ def simulate(costs: CostTable, alphas: Sequence[float], prompts: int, tokens: in
         fixed = {k: [] for k in range(1, max_drafts + 1)}
         goodput = []
         for seed in range(seeds):
-            policy = GoodputPolicy(costs, max_drafts)
+            believed = costs if profile_skew == 1.0 else CostTable(
+                costs.key, {b: [profile_skew * s for s in r]
+                            for b, r in costs.target_seconds.items()},
+                [profile_skew * s for s in costs.draft_seconds])
+            policy = GoodputPolicy(believed, max_drafts)
             spent = {k: 0.0 for k in fixed}
             spent_goodput = 0.0
             for prompt in range(prompts):
@@ -121,15 +141,19 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     parser.add_argument("--prompts", type=int, default=2, help="requests per policy")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seeds", type=int, default=40)
+    parser.add_argument("--profile-skew", type=float, default=1.0,
+                        help="the rule starts from the table times this, corrected online")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if any(not 0 <= a <= 1 for a in args.alphas):
         parser.error(f"'--alphas' must be in [0, 1], got {args.alphas}")
     if args.prompts < 1 or args.max_new_tokens < 2 or args.seeds < 1:
         parser.error("'--prompts' and '--seeds' must be >= 1, '--max-new-tokens' >= 2")
+    if not args.profile_skew > 0:
+        parser.error(f"'--profile-skew' must be > 0, got {args.profile_skew}")
     costs = CostTable.load(args.cost_table) if args.cost_table else sweep_table()
     rows = simulate(costs, args.alphas, args.prompts, args.max_new_tokens, args.seeds,
-                    min(7, costs.max_drafts))
+                    min(7, costs.max_drafts), args.profile_skew)
     print(f"{'alpha':>5} {'plain':>7} {'best fixed':>12} {'goodput':>8} {'/best':>6} {'/plain':>7}")
     for r in rows:
         print(f"{r['alpha']:>5.2f} {r['plain_tokens_per_s']:>7.1f} "

@@ -20,7 +20,11 @@ cost nothing), and the goodput scheduler sees that envelope.
 the dtype, the threads and the library version, and :meth:`CostTable.check` refuses a table
 measured on anything else, by name. ``python -m dspark_ops.profile`` writes one. The decoder
 corrects the table online from its own rounds' timings (:meth:`CostTable.observe_target`,
-:meth:`CostTable.observe_draft`), so a machine that slows down or speeds up is followed.
+:meth:`CostTable.observe_draft`), so a machine that slows down or speeds up is followed: each
+timing moves one speed factor that scales every entry, and its own entry's shape more slowly.
+The rule mostly observes the few widths it uses; without the shared factor the widths it does
+not use would keep the prices of whatever spell the table was profiled in, and their prices
+relative to the plain step (which decide whether to speculate at all) would be wrong.
 """
 
 from __future__ import annotations
@@ -41,8 +45,12 @@ import torch
 __all__ = ["CostTable", "CostTableMismatch", "cost_key", "default_cost_dir",
            "load_or_profile_costs", "profile_costs"]
 
-#: Weight of one new timing in the online correction of a table entry (an EMA).
+#: Weight of one new timing in the online correction (an EMA of the table's speed factor).
 ONLINE_RATE = 0.1
+
+#: A timing moves its own entry at this share of the speed factor's rate: a uniform drift of
+#: the machine then goes mostly into the factor, which every entry follows.
+ENTRY_SHARE = 0.25
 
 
 class CostTableMismatch(ValueError):
@@ -62,11 +70,15 @@ class CostTable:
         ``{batch: [seconds of width 1, 2, ..., W]}``.
     draft_seconds : list of float
         ``[0, cost of 1 slot, ..., cost of K slots]``.
+    speed : float
+        The online correction's factor on every entry (1 as profiled): a price is
+        ``speed * entry``.
     """
 
     key: dict
     target_seconds: Dict[int, List[float]]
     draft_seconds: List[float]
+    speed: float = 1.0
 
     def __post_init__(self):
         self.target_seconds = {int(b): [float(s) for s in row]
@@ -82,6 +94,9 @@ class CostTable:
             raise ValueError("CostTable: every target step time must be finite and > 0")
         if any(not (math.isfinite(s) and s >= 0) for s in self.draft_seconds):
             raise ValueError("CostTable: every drafting time must be finite and >= 0")
+        self.speed = float(self.speed)
+        if not (math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"CostTable: 'speed' must be finite and > 0, got {self.speed}")
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -91,13 +106,18 @@ class CostTable:
         widest = min(len(r) for r in self.target_seconds.values())
         return min(len(self.draft_seconds) - 1, widest - 1)
 
-    def _row(self, batch: int) -> List[float]:
-        """The widths' times at ``batch``: the measured row, else the nearest measured batch
-        scaled by the batch ratio (a padded forward's work grows with its rows)."""
+    def _entries(self, batch: int) -> List[float]:
+        """The widths' entries at ``batch`` (before the speed factor): the measured row, else
+        the nearest measured batch scaled by the batch ratio (a padded forward's work grows with
+        its rows)."""
         if batch in self.target_seconds:
             return self.target_seconds[batch]
         nearest = min(self.target_seconds, key=lambda b: (abs(math.log(b / batch)), b))
         return [s * batch / nearest for s in self.target_seconds[nearest]]
+
+    def _row(self, batch: int) -> List[float]:
+        """The widths' prices at ``batch``: the entries times the speed factor."""
+        return [self.speed * s for s in self._entries(batch)]
 
     def cheapest_width(self, batch: int, width: int, limit: Optional[int] = None) -> int:
         """The width ``>= width`` (and ``<= limit``) with the smallest measured time."""
@@ -115,7 +135,7 @@ class CostTable:
         """Seconds of drafting ``k`` slots."""
         if not 0 <= k < len(self.draft_seconds):
             raise ValueError(f"{k} drafted slots: the table covers 0..{len(self.draft_seconds) - 1}")
-        return self.draft_seconds[k]
+        return self.speed * self.draft_seconds[k]
 
     def step_rate(self, batch: int, max_drafts: int, device=None) -> torch.Tensor:
         """The table as :func:`dspark_ops.schedule_verify`'s ``step_rate``: float32
@@ -137,19 +157,31 @@ class CostTable:
 
     # -- online correction ------------------------------------------------------------------
 
+    def _observe(self, entries: List[float], index: int, seconds: float, rate: float) -> None:
+        """Moves the speed factor by ``rate`` (in log space) toward the timing's ratio to its
+        price, then the entry by ``ENTRY_SHARE * rate`` toward what is left of it. (An entry
+        of zero, a proposer profiled as free, has no ratio: only the entry moves.)"""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        if entries[index] > 0:
+            self.speed *= (seconds / (self.speed * entries[index])) ** rate
+        entries[index] += ENTRY_SHARE * rate * (seconds / self.speed - entries[index])
+
     def observe_target(self, batch: int, width: int, seconds: float,
                        rate: float = ONLINE_RATE) -> None:
-        """Moves the entry of (``batch``, ``width``) toward a measured step time."""
+        """Moves the table toward a measured step time of (``batch``, ``width``): the speed
+        factor of every entry, and this entry (see the module doc)."""
         row = self.target_seconds.get(batch)
         if row is None:  # a batch not profiled: start its row from the scaled estimate
-            row = self.target_seconds[batch] = list(self._row(batch))
-        if 1 <= width <= len(row) and math.isfinite(seconds) and seconds > 0:
-            row[width - 1] += rate * (seconds - row[width - 1])
+            row = self.target_seconds[batch] = list(self._entries(batch))
+        if 1 <= width <= len(row):
+            self._observe(row, width - 1, seconds, rate)
 
     def observe_draft(self, k: int, seconds: float, rate: float = ONLINE_RATE) -> None:
-        """Moves the entry of ``k`` drafted slots toward a measured drafting time."""
-        if 1 <= k < len(self.draft_seconds) and math.isfinite(seconds) and seconds > 0:
-            self.draft_seconds[k] += rate * (seconds - self.draft_seconds[k])
+        """Moves the table toward a measured drafting time of ``k`` slots, as
+        :meth:`observe_target` does."""
+        if 1 <= k < len(self.draft_seconds):
+            self._observe(self.draft_seconds, k, seconds, rate)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -164,8 +196,11 @@ class CostTable:
                     "or pass its own table")
 
     def to_dict(self) -> dict:
-        return {"key": self.key, "draft_seconds": self.draft_seconds,
-                "target_seconds": {str(b): r for b, r in sorted(self.target_seconds.items())}}
+        """The prices (the speed factor folded into every entry)."""
+        return {"key": self.key,
+                "draft_seconds": [self.speed * s for s in self.draft_seconds],
+                "target_seconds": {str(b): [self.speed * s for s in r]
+                                   for b, r in sorted(self.target_seconds.items())}}
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -64,15 +64,59 @@ def test_a_batch_not_profiled_is_priced_from_the_nearest():
     assert costs.target(2, 2) == pytest.approx(0.04)  # 1 scaled by 2 (nearest in ratio, smaller)
 
 
-def test_online_correction_moves_entries_toward_timings():
+def test_online_correction_moves_the_speed_factor_and_the_entry():
     costs = table([10, 20], [5])
     costs.observe_target(1, 2, 0.030, rate=0.5)
-    costs.observe_draft(1, 0.015, rate=0.5)
-    assert costs.target_seconds[1][1] == pytest.approx(0.025)
-    assert costs.draft(1) == pytest.approx(0.010)
+    speed = 1.5 ** 0.5  # the timing is 1.5x its price; half of that, in log space
+    entry = 0.020 + 0.25 * 0.5 * (0.030 / speed - 0.020)
+    assert costs.speed == pytest.approx(speed)
+    assert costs.target(1, 2) == pytest.approx(speed * entry)
+    assert costs.target(1, 1) == pytest.approx(speed * 0.010)  # not observed: the factor alone
+    assert costs.draft(1) == pytest.approx(speed * 0.005)
     costs.observe_target(1, 7, 1.0)  # outside the table: ignored
-    costs.observe_target(3, 1, 0.020, rate=1.0)  # a new batch starts from the scaled estimate
-    assert costs.target_seconds[3] == pytest.approx([0.020, 0.075])  # 3 x [0.010, 0.025]
+    costs.observe_target(1, 1, float("nan"))  # not a timing: ignored
+    assert costs.speed == pytest.approx(speed)
+    costs.observe_target(3, 1, 0.020, rate=0.5)  # a new batch starts from the scaled entries
+    assert costs.target_seconds[3][1] == pytest.approx(3 * entry)
+
+
+def test_timings_at_one_width_converge_to_it():
+    costs = table([10, 20, 30], [5])
+    for _ in range(400):
+        costs.observe_target(1, 2, 0.026)
+        costs.observe_draft(1, 0.004)
+    assert costs.target(1, 2) == pytest.approx(0.026, rel=1e-3)
+    assert costs.draft(1) == pytest.approx(0.004, rel=1e-3)
+
+
+def test_a_uniform_drift_seen_at_one_width_moves_every_width():
+    """A table profiled in a slow spell (everything 1.5x): the rule then mostly runs plain
+    steps, and the widths it does not use must follow them, or speculation looks dear."""
+    true_ms = [10, 12, 16]
+    costs = table([1.5 * t for t in true_ms], [1.5 * 5])
+    for _ in range(60):
+        costs.observe_target(1, 1, true_ms[0] / 1e3)
+    for width, ms in enumerate(true_ms, 1):
+        assert costs.target(1, width) == pytest.approx(ms / 1e3, rel=0.12)
+    assert costs.draft(1) == pytest.approx(0.005, rel=0.12)
+
+
+def test_a_free_proposer_entry_learns_without_a_ratio():
+    costs = table([10, 20], [0])
+    costs.observe_draft(1, 0.002, rate=1.0)
+    assert costs.speed == 1.0 and costs.draft(1) == pytest.approx(0.25 * 0.002)
+
+
+def test_a_saved_table_keeps_its_corrected_prices(tmp_path):
+    costs = table([10, 20], [5])
+    for _ in range(5):
+        costs.observe_target(1, 1, 0.013)
+    costs.save(str(tmp_path / "t.json"))
+    again = CostTable.load(str(tmp_path / "t.json"))
+    assert again.speed == 1.0
+    for width in (1, 2):
+        assert again.target(1, width) == pytest.approx(costs.target(1, width))
+    assert again.draft(1) == pytest.approx(costs.draft(1))
 
 
 @pytest.mark.parametrize("bad, message", [
