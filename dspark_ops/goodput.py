@@ -75,7 +75,7 @@ class AcceptanceEstimate:
         Pseudo-observations of the base.
     """
 
-    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.1,
+    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.05,
                  strength: float = 2.0):
         if not 0 <= prior <= 1 or not 0 < rate <= 1 or not strength > 0:
             raise ValueError(f"AcceptanceEstimate: need 0 <= prior <= 1, 0 < rate <= 1 and "
@@ -185,7 +185,7 @@ class GoodputPolicy:
 
     def __init__(self, costs: CostTable, max_drafts: int, *, margin: float = 1.1,
                  probe_every: int = 8, probe_max: int = 128, prior: float = 0.5,
-                 rate: float = 0.1):
+                 rate: float = 0.05):
         if max_drafts < 1:
             raise ValueError(f"GoodputPolicy: 'max_drafts' must be >= 1, got {max_drafts}")
         if max_drafts > costs.max_drafts:
