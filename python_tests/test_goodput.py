@@ -735,3 +735,17 @@ def test_verify_width_never_reads_confidences_past_the_first_drop(seed):
     other = torch.where(later, torch.rand(batch, k, generator=gen), confidence)
     lengths = verify_lengths(confidence, active, costs, estimates=estimates)
     assert torch.equal(lengths, verify_lengths(other, active, costs, estimates=estimates))
+
+
+def test_the_simulation_corrects_a_skewed_table_online():
+    """bench.goodput_sim --profile-skew: the rule's own table, profiled 1.5x slow, follows the
+    true timings of the rounds it runs, as the decoder's does."""
+    from bench.goodput_sim import decode_seconds
+
+    truth = table([10, 12, 16], [1, 1])
+    believed = table([15, 18, 24], [1.5, 1.5])
+    policy = GoodputPolicy(believed, 2)
+    spent = decode_seconds(truth, [True] * 90, 80, policy=policy)
+    assert believed.speed == pytest.approx(1 / 1.5, rel=0.1)
+    assert believed.target(1, 1) == pytest.approx(0.010, rel=0.1)
+    assert spent < 80 * 0.010  # it speculated: every draft is right
