@@ -107,10 +107,8 @@ def simulate(costs: CostTable, alphas: Sequence[float], prompts: int, tokens: in
         fixed = {k: [] for k in range(1, max_drafts + 1)}
         goodput = []
         for seed in range(seeds):
-            believed = costs if profile_skew == 1.0 else CostTable(
-                costs.key, {b: [profile_skew * s for s in r]
-                            for b, r in costs.target_seconds.items()},
-                [profile_skew * s for s in costs.draft_seconds])
+            believed = costs if profile_skew == 1.0 else CostTable(  # a copy, priced F times
+                costs.key, costs.target_seconds, costs.draft_seconds, speed=profile_skew)
             policy = GoodputPolicy(believed, max_drafts)
             spent = {k: 0.0 for k in fixed}
             spent_goodput = 0.0
