@@ -73,14 +73,19 @@ class AcceptanceEstimate:
         ``1 / rate`` of them.
     strength : float
         Pseudo-observations of the base.
+    idle_rate : float
+        Decay of every count per round that verified nothing (:meth:`age`).
     """
 
-    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.05,
-                 strength: float = 2.0):
-        if not 0 <= prior <= 1 or not 0 < rate <= 1 or not strength > 0:
-            raise ValueError(f"AcceptanceEstimate: need 0 <= prior <= 1, 0 < rate <= 1 and "
-                             f"strength > 0, got {prior}, {rate} and {strength}")
+    def __init__(self, max_drafts: int, prior: float = 0.5, rate: float = 0.03,
+                 strength: float = 2.0, idle_rate: float = 0.06):
+        if (not 0 <= prior <= 1 or not 0 < rate <= 1 or not strength > 0
+                or not 0 <= idle_rate <= 1):
+            raise ValueError(f"AcceptanceEstimate: need 0 <= prior <= 1, 0 < rate <= 1, "
+                             f"strength > 0 and 0 <= idle_rate <= 1, got {prior}, {rate}, "
+                             f"{strength} and {idle_rate}")
         self.max_drafts, self.prior, self.rate, self.strength = max_drafts, prior, rate, strength
+        self.idle_rate = idle_rate
         self._pooled_counts = self._no_counts()
         self.pooled = self._estimate(self._pooled_counts, None)
         self.per_request: List[List[float]] = []
@@ -134,6 +139,23 @@ class AcceptanceEstimate:
         self.per_request[request] = self._estimate(self._counts[request],
                                                    self._profiles[request])
 
+    def age(self) -> None:
+        """A round that verified nothing (the plain path). Every count ages by
+        ``1 - idle_rate``, the bases' weights do not, and each request's base becomes the aged
+        pooled estimate: while speculation is off, what made it off fades, and the estimates
+        drift back toward the prior. Without this they froze at the values that turned
+        speculation off, and only the backed-off probes (one round in 8 to 128) could move
+        them, so a draft that pays about half the time stayed off for most of a request."""
+        keep = 1 - self.idle_rate
+        for hits, seen, _ in (self._pooled_counts, *self._counts):
+            for i in range(self.max_drafts):
+                hits[i] *= keep
+                seen[i] *= keep
+        self.pooled = self._estimate(self._pooled_counts, None)
+        self._profiles = [list(self.pooled) for _ in self._counts]
+        self.per_request = [self._estimate(counts, profile)
+                            for counts, profile in zip(self._counts, self._profiles)]
+
     def conditional(self, request: int) -> List[float]:
         return self.per_request[request]
 
@@ -179,13 +201,13 @@ class GoodputPolicy:
         Plain rounds before the first probe; each probe that does not turn speculation on
         doubles the wait, up to ``probe_max``; a round that speculates on its merits resets it.
     probe_max : int
-    prior, rate : float
+    prior, rate, idle_rate : float
         Of the :class:`AcceptanceEstimate`.
     """
 
     def __init__(self, costs: CostTable, max_drafts: int, *, margin: float = 1.1,
                  probe_every: int = 8, probe_max: int = 128, prior: float = 0.5,
-                 rate: float = 0.05):
+                 rate: float = 0.03, idle_rate: float = 0.06):
         if max_drafts < 1:
             raise ValueError(f"GoodputPolicy: 'max_drafts' must be >= 1, got {max_drafts}")
         if max_drafts > costs.max_drafts:
@@ -196,7 +218,7 @@ class GoodputPolicy:
                              f"probe_max, got {margin}, {probe_every} and {probe_max}")
         self.costs, self.max_drafts, self.margin = costs, max_drafts, margin
         self.probe_every, self.probe_max = probe_every, probe_max
-        self.estimate = AcceptanceEstimate(max_drafts, prior, rate)
+        self.estimate = AcceptanceEstimate(max_drafts, prior, rate, idle_rate=idle_rate)
         #: Whether the last round speculated on its merits (not as a probe): the margin guards
         #: turning speculation on against noisy estimates; applied to staying on as well, an
         #: acceptance just above the threshold flaps off, and the backed-off probes then keep
@@ -242,6 +264,7 @@ class GoodputPolicy:
         if k > 0:
             self.plain_streak, self.probe_wait = 0, self.probe_every
             return k
+        self.estimate.age()
         self.plain_streak += 1
         if self.plain_streak <= self.probe_wait:
             return 0

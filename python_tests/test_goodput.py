@@ -240,7 +240,8 @@ def test_the_margin_turns_speculation_on_not_off():
     """Between 1 and ``margin`` times the plain path's goodput, speculation stays as it was:
     off stays off, on stays on (a probe does not count as on)."""
     costs = table([50, 50], [1e-3])
-    policy = GoodputPolicy(costs, 1, margin=1.1, probe_every=100, probe_max=100)
+    # prior 0.05: a plain round ages the estimates back to it (no counts), as planted below
+    policy = GoodputPolicy(costs, 1, margin=1.1, probe_every=100, probe_max=100, prior=0.05)
     policy.begin(1)
     policy.estimate.per_request[0] = [0.05]  # 1.05 times the plain path's goodput
     assert [policy.drafts_to_propose(1, [0], 1) for _ in range(3)] == [0, 0, 0]
@@ -272,6 +273,33 @@ def test_probe_schedule_backs_off_and_resets():
     policy.estimate.per_request[0] = [0.95] * 7  # the probe found a good draft: on, reset
     assert policy.drafts_to_propose(1, [0], 7) == 7
     assert policy.probe_wait == 2 and policy.plain_streak == 0
+
+
+def test_speculation_turned_off_by_a_bad_spell_returns_on_its_merits():
+    """A draft that pays (prior 0.9) meets five rejections in a row and goodput turns it off.
+    The plain rounds age the counts, so the estimate drifts back toward the prior and
+    speculation returns on its own, long before the next probe (100 rounds away). With
+    estimates frozen while off, every round up to the probe was plain."""
+    costs = table([50, 75], [1e-3])  # on when c > 0.65 (the margin 1.1 included)
+    policy = GoodputPolicy(costs, 1, prior=0.9, probe_every=100, probe_max=100)
+    policy.begin(1)
+    assert policy.drafts_to_propose(1, [0], 1) == 1
+    for _ in range(5):
+        policy.observe(0, verified=1, accepted=0)
+    decisions, estimates = [], []
+    for _ in range(60):
+        decisions.append(policy.drafts_to_propose(1, [0], 1))
+        estimates.append(policy.estimate.conditional(0)[0])
+    back = decisions.index(1)
+    # After five rejections (rate 0.03) seen = 4.71 and the base's weight w = 1.72, for the
+    # request and the pooled counts alike; the request's base is the aged pooled estimate, so
+    # c = 0.9 * (w / (seen * 0.94^m + w))^2 after m plain rounds (idle rate 0.06): past 0.65
+    # at m = 45.
+    assert back == 45 and not any(decisions[:back])
+    seen, w = sum(0.97 ** j for j in range(5)), 2 * 0.97 ** 5
+    assert estimates[:back] == pytest.approx(
+        [0.9 * (w / (seen * 0.94 ** m + w)) ** 2 for m in range(1, back + 1)])
+    assert estimates[back - 1] > 0.65 > estimates[back - 2]
 
 
 def test_acceptance_estimate_learns_only_what_was_verified():
