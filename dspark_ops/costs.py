@@ -21,7 +21,8 @@ the dtype, the threads and the library version, and :meth:`CostTable.check` refu
 measured on anything else, by name. ``python -m dspark_ops.profile`` writes one. The decoder
 corrects the table online from its own rounds' timings (:meth:`CostTable.observe_target`,
 :meth:`CostTable.observe_draft`), so a machine that slows down or speeds up is followed: each
-timing moves one speed factor that scales every entry, and its own entry's shape more slowly.
+target timing moves one speed factor that scales every entry, and its own entry's shape more
+slowly; a drafting time moves only its own price.
 The rule mostly observes the few widths it uses; without the shared factor the widths it does
 not use would keep the prices of whatever spell the table was profiled in, and their prices
 relative to the plain step (which decide whether to speculate at all) would be wrong.
@@ -178,10 +179,16 @@ class CostTable:
             self._observe(row, width - 1, seconds, rate)
 
     def observe_draft(self, k: int, seconds: float, rate: float = ONLINE_RATE) -> None:
-        """Moves the table toward a measured drafting time of ``k`` slots, as
-        :meth:`observe_target` does."""
-        if 1 <= k < len(self.draft_seconds):
-            self._observe(self.draft_seconds, k, seconds, rate)
+        """Moves the price of drafting ``k`` slots toward a measured drafting time, at ``rate``
+        (an EMA), leaving the speed factor to the target's timings. A drafting time carries the
+        round's bookkeeping (the schedule, the proposer's own Python), which its profile did
+        not, and is a ratio to a price that may be microseconds (a lookup or oracle proposer):
+        as a speed ratio it swung every target price, by 1.4x a round for an oracle draft,
+        and the plain step's timings then pulled only the narrow entries back, so the wide
+        rounds looked 1.5x dearer than they were and the rule stayed plain at an acceptance
+        of 0.9."""
+        if 1 <= k < len(self.draft_seconds) and math.isfinite(seconds) and seconds > 0:
+            self.draft_seconds[k] += rate * (seconds / self.speed - self.draft_seconds[k])
 
     # -- files ------------------------------------------------------------------------------
 

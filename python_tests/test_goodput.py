@@ -101,10 +101,22 @@ def test_a_uniform_drift_seen_at_one_width_moves_every_width():
     assert costs.draft(1) == pytest.approx(0.005, rel=0.12)
 
 
-def test_a_free_proposer_entry_learns_without_a_ratio():
-    costs = table([10, 20], [0])
-    costs.observe_draft(1, 0.002, rate=1.0)
-    assert costs.speed == 1.0 and costs.draft(1) == pytest.approx(0.25 * 0.002)
+def test_a_drafting_time_moves_only_its_own_price():
+    """A proposer profiled at 15 us (an oracle or a lookup) whose rounds time 1 ms of
+    bookkeeping: the draft's price learns it, the target's prices stay. As a speed ratio
+    (66x) it raised every target price 1.5x a round, and the plain step's timings then pulled
+    only width 1 back: the wide widths looked dear and the rule stayed plain."""
+    costs = table([55, 75], [0.015])
+    for _ in range(3):
+        costs.observe_draft(1, 0.001, rate=0.5)
+    assert costs.speed == 1.0
+    assert [costs.target(1, w) for w in (1, 2)] == pytest.approx([0.055, 0.075])
+    assert costs.draft(1) == pytest.approx(0.001 + (0.000015 - 0.001) * 0.5 ** 3)
+    free = table([10, 20], [0])  # a proposer profiled as free learns its price the same way
+    free.observe_draft(1, 0.002, rate=1.0)
+    assert free.speed == 1.0 and free.draft(1) == pytest.approx(0.002)
+    free.observe_target(1, 1, 0.02, rate=1.0)  # the target's timing scales the draft's price
+    assert free.speed == pytest.approx(2.0) and free.draft(1) == pytest.approx(0.004)
 
 
 def test_a_saved_table_keeps_its_corrected_prices(tmp_path):
