@@ -75,6 +75,8 @@ def train_args(args: argparse.Namespace, arch: str, data: str, target: str) -> L
             command += ["--draft-vocab", str(args.draft_vocab)]
     if args.min_lr_ratio:
         command += ["--min-lr-ratio", str(args.min_lr_ratio)]
+    if args.init_from_target and arch != "eagle3":
+        command.append("--init-from-target")
     if os.path.lexists(os.path.join(out, "step_latest")):
         command.append("--resume")
     return command
@@ -158,6 +160,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the DSpark draft drafts from the N most frequent answer tokens "
                              "(the released draft: 8192); default: the whole vocabulary")
+    parser.add_argument("--init-from-target", action="store_true",
+                        help="the DSpark and DFlash drafts' layers start from the target's "
+                             "top layers")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--archs", nargs="+", choices=ARCHS, default=["dspark", "dflash"],

@@ -177,3 +177,26 @@ def test_only_the_decisive_competitors_make_a_row_noisy(fake_clock):
     timing.measure(row, {"ours": Scripted("ours", [1e-3]), "ref": slow_and_noisy_ref,
                          "eager": Scripted("eager", [2e-3])}, CPU, _timing(4))
     assert row.flags == [] and row.rounds == 4 and row.spread["ref"] > timing.NOISY_SPREAD
+
+
+def test_smollm2_train_passes_the_recipe_to_each_trainer(tmp_path):
+    """bench.smollm2_train's trainer command lines: every draft shares the recipe's flags;
+    the Markov rank and the draft vocabulary are DSpark's; --init-from-target reaches the
+    block drafts and not Eagle3 (no layer list to start from)."""
+    import argparse
+
+    from bench.smollm2_train import train_args
+
+    args = argparse.Namespace(out=str(tmp_path), num_layers=2, anchors=32, batch_tokens=1024,
+                              epochs=2, lr=6e-4, seed=42, max_length=512, markov_rank=64,
+                              draft_vocab=8192, min_lr_ratio=0.1, init_from_target=True)
+    commands = {arch: train_args(args, arch, "data.jsonl", "target")
+                for arch in ("dspark", "dflash", "eagle3")}
+    for arch, command in commands.items():
+        flags = dict(zip(command, command[1:]))
+        assert flags["--arch"] == arch and flags["--min-lr-ratio"] == "0.1"
+        assert ("--init-from-target" in command) == (arch != "eagle3")
+        assert ("--draft-vocab" in command) == (arch == "dspark")
+        assert "--resume" not in command  # nothing to resume yet
+    args.init_from_target = False
+    assert "--init-from-target" not in train_args(args, "dspark", "data.jsonl", "target")

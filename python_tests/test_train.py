@@ -465,3 +465,43 @@ def test_collate_drops_padding_blocks_only():
             assert torch.equal(data["eval_mask"], batch.eval_mask)
             torch.testing.assert_close(data["weights"], position_weights(batch.eval_mask))
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_target_starts_the_layers_from_the_target_top(setup, tmp_path):
+    """``--init-from-target``: the draft's one layer is the target's last (layer 3 of 4), every
+    tensor, and its final norm the target's; the context projection is not (no counterpart).
+    A tiny learning rate keeps one step's update far below the tolerance. Without the flag the
+    layer is random."""
+    import transformers
+
+    from dspark_ops.train.draft_config import copy_target_layers
+
+    _, target, data = setup
+    out = str(tmp_path / "init")
+    main(train_args(target, data, out, "--max-steps", "1", "--lr", "1e-9",
+                    "--init-from-target"))
+    weights = load_state_dict_file(os.path.join(out, "step_latest", "model.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(target)
+    top = model.model.layers[LAYERS - 1].state_dict()
+    layer = {k[len("layers.0."):]: v for k, v in weights.items() if k.startswith("layers.0.")}
+    assert set(layer) == set(top)
+    for name, tensor in top.items():
+        torch.testing.assert_close(layer[name], tensor, atol=1e-6, rtol=0, msg=name)
+    torch.testing.assert_close(weights["norm.weight"], model.model.norm.weight, atol=1e-6,
+                               rtol=0)
+    scratch = str(tmp_path / "scratch")
+    main(train_args(target, data, scratch, "--max-steps", "1", "--lr", "1e-9"))
+    random_layer = load_state_dict_file(os.path.join(scratch, "step_latest", "model.safetensors"))
+    assert not torch.allclose(random_layer["layers.0.mlp.up_proj.weight"],
+                              top["mlp.up_proj.weight"], atol=1e-3)
+    # a draft without a layer list, or with more layers than the target, is refused by name
+    with pytest.raises(ValueError, match="no 'layers'"):
+        copy_target_layers(torch.nn.Linear(2, 2), model)
+    deep = torch.nn.Module()
+    deep.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)] * (LAYERS + 1))
+    with pytest.raises(ValueError, match=f"the target only {LAYERS}"):
+        copy_target_layers(deep, model)
+    shallow = torch.nn.Module()
+    shallow.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="shares no weight name and shape"):
+        copy_target_layers(shallow, model)

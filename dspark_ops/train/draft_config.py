@@ -18,7 +18,8 @@ from ..models.config import rope_theta_of
 from ..models.registry import GEMMA4_MODEL_TYPES, family_of, family_of_config, family_to_train
 
 __all__ = ["build_draft_config", "check_draft_fits_target", "check_target_layers",
-           "default_target_layers", "init_draft", "mask_token_id", "text_config"]
+           "copy_target_layers", "default_target_layers", "init_draft", "mask_token_id",
+           "text_config"]
 
 
 def text_config(config):
@@ -263,11 +264,19 @@ def _eagle3_config(text, args, tokenizer=None) -> Eagle3Config:
 _BUILDERS = {"qwen3": _qwen3_config, "gemma4": _gemma4_config, "eagle3": _eagle3_config}
 
 
-def init_draft(config, target_model, initializer_range: float = 0.02):
+def init_draft(config, target_model, initializer_range: float = 0.02,
+               layers_from_target: bool = False):
     """A new draft of the config's family (:func:`~dspark_ops.models.registry.family_of`): linear
     and embedding weights ``N(0, initializer_range)``, biases 0, norms 1 (transformers'
     initialisation, which DeepSpec's drafts get), then the target's embedding and LM head copied
-    in and frozen."""
+    in and frozen.
+
+    ``layers_from_target``: draft layer ``i`` of ``n`` then starts from the target's layer
+    ``L - n + i`` (its top layers, which already map hidden states toward the next token), every
+    weight whose name and shape match, and the final norm from the target's; what the target
+    has no counterpart for (the context projection, the heads, a Qwen3-style q/k norm over a
+    Llama target) keeps the initialisation above. Trainable, unlike the embedding and LM head.
+    """
     draft = family_of(config).draft_class(config)
     with torch.no_grad():
         for module in draft.modules():
@@ -277,6 +286,41 @@ def init_draft(config, target_model, initializer_range: float = 0.02):
                     module.bias.zero_()
         draft.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
         draft.lm_head.weight.copy_(target_model.get_output_embeddings().weight)
+        if layers_from_target:
+            copy_target_layers(draft, target_model)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(False)
     return draft
+
+
+def copy_target_layers(draft: nn.Module, target_model) -> List[str]:
+    """Copies the target's top layers (and final norm) into ``draft``'s layers, tensor by tensor
+    where the names and shapes match (:func:`init_draft`); returns the draft tensors copied.
+    Raises when the draft has no layer list, or when no tensor of a layer matches (another
+    architecture: a silent no-op would train from scratch under the flag's name)."""
+    from ..hf import _decoder_layers
+
+    layers = getattr(draft, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(draft).__name__}: no 'layers' to start from the target's")
+    source = _decoder_layers(target_model)
+    if len(layers) > len(source):
+        raise ValueError(f"the draft has {len(layers)} layers, the target only {len(source)}")
+    copied: List[str] = []
+    for i, layer in enumerate(layers):
+        theirs = source[len(source) - len(layers) + i].state_dict()
+        names = [name for name, tensor in layer.state_dict().items()
+                 if name in theirs and theirs[name].shape == tensor.shape]
+        if not names:
+            raise ValueError(f"draft layer {i} ({type(layer).__name__}) shares no weight name "
+                             f"and shape with the target's {type(source[0]).__name__}")
+        mine = layer.state_dict()
+        for name in names:
+            mine[name].copy_(theirs[name])
+        copied += [f"layers.{i}.{name}" for name in names]
+    norm = getattr(target_model.get_decoder(), "norm", None)
+    if norm is not None and getattr(draft, "norm", None) is not None \
+            and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(norm.weight)
+        copied.append("norm.weight")
+    return copied

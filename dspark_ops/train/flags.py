@@ -59,6 +59,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
     model.add_argument("--mask-token-id", type=int, default=None,
                        help="default: the tokenizer's mask token, else the first id past the "
                             "tokenizer (Qwen3: 151669)")
+    model.add_argument("--init-from-target", action="store_true",
+                       help="the draft's layers start from the target's top layers (every "
+                            "weight of matching name and shape) instead of at random")
     model.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
     model.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                        help="draft from the N ids most frequent among the training data's "

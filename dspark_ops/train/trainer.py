@@ -350,7 +350,8 @@ class Trainer:
             draft.lm_head.requires_grad_(False)
         else:
             draft = init_draft(self.config, model,
-                               float(getattr(self.text, "initializer_range", 0.02)))
+                               float(getattr(self.text, "initializer_range", 0.02)),
+                               layers_from_target=self.args.init_from_target)
         if self.cache is not None and self.target is not None:  # the cache replaces it
             self.target.close()
             self.target = None
