@@ -346,6 +346,8 @@ def test_acceptance_estimate_learns_only_what_was_verified():
         AcceptanceEstimate(4, rate=0.0)
     with pytest.raises(ValueError, match="strength > 0"):
         AcceptanceEstimate(4, strength=0.0)
+    with pytest.raises(ValueError, match="0 <= idle_rate <= 1"):
+        AcceptanceEstimate(4, idle_rate=1.5)
 
 
 def test_a_request_starts_from_the_pooled_profile():
