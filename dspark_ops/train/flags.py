@@ -61,7 +61,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
                             "tokenizer (Qwen3: 151669)")
     model.add_argument("--init-from-target", action="store_true",
                        help="the draft's layers start from the target's top layers (every "
-                            "weight of matching name and shape) instead of at random")
+                            "weight of matching name and shape) instead of at random (on "
+                            "SmolLM2 it trained worse than a random start: "
+                            "releases/smollm2-135m-instruct/README.md)")
     model.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
     model.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                        help="draft from the N ids most frequent among the training data's "
