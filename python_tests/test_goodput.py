@@ -103,9 +103,9 @@ def test_a_uniform_drift_seen_at_one_width_moves_every_width():
 
 def test_a_drafting_time_moves_only_its_own_price():
     """A proposer profiled at 15 us (an oracle or a lookup) whose rounds time 1 ms of
-    bookkeeping: the draft's price learns it, the target's prices stay. As a speed ratio
-    (66x) it raised every target price 1.5x a round, and the plain step's timings then pulled
-    only width 1 back: the wide widths looked dear and the rule stayed plain."""
+    bookkeeping: the draft's price learns it, the target's prices stay. As a speed ratio it
+    raised every target price with each speculative round, and the plain step's timings then
+    pulled only width 1 back: the wide widths looked dear and the rule stayed plain."""
     costs = table([55, 75], [0.015])
     for _ in range(3):
         costs.observe_draft(1, 0.001, rate=0.5)
