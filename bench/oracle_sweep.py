@@ -127,6 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     target = HFTarget(model, [-1])  # no draft reads features
     vocab = model.config.vocab_size
     prompts = _prompts(tokenizer, args.prompts, args.runs)
+    if len(prompts) < args.prompts:
+        print(f"bench.oracle_sweep: --prompts {args.prompts}, but only {len(prompts)} found "
+              f"(the held-out sets of --runs {args.runs}, else the built-in prompts)",
+              flush=True)
     n = args.max_new_tokens
     K = max(args.ks)
     with torch.no_grad():
