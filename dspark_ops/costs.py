@@ -158,25 +158,19 @@ class CostTable:
 
     # -- online correction ------------------------------------------------------------------
 
-    def _observe(self, entries: List[float], index: int, seconds: float, rate: float) -> None:
-        """Moves the speed factor by ``rate`` (in log space) toward the timing's ratio to its
-        price, then the entry by ``ENTRY_SHARE * rate`` toward what is left of it. (An entry
-        of zero, a proposer profiled as free, has no ratio: only the entry moves.)"""
-        if not (math.isfinite(seconds) and seconds > 0):
-            return
-        if entries[index] > 0:
-            self.speed *= (seconds / (self.speed * entries[index])) ** rate
-        entries[index] += ENTRY_SHARE * rate * (seconds / self.speed - entries[index])
-
     def observe_target(self, batch: int, width: int, seconds: float,
                        rate: float = ONLINE_RATE) -> None:
         """Moves the table toward a measured step time of (``batch``, ``width``): the speed
-        factor of every entry, and this entry (see the module doc)."""
+        factor by ``rate`` (in log space) toward the timing's ratio to its price, then this
+        entry by ``ENTRY_SHARE * rate`` toward what is left of it (see the module doc)."""
         row = self.target_seconds.get(batch)
         if row is None:  # a batch not profiled: start its row from the scaled estimate
             row = self.target_seconds[batch] = list(self._entries(batch))
-        if 1 <= width <= len(row):
-            self._observe(row, width - 1, seconds, rate)
+        if not (1 <= width <= len(row) and math.isfinite(seconds) and seconds > 0):
+            return
+        entry = row[width - 1]  # > 0: a target step is never free
+        self.speed *= (seconds / (self.speed * entry)) ** rate
+        row[width - 1] = entry + ENTRY_SHARE * rate * (seconds / self.speed - entry)
 
     def observe_draft(self, k: int, seconds: float, rate: float = ONLINE_RATE) -> None:
         """Moves the price of drafting ``k`` slots toward a measured drafting time, at ``rate``
