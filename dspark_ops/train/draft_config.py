@@ -309,12 +309,12 @@ def copy_target_layers(draft: nn.Module, target_model) -> List[str]:
     copied: List[str] = []
     for i, layer in enumerate(layers):
         theirs = source[len(source) - len(layers) + i].state_dict()
-        names = [name for name, tensor in layer.state_dict().items()
+        mine = layer.state_dict()
+        names = [name for name, tensor in mine.items()
                  if name in theirs and theirs[name].shape == tensor.shape]
         if not names:
             raise ValueError(f"draft layer {i} ({type(layer).__name__}) shares no weight name "
                              f"and shape with the target's {type(source[0]).__name__}")
-        mine = layer.state_dict()
         for name in names:
             mine[name].copy_(theirs[name])
         copied += [f"layers.{i}.{name}" for name in names]
