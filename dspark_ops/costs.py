@@ -275,13 +275,16 @@ def _device_name(device) -> str:
 
 def cost_key(target, proposer, *, device, dtype, batch_sizes: Sequence[int] = (1,)) -> dict:
     """What a cost table depends on: the target, the proposer (its kind, configuration and
-    most drafts), the device, the dtype, the CPU threads and the library and torch versions."""
+    most drafts), the device, the dtype, the CPU threads, the library and torch versions and
+    the rule of the CPU's few-row linear layers (:mod:`dspark_ops.models.cpu_linear`)."""
     from ._version import __version__
+    from .models.cpu_linear import RULE
 
     return {"target": target_identity(target), "proposer": proposer.identity(),
             "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "library": __version__,
-            "torch": torch.__version__, "batch_sizes": sorted(int(b) for b in batch_sizes)}
+            "torch": torch.__version__, "linears": RULE,
+            "batch_sizes": sorted(int(b) for b in batch_sizes)}
 
 
 def default_cost_dir() -> str:

@@ -23,7 +23,9 @@ import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
+import torch.nn as nn
 
+from .models.cpu_linear import CpuLinears
 from .models.target import forward_ragged
 
 __all__ = ["HFTarget"]
@@ -119,6 +121,11 @@ class HFTarget:
     feature_layers : sequence of int
         The draft's ``target_layer_ids``: ``-1`` the embedding output, ``l`` the raw output of
         decoder layer ``l`` (the last layer allowed), concatenated in this order.
+    few_row_linears : bool
+        Run the model's linear layers through :class:`dspark_ops.models.cpu_linear.CpuLinears` during
+        this adapter's forwards (float32 on the CPU with MKL; elsewhere it changes nothing):
+        a verify forward of a few tokens then costs about what a plain step does. Outside the
+        adapter's calls the model is unchanged.
 
     Notes
     -----
@@ -136,7 +143,7 @@ class HFTarget:
     an engine.
     """
 
-    def __init__(self, model, feature_layers: Sequence[int]):
+    def __init__(self, model, feature_layers: Sequence[int], few_row_linears: bool = True):
         config = _text_config(model.config)
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in _SUPPORTED_ATTENTION:
@@ -146,6 +153,7 @@ class HFTarget:
         self.model = model.eval()
         self.config = config
         self.layers = _decoder_layers(model)
+        self.linears = CpuLinears(model if few_row_linears else nn.Module())
         depth = len(self.layers)
         self.feature_layers = tuple(int(i) for i in feature_layers)
         ids = self.feature_layers
@@ -236,9 +244,10 @@ class HFTarget:
             keep = sorted(set(int(i) for i in logits_at))
             extra["logits_to_keep"] = torch.tensor(keep, device=device)
         with torch.profiler.record_function("dspark_ops.hf_model"):
-            out, features = self.capture_features(lambda: self.model(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                use_cache=True, **{self._cache_argument: cache.hf_cache}, **extra))
+            with self.linears:
+                out, features = self.capture_features(lambda: self.model(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                    use_cache=True, **{self._cache_argument: cache.hf_cache}, **extra))
         with torch.profiler.record_function("dspark_ops.hf_mask_and_cache"):
             cache.append(width, cache_len)
         logits = out.logits

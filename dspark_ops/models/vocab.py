@@ -27,9 +27,9 @@ import os
 from typing import Iterable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .checkpoint import load_state_dict_file, save_safetensors
+from .cpu_linear import few_row_linear
 
 __all__ = ["DRAFT_VOCAB_FILE", "DraftVocabulary", "VocabularyHeads", "count_response_tokens"]
 
@@ -195,7 +195,7 @@ class VocabularyHeads:
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, k, N + B]``: the family's logits over the subset, then ``-inf`` columns."""
         batch = hidden.shape[0]
-        logits = self.draft.transform_logits(F.linear(hidden, self.lm_rows))
+        logits = self.draft.transform_logits(few_row_linear(hidden, self.lm_rows))
         tail = logits.new_full((batch, hidden.shape[1], batch), float("-inf"))
         return torch.cat([logits, tail], -1)
 

@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from ..costs import digest
+from ..models.cpu_linear import CpuLinears
 from ..models.vocab import VocabularyHeads
 from ..steps import part
 from .base import Proposal, Proposer
@@ -42,6 +43,7 @@ class BlockDraftProposer(Proposer):
     def __init__(self, draft, block_size: Optional[int] = None,
                  calib_temperature: Optional[torch.Tensor] = None):
         self.draft = draft
+        self.linears = CpuLinears(draft)  # the heads' few rows on the CPU
         self.block_size = int(block_size or draft.config.block_size)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -96,31 +98,33 @@ class BlockDraftProposer(Proposer):
     def propose(self, k, anchor, position, temperature, seed, filters, history) -> Proposal:
         if not 1 <= k <= self.block_size:
             raise ValueError(f"propose(): k must be in [1, {self.block_size}], got {k}")
-        draft = self.draft
-        self._flush()
-        with part("draft_forward"):
-            hidden = draft(draft.block_hidden(anchor, self.block_size), block_positions=None,
-                           k_caches=self.k_caches, v_caches=self.v_caches,
-                           cache_seqlens=self.cache_len)[:, :k]
-        heads = self.vocab_heads or draft
-        with part("draft_lm_head"):
-            base_logits = heads.base_logits(hidden)
-        with part("markov_drafting"):
-            drafts, draft_logits = heads.propose(base_logits, anchor, hidden, temperature, seed,
-                                                 position, **filters)
-        confidence = None
-        if self.has_confidence:
-            with part("confidence"):
-                prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
-                calib = None if self.calib is None else self.calib[:k]
-                confidence = draft.confidence(hidden, prev, calib)
-        return Proposal(drafts, draft_logits, confidence)
+        with self.linears:
+            draft = self.draft
+            self._flush()
+            with part("draft_forward"):
+                hidden = draft(draft.block_hidden(anchor, self.block_size), block_positions=None,
+                               k_caches=self.k_caches, v_caches=self.v_caches,
+                               cache_seqlens=self.cache_len)[:, :k]
+            heads = self.vocab_heads or draft
+            with part("draft_lm_head"):
+                base_logits = heads.base_logits(hidden)
+            with part("markov_drafting"):
+                drafts, draft_logits = heads.propose(base_logits, anchor, hidden, temperature, seed,
+                                                     position, **filters)
+            confidence = None
+            if self.has_confidence:
+                with part("confidence"):
+                    prev = torch.cat([anchor[:, None], drafts[:, :-1]], 1)
+                    calib = None if self.calib is None else self.calib[:k]
+                    confidence = draft.confidence(hidden, prev, calib)
+            return Proposal(drafts, draft_logits, confidence)
 
     def commit(self, features, kept, emitted, position, plain) -> None:
         if plain:
             self._pending.append(features)
             self._pending_kept = kept if self._pending_kept is None else self._pending_kept + kept
             return
-        self._flush()
-        with part("draft_context"):
-            self._append(features, kept)
+        with self.linears:
+            self._flush()
+            with part("draft_context"):
+                self._append(features, kept)

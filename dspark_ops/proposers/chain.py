@@ -17,6 +17,7 @@ from typing import List
 import torch
 
 from ..costs import digest
+from ..models.cpu_linear import CpuLinears
 from ..models.draft import sample_base_logits
 from ..steps import part
 from .base import Proposal, Proposer
@@ -38,6 +39,7 @@ class ChainProposer(Proposer):
 
     def __init__(self, draft, max_drafts=None):
         self.draft = draft
+        self.linears = CpuLinears(draft)  # the chain's one row per step on the CPU
         self.max_drafts = int(max_drafts or draft.config.block_size)
         if self.max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}")
@@ -92,25 +94,27 @@ class ChainProposer(Proposer):
     def propose(self, k, anchor, position, temperature, seed, filters, history) -> Proposal:
         if not 1 <= k <= self.max_drafts:
             raise ValueError(f"propose(): k must be in [1, {self.max_drafts}], got {k}")
-        draft = self.draft
-        self._flush()
-        one = torch.ones_like(self.cache_len)
-        with part("draft_chain"):
-            tokens, logits, h = [], [], self.hidden
-            for j in range(k):
-                step = sample_base_logits(draft.compute_logits(h)[:, None], temperature, seed,
-                                          position + j, **filters)
-                tokens.append(step.tokens[:, 0])
-                logits.append(step.draft_logits[:, 0])
-                if j + 1 < k:  # the last draft needs no step of its own
-                    h = draft.extend(h[:, None], step.tokens, (position + j)[:, None], one,
-                                     self.cache, self.cache_len + j, project=False)[:, 0]
-        return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1))
+        with self.linears:
+            draft = self.draft
+            self._flush()
+            one = torch.ones_like(self.cache_len)
+            with part("draft_chain"):
+                tokens, logits, h = [], [], self.hidden
+                for j in range(k):
+                    step = sample_base_logits(draft.compute_logits(h)[:, None], temperature, seed,
+                                              position + j, **filters)
+                    tokens.append(step.tokens[:, 0])
+                    logits.append(step.draft_logits[:, 0])
+                    if j + 1 < k:  # the last draft needs no step of its own
+                        h = draft.extend(h[:, None], step.tokens, (position + j)[:, None], one,
+                                         self.cache, self.cache_len + j, project=False)[:, 0]
+            return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1))
 
     def commit(self, features, kept, emitted, position, plain) -> None:
         if plain:
             self._pending.append((features, emitted, position, kept))
             return
-        self._flush()
-        with part("draft_context"):
-            self._append(features, emitted, position, kept)
+        with self.linears:
+            self._flush()
+            with part("draft_context"):
+                self._append(features, emitted, position, kept)
