@@ -3,9 +3,9 @@
 A decoding step multiplies 1 to 16 rows by every weight of the model, so each product reads its
 weight once and does almost no arithmetic: its time is how fast the BLAS streams the weight.
 ``torch.nn.functional.linear`` asks for ``x @ weight.T``; with Intel MKL (torch's BLAS on x86)
-that product is several times slower than ``weight @ x.T`` for 2 to 8 rows, and its
-matrix-vector path for one row streams a wide weight (an LM head) at about half the speed of a
-two-row product. Measured on SmolLM2-135M (float32, 2 threads, an AMD EPYC): one forward of
+that product of 2 to 4 rows takes 1.3-1.8x as long as ``weight @ x.T``, and 3-5x with a wide
+weight (an LM head, up to 16 rows), and its matrix-vector path for one row streams a wide weight
+at about half the speed of a two-row product. Measured on SmolLM2-135M (float32, 2 threads, an AMD EPYC): one forward of
 n = 1, 2, 4, 8 new tokens took 66, 116, 111, 100 ms through ``linear`` and 69, 64, 75, 105 ms
 with the rule below, so verifying drafts costs little more than the plain step.
 
