@@ -273,7 +273,9 @@ def chart(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    greedy = results["settings"]["greedy"]
+    # the greedy setting when measured, else the sampled one
+    setting = "greedy" if "greedy" in results["settings"] else next(iter(results["settings"]))
+    greedy = results["settings"][setting]
     methods = [m for m in METHODS if m in greedy[CATEGORIES[0]]]
     colours = dict(zip(METHODS, ["#9e9e9e", "#bdbdbd", "#607d8b", "#26a69a", "#64b5f6",
                                  "#8e24aa", "#ef6c00", "#c62828", "#f48fb1"]))
@@ -285,7 +287,7 @@ def chart(results: dict, path: str) -> None:
         xs = [c + (m - (len(methods) - 1) / 2) * width for c in range(len(CATEGORIES))]
         bars.bar(xs, values, width, label=name, color=colours[name])
     bars.set_xticks(range(len(CATEGORIES)), CATEGORIES)
-    bars.set_ylabel("tokens / s (greedy, one request)")
+    bars.set_ylabel(f"tokens / s ({setting}, one request)")
     bars.set_title("Decoding speed, SmolLM2-135M-Instruct on 2 CPU threads")
     bars.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     for name, style in (("dspark", "-"), ("dflash", "--"), ("eagle3", ":")):
@@ -298,7 +300,7 @@ def chart(results: dict, path: str) -> None:
     lines.set_xlabel("draft position k")
     lines.set_ylabel("rounds accepting at least k drafts")
     lines.set_ylim(0, 1)
-    lines.set_title("Acceptance by position (greedy)")
+    lines.set_title(f"Acceptance by position ({setting})")
     lines.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -333,7 +335,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                  "when missing, 'none' to leave it out)")
     parser.add_argument("--prompts-dir", default=os.path.join("runs", "smollm2", "prompts"),
                         help="python -m dspark_ops.prompts' output (written here when missing)")
-    parser.add_argument("--prompts", type=int, default=12, help="greedy prompts per category")
+    parser.add_argument("--prompts", type=int, default=12,
+                        help="greedy prompts per category (0: T = 1 only)")
     parser.add_argument("--sampled-prompts", type=int, default=6,
                         help="T = 1 prompts per category (0: greedy only)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -347,6 +350,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--chart-only", action="store_true",
                         help="draw --chart from the results in --json, measuring nothing")
     args = parser.parse_args(argv)
+    for name in ("prompts", "sampled_prompts"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.chart_only and args.prompts == 0 and args.sampled_prompts == 0:
+        parser.error("--prompts and --sampled-prompts are both 0: nothing to measure")
     if args.chart_only:
         with open(args.json) as f:
             results = json.load(f)
@@ -396,7 +404,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         rows = [json.loads(line) for line in open(file) if line.strip()][:count]
         return [chat_prompt(tokenizer, row["turns"][0]) for row in rows]
 
-    settings = {"greedy": (0.0, args.prompts)}
+    settings = {"greedy": (0.0, args.prompts)} if args.prompts else {}
     if args.sampled_prompts:
         settings["T=1"] = (1.0, args.sampled_prompts)
     methods = [m for m in METHODS if m not in NEEDS or NEEDS[m] in drafts]
