@@ -102,3 +102,27 @@ def test_routes_a_models_layers_inside_the_block_only():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert after is not None and len(calls) == 2  # outside the block: nn.Linear's own forward
     assert all("forward" not in layer.__dict__ for layer in (net.proj, net.head, net.half))
+
+
+def test_the_benchmark_covers_every_shape_and_row_count(tmp_path):
+    """bench.cpu_linear on a small model: a row per distinct weight shape and row count, the
+    rule's choice as uses_rule says, and its chart drawn."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import cpu_linear as bench
+
+    net = _Net()
+    rows = bench.products(net, repeats=1)
+    shapes = {tuple(r["shape"]) for r in rows}
+    assert shapes == {(32, 16), (WIDE_OUT, 32), (16, 16)}
+    assert len(rows) == len(shapes) * len(bench.ROWS)
+    for row in rows:
+        assert row["rule_uses_weight_x_t"] == uses_rule(row["rows"], row["shape"][0])
+        assert row["linear_ms"] > 0 and row["weight_x_t_ms"] > 0
+    pytest.importorskip("matplotlib")
+    steps = [{"width": w, "linear_ms": 2.0 * w, "few_row_ms": 1.0 + w} for w in bench.WIDTHS]
+    path = tmp_path / "chart.png"
+    bench.chart({"products": rows, "steps": steps}, str(path))
+    assert path.stat().st_size > 0
