@@ -3,11 +3,12 @@
 A decoding step multiplies 1 to 16 rows by every weight of the model, so each product reads its
 weight once and does almost no arithmetic: its time is how fast the BLAS streams the weight.
 ``torch.nn.functional.linear`` asks for ``x @ weight.T``; with Intel MKL (torch's BLAS on x86)
-that product of 2 to 4 rows takes 1.3-1.8x as long as ``weight @ x.T``, and 3-5x with a wide
-weight (an LM head, up to 16 rows), and its matrix-vector path for one row streams a wide weight
-at about half the speed of a two-row product. Measured on SmolLM2-135M (float32, 2 threads, an AMD EPYC): one forward of
-n = 1, 2, 4, 8 new tokens took 66, 116, 111, 100 ms through ``linear`` and 69, 64, 75, 105 ms
-with the rule below, so verifying drafts costs little more than the plain step.
+that product of a few rows is slower than ``weight @ x.T``, several times so with a wide weight
+(an LM head), and its matrix-vector path for one row streams a wide weight slower than a two-row
+product does. Verifying a few drafts then costs much more than the plain step for no reason
+but the call. ``python -m bench.cpu_linear`` measures both per weight shape and row count, and
+the target's step with and without the rule (numbers: ``docs/semantics.md`` §3.6a and
+``bench/results/cpu_linear_smollm2.json``).
 
 The rule, per product of ``rows`` rows with an ``out × in`` float32 weight:
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 __all__ = ["CpuLinears", "NARROW_ROWS", "RULE", "WIDE_OUT", "WIDE_ROWS", "engages",
            "few_row_linear", "uses_rule"]
 
-NARROW_ROWS = 4  # from 5 rows linear is as fast or faster (measured up to 16)
+NARROW_ROWS = 4  # from 5 to 12 rows linear was as fast or faster (bench.cpu_linear)
 WIDE_OUT = 8192
 WIDE_ROWS = 16
 RULE = f"weight@x.T for 2..{NARROW_ROWS} rows, 1..{WIDE_ROWS} for {WIDE_OUT}+ outputs"
