@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from bench.common import device_name
+from bench.common import device_name, write_json
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -197,9 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         print(f"{r['batch_size']:5d} {t['median']:12.1f} {t['min']:7.1f} {t['max']:7.1f} "
               f"{r['peak_extra_mib']:9.0f}")
     print(f"best batch size: {best}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.json, results)
     if args.chart:
         chart(results, args.chart)
         print(f"chart: {args.chart}")

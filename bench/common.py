@@ -1,10 +1,13 @@
-"""What the benchmark modules share: the device to run on, its name, and progress logging.
+"""What the benchmark modules share: the device to run on, its name, progress logging, and
+writing a real-model command's results as JSON.
 
 Timing is in :mod:`bench.timing`, rows, the table and result files in :mod:`bench.report`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import re
 import sys
@@ -79,3 +82,10 @@ def has_kernel(op: str, device_type: str) -> bool:
     from dspark_ops._library import op_backends
 
     return device_type.upper() in op_backends(op)
+
+
+def write_json(path: str, results: dict) -> None:
+    """Writes ``results`` to ``path`` (indent 1), making its folder first."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)

@@ -15,7 +15,6 @@ is wrong there. Writes the JSON and a PNG chart (the time ratio per shape and ro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from bench.common import device_name
+from bench.common import device_name, write_json
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 WIDTHS = (1, 2, 3, 4, 6, 8)
@@ -178,9 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     print(f"{'width':>5s} {'linear ms':>10s} {'few-row ms':>10s}")
     for row in results["steps"]:
         print(f"{row['width']:5d} {row['linear_ms']:10.1f} {row['few_row_ms']:10.1f}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.json, results)
     if args.chart:
         chart(results, args.chart)
         print(f"chart: {args.chart}")

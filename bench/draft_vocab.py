@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from bench.common import write_json
 from bench.e2e import CATEGORIES, _calibration, _load_draft
 from dspark_ops.prepare_data import cut_at_stop
 
@@ -208,9 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     results["plain_tokens_per_s"] = plain_rate
     results["heldout_response_tokens"] = heldout.numel()
     target.close()
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.json, results)
     print(f"\n{'vocab':>6s} {'cover tr':>8s} {'cover ho':>8s} {'head ms/slot':>12s} "
           f"{'proposal ms':>11s} {'tau':>5s} {'first':>6s} {'goodput x plain':>15s} "
           f"{'plain':>6s} {'same':>6s}")

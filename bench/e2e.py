@@ -52,7 +52,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from bench.common import device_name
+from bench.common import device_name, write_json
 from dspark_ops.prepare_data import cut_at_stop
 
 CATEGORIES = ("math", "code", "chat")
@@ -441,9 +441,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         for methods in per_category.values():
             for entry in methods.values():
                 entry.pop("outputs", None)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.json, results)
     print_table(results)
     if args.chart:
         chart(results, args.chart)

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from bench.common import device_name
+from bench.common import device_name, write_json
 
 DEFAULT_PROMPTS = (
     "Write a Python function that merges two sorted lists into one sorted list.",
@@ -210,9 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
               f"{e['goodput_vs_best_fixed']:8.2f} {e['goodput_vs_plain']:8.2f} "
               f"{e['goodput'].get('plain_share', 0):15.0%}")
     target.close()
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.json, results)
     if args.chart:
         chart(results, args.chart)
         print(f"chart: {args.chart}")
