@@ -19,11 +19,11 @@ this module imports it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
-import torch.nn as nn
 
 from .models.cpu_linear import CpuLinears
 from .models.target import forward_ragged
@@ -122,8 +122,9 @@ class HFTarget:
         The draft's ``target_layer_ids``: ``-1`` the embedding output, ``l`` the raw output of
         decoder layer ``l`` (the last layer allowed), concatenated in this order.
     few_row_linears : bool
-        Run the model's linear layers through :class:`dspark_ops.models.cpu_linear.CpuLinears` during
-        this adapter's forwards (float32 on the CPU with MKL; elsewhere it changes nothing):
+        Run the model's linear layers through
+        :class:`dspark_ops.models.cpu_linear.CpuLinears` during this adapter's forwards
+        (float32 on the CPU with MKL; elsewhere it changes nothing):
         a verify forward of a few tokens then costs about what a plain step does. Outside the
         adapter's calls the model is unchanged.
 
@@ -153,7 +154,7 @@ class HFTarget:
         self.model = model.eval()
         self.config = config
         self.layers = _decoder_layers(model)
-        self.linears = CpuLinears(model if few_row_linears else nn.Module())
+        self.linears = CpuLinears(model) if few_row_linears else contextlib.nullcontext()
         depth = len(self.layers)
         self.feature_layers = tuple(int(i) for i in feature_layers)
         ids = self.feature_layers
