@@ -7,6 +7,13 @@ template (assistant turn opened, thinking off) and the target answers it with De
 defaults (temperature 0.7, top-p 0.8, top-k 20); a multi-turn prompt is answered turn by turn,
 each answer kept as history for the next turn. Prompts are batched (left padding).
 
+A JSONL row may also carry ``"answers"``, one string per turn (``python -m
+dspark_ops.source_text`` writes such rows: standard-library source as the answers of coding
+tasks). Those answers are taken as the assistant's turns instead of being generated: the row is
+*teacher-forced*, the draft learns the target's distribution over text the target did not write,
+and its only cost is the target's features (with ``--cache``, one prefill pass; the summary
+reports its tokens/s).
+
 Each output line holds the ``id``, the ``conversations`` (user and assistant messages), and what
 ``python -m dspark_ops.train`` reads: ``input_ids`` (the whole conversation through the chat
 template) and ``loss_mask`` (1 on the assistant's tokens and the end-of-turn token after each).
@@ -47,12 +54,12 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FeatureCapture", "conversation_tokens", "cut_at_stop", "left_padded", "main",
-           "parse_args", "read_prompts"]
+__all__ = ["FeatureCapture", "Prompt", "conversation_tokens", "cut_at_stop", "left_padded",
+           "main", "parse_args", "read_prompts"]
 
 # Tokens of a sample past what generation fed that a short forward over the kept K/V cache may
 # compute (the last generated token, the chat template's end of turn); a longer difference is a
@@ -96,9 +103,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def read_prompts(path: str) -> List[Tuple[str, List[str]]]:
-    """``(id, turns)`` per prompt. JSONL rows are ``{"turns": [...]}`` (ids: the row's ``"id"``
-    or its line number); any line that is not a JSON object is one single-turn prompt."""
+class Prompt(NamedTuple):
+    """One prompt row: its ``id``, its user ``turns`` and, for a teacher-forced row, the
+    ``answers`` given for them (None: the target answers)."""
+
+    id: str
+    turns: List[str]
+    answers: Optional[List[str]] = None
+
+
+def read_prompts(path: str) -> List[Prompt]:
+    """The prompts of ``path``. JSONL rows are ``{"turns": [...]}`` (ids: the row's ``"id"``
+    or its line number), optionally with ``"answers"``: one string per turn, which makes the row
+    teacher-forced; any line that is not a JSON object is one single-turn prompt."""
     if not os.path.isfile(path):
         raise SystemExit(f"--prompts {path}: no such file")
     prompts = []
@@ -119,9 +136,15 @@ def read_prompts(path: str) -> List[Tuple[str, List[str]]]:
                         and all(isinstance(t, str) for t in turns)):
                     raise SystemExit(f"{path}:{number}: expected a non-empty string list "
                                      "'turns'")
-                prompts.append((str(row.get("id", number)), turns))
+                answers = row.get("answers")
+                if answers is not None and not (
+                        isinstance(answers, list) and len(answers) == len(turns)
+                        and all(isinstance(a, str) for a in answers)):
+                    raise SystemExit(f"{path}:{number}: 'answers' must be a list of "
+                                     f"{len(turns)} strings, one per turn")
+                prompts.append(Prompt(str(row.get("id", number)), turns, answers))
             else:
-                prompts.append((str(number), [text.replace("\\n", "\n")]))
+                prompts.append(Prompt(str(number), [text.replace("\\n", "\n")]))
     if not prompts:
         raise SystemExit(f"{path}: no prompts")
     return prompts
@@ -452,13 +475,18 @@ def _write_cache(args, config, layers: List[int], dtype: torch.dtype, stage,
         return found
 
     online = None
+    prefill = {"tokens": 0, "seconds": 0.0}
 
     def features_of(ids, valid):
         nonlocal online
         if online is None:
             online = OnlineTarget(load_model(), layers)
         device = online.hf.device
-        return online(ids.to(device), valid.to(device))
+        began = time.perf_counter()
+        found = online(ids.to(device), valid.to(device))
+        prefill["seconds"] += time.perf_counter() - began
+        prefill["tokens"] += int(valid.sum())
+        return found
 
     bar = _progress_bar(args, len(samples), "cache", "sample")
     computed = write_cache(args.cache, samples, features_of, target_layer_ids=layers,
@@ -473,8 +501,11 @@ def _write_cache(args, config, layers: List[int], dtype: torch.dtype, stage,
     print(f"cache: {len(samples)} samples in {args.cache} (target layers {layers}): "
           f"{len(samples) - computed} from features captured while generating or already "
           f"cached, {computed} "
-          "by a prefill pass (their re-tokenised conversation departs from the generated "
-          "tokens, or they were generated without --cache)", flush=True)
+          "by a prefill pass (teacher-forced, their re-tokenised conversation departs from "
+          "the generated tokens, or they were generated without --cache)", flush=True)
+    if prefill["seconds"] > 0:
+        print(f"prefill: {prefill['tokens']} tokens in {prefill['seconds']:.1f} s "
+              f"({prefill['tokens'] / prefill['seconds']:.1f} tokens/s)", flush=True)
 
 
 def _progress_bar(args, total: int, desc: str, unit: str):
@@ -502,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"--cache {args.cache}: a file; the cache is a directory")
     prompts = read_prompts(args.prompts)[: args.max_samples]
     done = _done_ids(args.out)
-    todo = [p for p in prompts if p[0] not in done]
+    todo = [p for p in prompts if p.id not in done]
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as error:
@@ -510,8 +541,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          "'.[hf]'") from error
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     chat = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
-    if not chat and any(len(turns) > 1 for _, turns in todo):
+    if not chat and any(len(p.turns) > 1 for p in todo):
         raise SystemExit("multi-turn prompts need the tokenizer's chat template")
+    if not chat and any(p.answers is not None for p in todo):
+        raise SystemExit("prompts with given 'answers' need the tokenizer's chat template")
     stage = config = layers = cache_dtype = None
     if args.cache is not None:
         from .train.cache import FeatureStage
@@ -551,8 +584,8 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
     stop = _stop_ids(model, tokenizer)
     capture = FeatureCapture(model, layers) if stage is not None else None
     bar = _progress_bar(args, len(todo), "prepare", "prompt")
-    index = {pid: i for i, (pid, _) in enumerate(prompts)}
-    written = trained = dropped = generated = staged = unstaged = 0
+    index = {p.id: i for i, p in enumerate(prompts)}
+    written = trained = dropped = generated = staged = unstaged = forced = 0
     seconds = 0.0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     row = _row_count(args.out)  # the data row, and cache sample id, of the next line
@@ -565,29 +598,41 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
             plain = [None] * len(batch)
             tokens = [None] * len(batch)  # (input_ids, loss_mask) once the last turn is answered
             features = [None] * len(batch)
-            for turn in range(max(len(turns) for _, turns in batch)):
-                rows = [i for i, (_, turns) in enumerate(batch) if turn < len(turns)]
+            for turn in range(max(len(p.turns) for p in batch)):
+                rows = [i for i, p in enumerate(batch) if turn < len(p.turns)]
                 tokenized = []
                 for i in rows:
-                    conversations[i].append({"role": "user", "content": batch[i][1][turn]})
+                    conversations[i].append({"role": "user", "content": batch[i].turns[turn]})
                     if chat:
                         text = _render(tokenizer, conversations[i], True)
                     else:
-                        text = batch[i][1][turn]
+                        text = batch[i].turns[turn]
                     tokenized.append(tokenizer(text, add_special_tokens=False).input_ids)
-                began = time.perf_counter()
-                answers = _generate(model, tokenizer, tokenized, args, stop,
-                                    args.seed + index[batch[rows[0]][0]] + turn, capture)
-                seconds += time.perf_counter() - began
-                generated += sum(len(a) for a in answers)
+                # Teacher-forced rows take their given answer (and the end of turn); only the
+                # others are generated. Their features come from the cache's prefill pass.
+                asked = [position for position, i in enumerate(rows) if batch[i].answers is None]
+                answers = [None] * len(rows)
+                if asked:
+                    began = time.perf_counter()
+                    generated_answers = _generate(
+                        model, tokenizer, [tokenized[p] for p in asked], args, stop,
+                        args.seed + index[batch[rows[asked[0]]].id] + turn, capture)
+                    seconds += time.perf_counter() - began
+                    generated += sum(len(a) for a in generated_answers)
+                    for position, answer in zip(asked, generated_answers):
+                        answers[position] = answer
+                forced += len(rows) - len(asked)
                 last_turn = {}
                 for position, (i, prompt_ids, answer) in enumerate(zip(rows, tokenized,
                                                                        answers)):
-                    body = [t for t in answer if t not in stop]
-                    content = tokenizer.decode(body, skip_special_tokens=True)
+                    if answer is None:  # given: its tokens come from the chat template below
+                        content = batch[i].answers[turn]
+                    else:
+                        body = [t for t in answer if t not in stop]
+                        content = tokenizer.decode(body, skip_special_tokens=True)
                     conversations[i].append({"role": "assistant", "content": content})
                     plain[i] = (prompt_ids, answer)
-                    if turn == len(batch[i][1]) - 1:
+                    if turn == len(batch[i].turns) - 1:
                         if chat:
                             tokens[i] = conversation_tokens(tokenizer, conversations[i], stop,
                                                             args.max_length)
@@ -596,12 +641,15 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
                                          ([0] * len(prompt_ids) + [1] * len(answer))
                                          [: args.max_length])
                         last_turn[position] = tokens[i][0]
-                if capture is not None:
+                if capture is not None and asked:
                     # The last turn's prompt holds the whole conversation before its answer.
-                    for position, found in capture.features(last_turn, answers).items():
-                        features[rows[position]] = found
+                    captured = capture.features({asked.index(p): ids
+                                                 for p, ids in last_turn.items() if p in asked},
+                                                [answers[p] for p in asked])
+                    for position, found in captured.items():
+                        features[rows[asked[position]]] = found
             lines = []
-            for i, (pid, _) in enumerate(batch):
+            for i, prompt in enumerate(batch):
                 ids, mask = tokens[i]
                 # A plain answer's end token alone is masked but is no response either.
                 if not any(mask) or not chat and all(t in stop for t in plain[i][1]):
@@ -614,7 +662,7 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
                         staged += 1
                     else:
                         unstaged += 1
-                lines.append(json.dumps({"id": pid, "conversations": conversations[i],
+                lines.append(json.dumps({"id": prompt.id, "conversations": conversations[i],
                                          "input_ids": ids, "loss_mask": mask}) + "\n")
             # The staged features first: a line is never there without them but by a crash
             # between the two, which leaves its sample to the prefill pass.
@@ -623,7 +671,8 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
             row += len(lines)
             written += len(lines)
             if bar is not None:
-                bar.set_postfix(tok_s=f"{generated / seconds:.1f}", refresh=False)
+                if seconds > 0:
+                    bar.set_postfix(tok_s=f"{generated / seconds:.1f}", refresh=False)
                 bar.update(len(batch))
     if bar is not None:
         bar.close()
@@ -633,11 +682,15 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
     if dropped:
         summary += (f"; dropped {dropped} with no response token (empty answers, or answers cut "
                     f"off by --max-length {args.max_length})")
-    summary += (f"; generated {generated} answer tokens in {seconds:.1f} s "
-                f"({generated / seconds:.1f} tokens/s)")
+    if generated:
+        summary += (f"; generated {generated} answer tokens in {seconds:.1f} s "
+                    f"({generated / seconds:.1f} tokens/s)")
+    if forced:
+        summary += f"; {forced} answers given (teacher-forced), none generated for them"
     if stage is not None:
         summary += (f"; features captured for {staged} samples, {unstaged} left to a prefill "
-                    "pass (re-tokenised conversation departs from the generated tokens)")
+                    "pass (teacher-forced, or their re-tokenised conversation departs from the "
+                    "generated tokens)")
     print(summary, flush=True)
 
 

@@ -129,7 +129,7 @@ def test_rows_cut_before_their_answer_are_dropped(target, tmp_path, capsys):
 def test_plain_text_without_template(target, tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("first prompt\nsecond\n")
-    assert read_prompts(str(path)) == [("1", ["first prompt"]), ("2", ["second"])]
+    assert read_prompts(str(path)) == [("1", ["first prompt"], None), ("2", ["second"], None)]
     out = str(tmp_path / "data.jsonl")
     main(["--target", target, "--prompts", str(path), "--out", out, "--max-new-tokens", "6",
           "--no-progress", "--no-chat-template", "--temperature", "0"])
@@ -147,6 +147,10 @@ def test_errors(tmp_path):
         read_prompts(str(bad))
     with pytest.raises(SystemExit, match="no such file"):
         read_prompts(str(tmp_path / "none.jsonl"))
+    for answers in ('["one"]', '"one"', '["one", 2]'):
+        bad.write_text('{"turns": ["a", "b"], "answers": %s}\n' % answers)
+        with pytest.raises(SystemExit, match="'answers' must be a list of 2 strings"):
+            read_prompts(str(bad))
     tok = tokenizer()
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
     ids, mask = conversation_tokens(tok, messages, [EOT], 4096)
@@ -356,3 +360,62 @@ def test_cache_errors(llama, tmp_path):
         main(common + ["--cache", str(tmp_path / "c"), "--target-layers", "0", "3"])
     with pytest.raises(SystemExit, match="--max-length must be >= 1"):
         main(common + ["--max-length", "0"])
+
+
+# -- teacher-forced rows: answers given, not generated ---------------------------------------
+
+def test_teacher_forced_rows(llama, tmp_path, monkeypatch, capsys):
+    """Rows with "answers" beside generated ones, in one batch: the given answers are the
+    assistant's turns verbatim (a two-turn row too), the loss mask covers exactly their tokens
+    and end-of-turn tokens, nothing is generated for them, and their cached features are a
+    prefill pass's, as the trainer reads them."""
+    import dspark_ops.prepare_data as prepare
+
+    asked = []
+    real = prepare._generate
+
+    def generate(model, tok, prompts, args, stop, seed, capture=None):
+        asked.extend(tok.decode(p) for p in prompts)
+        return real(model, tok, prompts, args, stop, seed, capture)
+
+    monkeypatch.setattr(prepare, "_generate", generate)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "g", "turns": ["why is the sky blue?"]}\n'
+                    '{"id": "f", "turns": ["write add"], "answers": ["def add(a, b):\\n'
+                    '    return a + b"]}\n'
+                    '{"id": "m", "turns": ["one", "two"], "answers": ["first answer", '
+                    '"second answer"]}\n')
+    out, cache = str(tmp_path / "data.jsonl"), str(tmp_path / "cache")
+    main(["--target", llama, "--prompts", str(path), "--out", out, "--max-new-tokens", "8",
+          "--batch-size", "3", "--temperature", "0", "--no-progress", "--cache", cache,
+          "--target-layers", "0", "2", "--cache-dtype", "float32"])
+    printed = capsys.readouterr().out
+    rows = {r["id"]: r for r in _rows(out)}
+    assert len(asked) == 1 and "sky" in asked[0]  # only the row without answers generated
+    assert [m["content"] for m in rows["f"]["conversations"]] == [
+        "write add", "def add(a, b):\n    return a + b"]
+    assert [m["content"] for m in rows["m"]["conversations"]] == [
+        "one", "first answer", "two", "second answer"]
+    tok = tokenizer()
+    for key, answers in (("f", ["def add(a, b):\n    return a + b"]),
+                         ("m", ["first answer", "second answer"])):
+        row = rows[key]
+        rendered = tok.apply_chat_template(row["conversations"], tokenize=False)
+        assert row["input_ids"] == tok(rendered, add_special_tokens=False).input_ids
+        masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert masked == [t for a in answers for t in tok(a, add_special_tokens=False).input_ids
+                          + [EOT]]
+    assert "3 answers given (teacher-forced)" in printed
+    assert "prefill: " in printed and "tokens/s)" in printed
+    _cache_equals_a_prefill_pass(llama, out, cache, [0, 2])
+    train_main(train_args(llama, out, str(tmp_path / "run"), "--max-steps", "1",
+                          "--min-loss-tokens", "2", "--calibration-samples", "0", "--cache",
+                          cache))
+
+
+def test_teacher_forced_rows_need_the_chat_template(target, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"turns": ["q"], "answers": ["a"]}\n')
+    with pytest.raises(SystemExit, match="given 'answers' need the tokenizer's chat template"):
+        main(["--target", target, "--prompts", str(path), "--out", str(tmp_path / "d.jsonl"),
+              "--no-progress", "--no-chat-template"])
