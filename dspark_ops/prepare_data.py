@@ -558,7 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              hidden_size=int(config.hidden_size), dtype=cache_dtype,
                              target_name=args.target)
     print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.out}, "
-          f"{len(todo)} to generate", flush=True)
+          f"{sum(p.answers is None for p in todo)} to generate, "
+          f"{sum(p.answers is not None for p in todo)} teacher-forced", flush=True)
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
         args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda"

@@ -405,6 +405,7 @@ def test_teacher_forced_rows(llama, tmp_path, monkeypatch, capsys):
         masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
         assert masked == [t for a in answers for t in tok(a, add_special_tokens=False).input_ids
                           + [EOT]]
+    assert "1 to generate, 2 teacher-forced" in printed
     assert "3 answers given (teacher-forced)" in printed
     assert "prefill: " in printed and "tokens/s)" in printed
     _cache_equals_a_prefill_pass(llama, out, cache, [0, 2])
