@@ -864,8 +864,8 @@ def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int
             softcap: bool = False) -> Op:
     """The vocabulary pass of dspark_loss (forward + gradients, LM head frozen, bf16): one launch
     per row chunk, a block per row, three loops over the row. The chunk's matrix products are
-    cuBLAS calls the model does not read; their time is the op's floor row in docs/semantics.md
-    §4 (9.2 TFLOP at this shape), so this row's floor is the pass's own bytes.
+    cuBLAS calls whose code the model does not read: library calls priced by their FLOPs and
+    bytes (loss_chunk_products); the row's floor is the pass's own bytes.
 
     ``softcap``: Gemma4's logit soft cap (the kernel's kCap instantiation): the Markov bias is a
     third row read by every loop beside z and t, each loop computes a tanh per z and t element
@@ -902,7 +902,7 @@ def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int
             launch, "vocabulary pass (block per row, one launch per chunk)",
             [term(binary, launch.kernel, spec, elements) for spec in (lse, l1, grad)],
             per_element * elements * BF16, count=count, barrier_stages=4,
-            note=f"{count} chunk(s) of {chunk} rows; products by cuBLAS not modelled"))
+            note=f"{count} chunk(s) of {chunk} rows; the products: library calls"))
     variant = "dspark cap30 bf16 fwd+bwd" if softcap else "dspark bf16 fwd+bwd"
     library = []
     for launch, count in groups:
@@ -920,18 +920,23 @@ def loss_chunk_products(n: int, vocab: int, hidden: int, rank: int, softcap: boo
                         count: int) -> List[LibraryCall]:
     """The ATen calls of one chunk of n rows in run_dspark_loss (csrc/args/loss_args.cpp), with
     a target and a Markov bias, gradients of h and u and W2 (the LM head frozen), bf16: each
-    product's FLOPs and the bytes of its operands and result. With a soft cap the bias is its
-    own product (bias_apart) instead of an addmm_ into z; the bf16 product of grad_w2's
-    contribution is added to its float32 sum by an element-wise kernel."""
+    product's FLOPs and the bytes of its operands and result. Without a cap the bias is the
+    first product into z and the head's product adds W h to it (addmm_, beta = 1: z read once
+    more); with a soft cap the bias is its own product (bias_apart). The bf16 product of
+    grad_w2's contribution is added to its float32 sum by an element-wise kernel."""
     w, w2 = vocab * hidden * BF16, vocab * rank * BF16
     logits = n * vocab * BF16
     head = 2.0 * n * vocab * hidden          # a product with the LM head (K = d or N = d)
     latent = 2.0 * n * vocab * rank          # a product with W2
-    calls = [
-        LibraryCall("z = h W^T", head, n * hidden * BF16 + w + logits, count),
-        (LibraryCall("bias = u W2^T", latent, n * rank * BF16 + w2 + logits, count) if softcap
-         else LibraryCall("z += u W2^T (addmm_)", latent, n * rank * BF16 + w2 + 2 * logits,
-                          count)),
+    if softcap:
+        draft = [LibraryCall("z = h W^T", head, n * hidden * BF16 + w + logits, count),
+                 LibraryCall("bias = u W2^T", latent, n * rank * BF16 + w2 + logits, count)]
+    else:
+        draft = [LibraryCall("z = u W2^T (the bias)", latent, n * rank * BF16 + w2 + logits,
+                             count),
+                 LibraryCall("z += h W^T (addmm_)", head, n * hidden * BF16 + w + 2 * logits,
+                             count)]
+    calls = draft + [
         LibraryCall("t = g W^T", head, n * hidden * BF16 + w + logits, count),
         LibraryCall("d h = dz W", head, logits + w + n * hidden * BF16, count),
         LibraryCall("d u = dz W2", latent, logits + w2 + n * rank * BF16, count),

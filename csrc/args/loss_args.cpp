@@ -68,15 +68,19 @@ LossResult run_dspark_loss(const LossArgs& a, LossRowKernel kernel) {
     const auto h = a.hidden.narrow(0, start, n);
     LossChunk chunk;
     chunk.z = z_buffer.narrow(0, 0, n);
-    at::mm_out(chunk.z, h, W.t());
     at::Tensor u;
-    if (has_u) {
-      u = a.markov_latent.narrow(0, start, n);
+    if (has_u) u = a.markov_latent.narrow(0, start, n);
+    if (has_u && !bias_apart) {
+      // The bias first, then W h added to it by the head's product (beta = 1): the same bytes
+      // as adding the bias afterwards, but z's second read and write fall in the epilogue of
+      // the compute-bound product instead of making the small one memory-bound.
+      at::mm_out(chunk.z, u, a.markov_w2.t());
+      chunk.z.addmm_(h, W.t());
+    } else {
+      at::mm_out(chunk.z, h, W.t());
       if (bias_apart) {
         chunk.bias = bias_buffer.narrow(0, 0, n);
         at::mm_out(chunk.bias, u, a.markov_w2.t());
-      } else {
-        chunk.z.addmm_(u, a.markov_w2.t());
       }
     }
     at::Tensor g;
