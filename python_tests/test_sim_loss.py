@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import emulator
+from bench.static.plans import parse_records
 from cases.loss import make_loss_case
 from cases.tails import check_loss_tail, loss_tail_case, loss_vocabs
 
@@ -120,6 +121,30 @@ def test_large_vocabulary(sim):
     """SmolLM2's vocabulary: 192 elements per thread."""
     args = make_loss_case(2, 49_152, 8, rank=2, seed=3, logit_scale=3.0)
     assert_matches_cpu(sim, args, 2e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["uncapped", "capped"])
+def test_default_chunks_spread_the_rows_evenly(sim, softcap):
+    """chunk_rows=0 at DeepSpec's shape: the fewest chunks whose bf16 scratch (z and t, and the
+    bias apart with a cap) fits 256 MiB, the rows spread evenly over them, so that no short last
+    chunk reads all of the LM head for a few rows. Planned only, hidden size and rank 0."""
+    rows, vocab = 3584, 151_936
+    bf16 = dict(dtype=torch.bfloat16)
+    args = dict(hidden=torch.zeros(rows, 0, **bf16), lm_head_weight=torch.zeros(vocab, 0, **bf16),
+                labels=torch.zeros(rows, dtype=torch.int64), weights=torch.ones(rows),
+                target_hidden=torch.zeros(rows, 0, **bf16),
+                markov_latent=torch.zeros(rows, 0, **bf16),
+                markov_w2=torch.zeros(vocab, 0, **bf16))
+    sim.clear_launch_log()
+    sim.set_plan_only(True)
+    try:
+        call(sim.dspark_loss, args, logit_softcap=softcap)
+    finally:
+        sim.set_plan_only(False)
+    chunks = [r["grid"][0] for r in parse_records(sim.launch_records())]
+    most = (256 << 20) // (vocab * 2 * (3 if softcap else 2))   # 441 rows, 294 with the cap
+    assert sum(chunks) == rows and len(chunks) == -(-rows // most)
+    assert max(chunks) <= most and max(chunks) - min(chunks) < len(chunks)
 
 
 def test_out_of_range_labels_are_not_indices(sim):

@@ -375,9 +375,39 @@ def test_loss_products_are_the_op_s_floating_point_operations():
         assert sum(c.flops for c in calls) == pytest.approx(6 * n * V * (d + r))
     assert 6 * 3584 * V * (d + r) == pytest.approx(9.2e12, rel=0.01)
     # A product runs at the stated fraction of the bf16 GEMM rate unless its bytes take longer.
-    z = kernels.loss_chunk_products(n, V, d, r, False, 8)[0]
+    z = next(c for c in kernels.loss_chunk_products(n, V, d, r, False, 8)
+             if c.name.startswith("z += h W^T"))
     assert z.time_s() == pytest.approx(z.flops / (H200.gemm_fraction * H200.gemm_bf16_flops)
                                        + H200.launch_s)
     assert z.total_s() == pytest.approx(8 * z.time_s())
     copy = LibraryCall("copy", 0.0, 1e9)
     assert copy.time_s() == pytest.approx(1e9 / H200.dram_bytes_per_s + H200.launch_s)
+
+
+def test_loss_products_read_z_and_the_float32_sum_where_the_code_does():
+    # Nine chunks over N = 3584: eight of 399 rows, then one of 392.
+    V, d, r = 151936, 2560, 256
+    groups = [(399, 8), (392, 1)]
+    calls = [c for i, (n, count) in enumerate(groups)
+             for c in kernels.loss_chunk_products(n, V, d, r, False, count, first=i == 0)]
+    assert sum(c.flops * c.count for c in calls) == pytest.approx(6 * 3584 * V * (d + r))
+    by_name = {}
+    for c in calls:
+        by_name.setdefault(c.name.split(" (")[0], []).append(c)
+    # Without a cap the bias product writes z and the head's product reads it back (beta = 1):
+    # z's second read and write inside the compute-bound product, hidden by its FLOPs.
+    for (n, _), bias, head in zip(groups, by_name["z = u W2^T"], by_name["z += h W^T"]):
+        assert bias.dram_bytes == pytest.approx((n * r + V * r + n * V) * 2)
+        assert head.dram_bytes == pytest.approx((n * d + V * d + 2 * n * V) * 2)
+        assert head.flops / (H200.gemm_fraction * H200.gemm_bf16_flops) > (
+            head.dram_bytes / H200.dram_bytes_per_s)
+    # grad_w2: one float32-output product per chunk; the sum written by the first chunk's and
+    # read and written by each later one, never rounded to 16 bits or added by another kernel.
+    grad = [c for c in calls if "grad_w2" in c.name]
+    assert sum(c.count for c in grad) == 9 and all(c.flops > 0 for c in grad)
+    first, rest = grad[0], grad[1:]
+    assert first.count == 1 and "+=" not in first.name
+    assert first.dram_bytes == pytest.approx(399 * (V + r) * 2 + V * r * 4)
+    assert [(c.count, c.dram_bytes) for c in rest] == [
+        (7, pytest.approx(399 * (V + r) * 2 + 2 * V * r * 4)),
+        (1, pytest.approx(392 * (V + r) * 2 + 2 * V * r * 4))]

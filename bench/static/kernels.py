@@ -864,8 +864,8 @@ def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int
             softcap: bool = False) -> Op:
     """The vocabulary pass of dspark_loss (forward + gradients, LM head frozen, bf16): one launch
     per row chunk, a block per row, three loops over the row. The chunk's matrix products are
-    cuBLAS calls the model does not read; their time is the op's floor row in docs/semantics.md
-    §4 (9.2 TFLOP at this shape), so this row's floor is the pass's own bytes.
+    cuBLAS calls whose code the model does not read: library calls priced by their FLOPs and
+    bytes (loss_chunk_products); the row's floor is the pass's own bytes.
 
     ``softcap``: Gemma4's logit soft cap (the kernel's kCap instantiation): the Markov bias is a
     third row read by every loop beside z and t, each loop computes a tanh per z and t element
@@ -902,11 +902,13 @@ def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int
             launch, "vocabulary pass (block per row, one launch per chunk)",
             [term(binary, launch.kernel, spec, elements) for spec in (lse, l1, grad)],
             per_element * elements * BF16, count=count, barrier_stages=4,
-            note=f"{count} chunk(s) of {chunk} rows; products by cuBLAS not modelled"))
+            note=f"{count} chunk(s) of {chunk} rows; the products: library calls"))
     variant = "dspark cap30 bf16 fwd+bwd" if softcap else "dspark bf16 fwd+bwd"
     library = []
-    for launch, count in groups:
-        library += loss_chunk_products(launch.blocks, vocab, hidden, rank, softcap, count)
+    for i, (launch, count) in enumerate(groups):
+        # The first group holds the first chunk, whose grad_w2 product starts the sum.
+        library += loss_chunk_products(launch.blocks, vocab, hidden, rank, softcap, count,
+                                       first=i == 0)
     # The float32 grad_w2 rounded to bf16 once at the end.
     library.append(LibraryCall("grad_w2 -> bf16", 0.0, vocab * rank * (F32 + BF16)))
     return Op("dspark_loss", f"N={rows} V={vocab} d={hidden} r={rank}",
@@ -917,27 +919,37 @@ def loss_op(binary: Binary, planner: Planner, rows: int, vocab: int, hidden: int
 
 
 def loss_chunk_products(n: int, vocab: int, hidden: int, rank: int, softcap: bool,
-                        count: int) -> List[LibraryCall]:
-    """The ATen calls of one chunk of n rows in run_dspark_loss (csrc/args/loss_args.cpp), with
-    a target and a Markov bias, gradients of h and u and W2 (the LM head frozen), bf16: each
-    product's FLOPs and the bytes of its operands and result. With a soft cap the bias is its
-    own product (bias_apart) instead of an addmm_ into z; the bf16 product of grad_w2's
-    contribution is added to its float32 sum by an element-wise kernel."""
+                        count: int, first: bool = False) -> List[LibraryCall]:
+    """The ATen calls of ``count`` chunks of n rows in run_dspark_loss (csrc/args/loss_args.cpp),
+    with a target and a Markov bias, gradients of h and u and W2 (the LM head frozen), bf16, on
+    CUDA: each product's FLOPs and the bytes of its operands and result. Without a cap the bias
+    is the first product into z and the head's product adds W h to it (addmm_, beta = 1: z read
+    once more); with a soft cap the bias is its own product (bias_apart). grad_w2's float32 sum
+    takes each chunk's product from cuBLAS's float32 output (aten::mm.dtype for the first chunk
+    when ``first``, addmm.dtype reading and writing the sum for the others)."""
     w, w2 = vocab * hidden * BF16, vocab * rank * BF16
     logits = n * vocab * BF16
+    h, u = n * hidden * BF16, n * rank * BF16
     head = 2.0 * n * vocab * hidden          # a product with the LM head (K = d or N = d)
     latent = 2.0 * n * vocab * rank          # a product with W2
-    calls = [
-        LibraryCall("z = h W^T", head, n * hidden * BF16 + w + logits, count),
-        (LibraryCall("bias = u W2^T", latent, n * rank * BF16 + w2 + logits, count) if softcap
-         else LibraryCall("z += u W2^T (addmm_)", latent, n * rank * BF16 + w2 + 2 * logits,
-                          count)),
-        LibraryCall("t = g W^T", head, n * hidden * BF16 + w + logits, count),
-        LibraryCall("d h = dz W", head, logits + w + n * hidden * BF16, count),
-        LibraryCall("d u = dz W2", latent, logits + w2 + n * rank * BF16, count),
-        LibraryCall("dz^T u (bf16)", latent, logits + n * rank * BF16 + w2, count),
-        LibraryCall("grad_w2 += (float32)", 0.0, vocab * rank * (2 * F32 + BF16), count),
+    grad_sum = vocab * rank * F32
+    if softcap:
+        draft = [LibraryCall("z = h W^T", head, h + w + logits, count),
+                 LibraryCall("bias = u W2^T", latent, u + w2 + logits, count)]
+    else:
+        draft = [LibraryCall("z = u W2^T (the bias)", latent, u + w2 + logits, count),
+                 LibraryCall("z += h W^T (addmm_)", head, h + w + 2 * logits, count)]
+    calls = draft + [
+        LibraryCall("t = g W^T", head, h + w + logits, count),
+        LibraryCall("d h = dz W", head, logits + w + h, count),
+        LibraryCall("d u = dz W2", latent, logits + w2 + u, count),
     ]
+    if first:
+        calls.append(LibraryCall("grad_w2 = dz^T u (float32 out)", latent,
+                                 logits + u + grad_sum, 1))
+    if count > first:
+        calls.append(LibraryCall("grad_w2 += dz^T u (float32 out)", latent,
+                                 logits + u + 2 * grad_sum, count - first))
     return calls
 
 

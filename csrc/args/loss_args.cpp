@@ -2,8 +2,11 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include <algorithm>
 
@@ -22,8 +25,42 @@ void check_loss_matrix(const char* name, const at::Tensor& t, const at::Tensor& 
 }
 
 namespace {
-// acc (float32, float64 for float64 inputs) = or += a @ b. 16-bit products round once to their
-// dtype before they are added.
+// acc (float32) = or += a @ b for 16-bit CUDA factors, from cuBLAS's float32 output: the sum is
+// read and written once, in the product's epilogue. False where this build or PyTorch has no
+// such product: aten::mm.dtype and addmm.dtype exist from PyTorch 2.8, for CUDA tensors only.
+bool float32_output_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b,
+                            bool first) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (!a.is_cuda() || acc.scalar_type() != at::kFloat) return false;
+  if (first) {
+    at::mm_out(acc, a, b, at::kFloat);
+    return true;
+  }
+  // Whether addmm.dtype takes a float32 `self` (the sum it adds to) with 16-bit factors: PyTorch
+  // 2.14 does; the first versions with the overload refused it, in their argument checks before
+  // any work. Asked once per process, of an empty product on the device (nothing is read).
+  static const bool float32_sum_accepted = [&] {
+    auto sum = at::empty({1, 1}, acc.options());
+    const auto m = at::empty({1, 0}, a.options());
+    try {
+      at::addmm_out(sum, sum, m, m.t(), at::kFloat, /*beta=*/0);
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  if (!float32_sum_accepted) return false;
+  at::addmm_out(acc, acc, a, b, at::kFloat);
+  return true;
+#else
+  (void)acc, (void)a, (void)b, (void)first;
+  return false;
+#endif
+}
+
+// acc (float32, float64 for float64 inputs) = or += a @ b. A 16-bit product without a float32
+// output (on the CPU) rounds once to its dtype and an element-wise kernel adds it: one more pass
+// over the sum, and one more rounding.
 void accumulate_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
   if (a.scalar_type() == acc.scalar_type()) {
     if (first) {
@@ -31,7 +68,10 @@ void accumulate_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& 
     } else {
       acc.addmm_(a, b);
     }
-  } else if (first) {
+    return;
+  }
+  if (float32_output_product(acc, a, b, first)) return;
+  if (first) {
     acc.copy_(at::mm(a, b));
   } else {
     acc.add_(at::mm(a, b));
@@ -68,15 +108,19 @@ LossResult run_dspark_loss(const LossArgs& a, LossRowKernel kernel) {
     const auto h = a.hidden.narrow(0, start, n);
     LossChunk chunk;
     chunk.z = z_buffer.narrow(0, 0, n);
-    at::mm_out(chunk.z, h, W.t());
     at::Tensor u;
-    if (has_u) {
-      u = a.markov_latent.narrow(0, start, n);
+    if (has_u) u = a.markov_latent.narrow(0, start, n);
+    if (has_u && !bias_apart) {
+      // The bias first, then W h added to it by the head's product (beta = 1): the same bytes
+      // as adding the bias afterwards, but z's second read and write fall in the epilogue of
+      // the compute-bound product instead of making the small one memory-bound.
+      at::mm_out(chunk.z, u, a.markov_w2.t());
+      chunk.z.addmm_(h, W.t());
+    } else {
+      at::mm_out(chunk.z, h, W.t());
       if (bias_apart) {
         chunk.bias = bias_buffer.narrow(0, 0, n);
         at::mm_out(chunk.bias, u, a.markov_w2.t());
-      } else {
-        chunk.z.addmm_(u, a.markov_w2.t());
       }
     }
     at::Tensor g;

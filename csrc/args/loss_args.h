@@ -62,8 +62,9 @@ using LossResult =
 LossResult run_dspark_loss(const LossArgs& args, LossRowKernel kernel);
 
 // The row-chunk size when the caller passes 0: the z and t scratch of a chunk within this many
-// bytes (at least one row). CUDA wants chunks that fill the GPU (a block per row: 441 rows at
-// V = 151,936 in bf16); on CPU a row's pass runs in cache whatever the chunk, which only needs to
+// bytes (at least one row), the rows spread evenly over the fewest such chunks. CUDA wants chunks
+// that fill the GPU (a block per row: at most 441 rows at V = 151,936 in bf16, so 3,584 rows are
+// nine chunks of 399 or 392); on CPU a row's pass runs in cache whatever the chunk, which only needs to
 // keep the products efficient, so it holds half as much.
 constexpr int64_t kLossScratchBytesCuda = int64_t{256} << 20;
 constexpr int64_t kLossScratchBytesCpu = int64_t{128} << 20;
@@ -152,8 +153,15 @@ LossResult dspark_loss(const at::Tensor& hidden, const at::Tensor& lm_head_weigh
   const int64_t buffers = 1 + (a.target_hidden.defined() ? 1 : 0) +
                           (a.softcap > 0 && a.markov_latent.defined() ? 1 : 0);
   const int64_t per_row = a.vocab * static_cast<int64_t>(hidden.element_size()) * buffers;
-  a.chunk_rows =
-      chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, Backend::kScratchBytes / per_row);
+  if (chunk_rows > 0) {
+    a.chunk_rows = chunk_rows;
+  } else {
+    // The fewest chunks the scratch allows, with the rows spread evenly over them: a short last
+    // chunk would read all of the LM head for a few rows in each of its products.
+    const int64_t most = std::max<int64_t>(1, Backend::kScratchBytes / per_row);
+    const int64_t chunks = std::max<int64_t>(1, (a.rows + most - 1) / most);
+    a.chunk_rows = (a.rows + chunks - 1) / chunks;
+  }
   a.chunk_rows = std::max<int64_t>(1, std::min(a.chunk_rows, a.rows));
 
   // The kernels guard out-of-range labels (their row's ce is NaN); the checks say so first.

@@ -97,7 +97,8 @@ def dspark_loss(
     denominators : float, tensor or sequence of three, optional
         Global divisors per term (see :func:`loss_denominators`); default the local ``S``.
     chunk_rows : int, optional
-        Rows per chunk; default: as many as fit 256 MiB of logits on CUDA, 128 MiB on CPU.
+        Rows per chunk; default: the fewest chunks whose logits fit 256 MiB on CUDA (128 MiB
+        on CPU), the rows spread evenly over them.
     logit_softcap : float, optional
         ``s``: the logits become ``z = s * tanh(W h / s) + W2 u`` and ``t = s * tanh(W g / s)``
         (Gemma4's ``final_logit_softcapping``, 30), with every gradient through the cap
