@@ -609,7 +609,7 @@ def _answer(args, todo, prompts, tokenizer, chat, model, stage, layers) -> None:
                     else:
                         text = batch[i].turns[turn]
                     tokenized.append(tokenizer(text, add_special_tokens=False).input_ids)
-                # Teacher-forced rows take their given answer (and the end of turn); only the
+                # Teacher-forced rows take their given answers as they are; only the
                 # others are generated. Their features come from the cache's prefill pass.
                 asked = [position for position, i in enumerate(rows) if batch[i].answers is None]
                 answers = [None] * len(rows)
