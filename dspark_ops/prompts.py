@@ -49,8 +49,8 @@ import re
 import sys
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["CATEGORIES", "Unit", "build", "chat_prompt", "held_out", "main", "stop_token_ids", "units",
-           "write"]
+__all__ = ["CATEGORIES", "Unit", "build", "chat_prompt", "code_tasks", "held_out", "main",
+           "stop_token_ids", "units", "write"]
 
 CATEGORIES = ("math", "code", "chat")
 
@@ -461,15 +461,28 @@ def _stdlib_functions() -> Iterator[Tuple[str, str, object]]:
                 yield f"{cls.__name__}.{attribute}", attribute, getattr(cls, attribute)
 
 
+def code_tasks(summary: str, name: str, qualified: str) -> Optional[List[str]]:
+    """The coding tasks that ask for a function ``name`` (``qualified``: its full name) whose
+    docstring summary is ``summary``, one per code template; None unless the summary is one
+    clean imperative sentence."""
+    vp = _task(summary)
+    if vp is None:
+        return None
+    return [t.format(vp=vp, vq=vp[:-1], name=name, qual=qualified) for t in _CODE_TEMPLATES]
+
+
 def _code_units() -> List[Unit]:
     seen, result = set(), []
     for qual, name, obj in _stdlib_functions():
         summary = _summary(obj)
-        vp = _task(summary) if summary else None
-        if vp is None or vp in seen or qual in seen:
+        prompts = code_tasks(summary, name, qual) if summary else None
+        if prompts is None:
             continue
-        seen.update((vp, qual))
-        prompts = [t.format(vp=vp, vq=vp[:-1], name=name, qual=qual) for t in _CODE_TEMPLATES]
+        # The first template is the bare task: two functions with the same one count once.
+        task = prompts[0]
+        if task in seen or qual in seen:
+            continue
+        seen.update((task, qual))
         result.append(Unit(qual, held_out("code", qual), _shuffled(prompts)))
     return result
 

@@ -118,11 +118,9 @@ def stdlib_functions(max_chars: int, root: Optional[str] = None) -> List[SourceF
 
 
 def _task(function: SourceFunction, rng: random.Random) -> str:
-    verb_phrase = _prompts._task(function.summary)
-    if verb_phrase is not None:
-        template = rng.choice(_prompts._CODE_TEMPLATES)
-        return template.format(vp=verb_phrase, vq=verb_phrase[:-1], name=function.name,
-                               qual=function.qualified)
+    tasks = _prompts.code_tasks(function.summary, function.name, function.qualified)
+    if tasks is not None:
+        return rng.choice(tasks)
     owner = function.qualified.rsplit(".", 1)[0]
     return (f"Write the Python function `{function.name}` of `{owner}`. "
             f"Its docstring begins: {function.summary}")
