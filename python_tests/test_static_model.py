@@ -411,3 +411,89 @@ def test_loss_products_read_z_and_the_float32_sum_where_the_code_does():
     assert [(c.count, c.dram_bytes) for c in rest] == [
         (7, pytest.approx(399 * (V + r) * 2 + 2 * V * r * 4)),
         (1, pytest.approx(392 * (V + r) * 2 + 2 * V * r * 4))]
+
+
+# --- bench.philox_pruning: the share of the slot kernel's tiles exact Philox pruning could skip --
+
+def _pruning_logits(rows, vocab, high_rows=(), gap=30.0):
+    """Rows whose token 0 stands ``gap`` above the rest, except ``high_rows``, where token 17
+    (the second 16-row block) is as high as token 0."""
+    import torch
+    logits = torch.zeros(rows, vocab)
+    logits[:, 0] = gap
+    for r in high_rows:
+        logits[r, 17] = gap
+    return logits
+
+
+def test_philox_pruning_counts_tiles_over_all_eight_requests():
+    """A tile is skipped only when each of its eight requests rules out all 16 of its tokens:
+    one request with a live token in block 1 keeps that tile for its whole group."""
+    import torch
+    from bench.philox_pruning import MAX_GUMBEL_OFFSET, skip_shares
+    gen = torch.Generator().manual_seed(0)
+    vocab = 64  # four 16-row blocks
+    logits = _pruning_logits(8, vocab, high_rows=(3,))
+    best = torch.full((8,), 30.0)
+    shares = skip_shares(logits, 1.0, generator=gen, best_key=best)
+    # Tokens: every token at 0 is ruled out (0 + 22.87 < 30), the ones at 30 are not.
+    assert shares["tokens"] == pytest.approx((8 * vocab - 9) / (8 * vocab))
+    # Blocks: block 0 lives in every row, block 1 in row 3 only.
+    assert shares["blocks_of_16"] == pytest.approx((8 * 4 - 9) / (8 * 4))
+    # Tiles (one group of eight): blocks 2 and 3 only.
+    assert shares["tiles_16x8"] == pytest.approx(2 / 4)
+    # Within the bound's reach nothing is ruled out.
+    near = skip_shares(logits, 1.0, generator=gen, best_key=best - 30 + MAX_GUMBEL_OFFSET - 1e-3)
+    assert near == {"tokens": 0.0, "blocks_of_16": 0.0, "tiles_16x8": 0.0}
+
+
+def test_philox_pruning_temperature_and_tail():
+    """Temperature scales the logits before the bound; a vocabulary tail short of 16 rows counts
+    as ruled out (the kernel's rows past the vocabulary draw nothing); sampled best keys are at
+    least the row's largest scaled logit less a few nats."""
+    import torch
+    from bench.philox_pruning import sampled_best_keys, skip_shares
+    gen = torch.Generator().manual_seed(1)
+    logits = _pruning_logits(16, 40, gap=20.0)  # 20 < 22.87: nothing ruled out at T 1
+    cold = skip_shares(logits, 0.5, generator=gen, best_key=torch.full((16,), 40.0))
+    warm = skip_shares(logits, 1.0, generator=gen, best_key=torch.full((16,), 20.0))
+    assert warm["tokens"] == 0.0 and warm["tiles_16x8"] == 0.0
+    assert cold["tokens"] == pytest.approx(39 / 40)
+    assert cold["tiles_16x8"] == pytest.approx(2 / 3)  # blocks 1 and the 8-row tail
+    best = sampled_best_keys(logits, 1.0, gen)
+    assert bool((best >= 20.0 - 6).all()) and bool((best <= 20.0 + 25).all())
+    with pytest.raises(ValueError, match="'logits'"):
+        skip_shares(logits[:7], 1.0, generator=gen)
+    with pytest.raises(ValueError, match="'temperature'"):
+        skip_shares(logits, 0.0, generator=gen)
+
+
+def test_philox_pruning_command(tmp_path):
+    """The command over a tiny transformers target writes its shares per temperature."""
+    import json as _json
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from bench import philox_pruning
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
+    data = tmp_path / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(3):
+            ids = [(7 * i + j) % 96 for j in range(20)]
+            f.write(_json.dumps({"input_ids": ids, "loss_mask": [0] * 5 + [1] * 15}) + "\n")
+    out = tmp_path / "shares.json"
+    assert philox_pruning.main(["--data", str(data), "--target", str(tmp_path / "target"),
+                                "--every", "2", "--threads", "1", "--temperatures", "1.0", "0.1",
+                                "--json", str(out)]) == 0
+    result = _json.loads(out.read_text())
+    assert result["positions"] == 3 * 8 and result["vocab"] == 96
+    shares = result["temperatures"]
+    assert set(shares) == {"1.0", "0.1"}
+    # A random tiny model's logits are flat: at T 1 nothing is ruled out, at T 0.1 more is.
+    assert shares["1.0"]["tokens"] <= shares["0.1"]["tokens"]
+    assert all(0.0 <= v <= 1.0 for s in shares.values() for v in s.values())
+    with pytest.raises(SystemExit):
+        philox_pruning.main(["--data", str(data), "--every", "0"])
