@@ -15,7 +15,8 @@ rows: a width of 8 can cost less than 3), so :meth:`CostTable.target` prices a w
 cheapest width at least as wide (the decoder then verifies up to that width: the extra drafts
 cost nothing), and the goodput scheduler sees that envelope.
 
-:func:`profile_costs` measures a table (interleaved repetitions, medians);
+:func:`profile_costs` measures a table (interleaved repetitions; the median plain step and
+the median ratio of every other entry to its own repetition's plain step);
 :func:`load_or_profile_costs` keeps tables on disk, keyed by the target, the proposer, the device,
 the dtype, the threads and the library version, and :meth:`CostTable.check` refuses a table
 measured on anything else, by name. ``python -m dspark_ops.profile`` writes one. The decoder
@@ -43,11 +44,15 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["CostTable", "CostTableMismatch", "cost_key", "default_cost_dir",
-           "load_or_profile_costs", "profile_costs"]
+__all__ = ["CostTable", "CostTableMismatch", "cost_key", "default_cost_dir", "estimate_costs",
+           "load_or_profile_costs", "profile_costs", "time_rounds"]
 
 #: Weight of one new timing in the online correction (an EMA of the table's speed factor).
 ONLINE_RATE = 0.1
+
+#: How :func:`estimate_costs` turns timings into prices; part of a table's key, so a table
+#: estimated another way is measured again rather than reused.
+ESTIMATE = "median plain step, median per-repetition ratios to it"
 
 #: A timing moves its own entry at this share of the speed factor's rate: a uniform drift of
 #: the machine then goes mostly into the factor, which every entry follows.
@@ -275,8 +280,9 @@ def _device_name(device) -> str:
 
 def cost_key(target, proposer, *, device, dtype, batch_sizes: Sequence[int] = (1,)) -> dict:
     """What a cost table depends on: the target, the proposer (its kind, configuration and
-    most drafts), the device, the dtype, the CPU threads, the library and torch versions and
-    the rule of the CPU's few-row linear layers (:mod:`dspark_ops.models.cpu_linear`)."""
+    most drafts), the device, the dtype, the CPU threads, the library and torch versions, the
+    rule of the CPU's few-row linear layers (:mod:`dspark_ops.models.cpu_linear`) and how the
+    timings were turned into prices (:data:`ESTIMATE`)."""
     from ._version import __version__
     from .models.cpu_linear import RULE
 
@@ -284,7 +290,7 @@ def cost_key(target, proposer, *, device, dtype, batch_sizes: Sequence[int] = (1
             "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "library": __version__,
             "torch": torch.__version__, "linears": RULE,
-            "batch_sizes": sorted(int(b) for b in batch_sizes)}
+            "batch_sizes": sorted(int(b) for b in batch_sizes), "estimate": ESTIMATE}
 
 
 def default_cost_dir() -> str:
@@ -314,16 +320,115 @@ def _sync(device) -> None:
 
 
 @torch.no_grad()
+def time_rounds(target, proposer, *, batch_sizes: Sequence[int] = (1,),
+                max_drafts: Optional[int] = None, context: int = 128, repeats: int = 9,
+                warmup: int = 1, progress: bool = True, seed: int = 0) -> dict:
+    """The raw timings :func:`profile_costs` estimates a table from (its parameters).
+
+    Returns ``{"key": cost_key(...), "target": {B: [[seconds of width 1..K+1] per
+    repetition]}, "draft": {B: [[seconds of k = 1..K slots] per repetition]}}``: one row per
+    timed repetition, so an estimator can compare the entries of one repetition with each
+    other."""
+    from .steps import plain_step, prefill, verify_step
+
+    max_drafts = proposer.max_drafts if max_drafts is None else int(max_drafts)
+    if max_drafts < 0 or repeats < 1 or warmup < 0 or context < 1:
+        raise ValueError(f"profile_costs(): need max_drafts >= 0, repeats >= 1, warmup >= 0 and "
+                         f"context >= 1, got {max_drafts}, {repeats}, {warmup} and {context}")
+    if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
+        raise ValueError(f"profile_costs(): 'batch_sizes' must be >= 1, got {list(batch_sizes)}")
+    device = target.device
+    vocab = _vocab_size(target)
+    generator = torch.Generator().manual_seed(seed)
+    dtype = getattr(target, "dtype", torch.float32)
+    key = cost_key(target, proposer, device=device, dtype=dtype, batch_sizes=batch_sizes)
+    timings = {"key": key, "target": {}, "draft": {}}
+    items = [("target", w) for w in range(1, max_drafts + 2)]
+    items += [("draft", k) for k in range(1, max_drafts + 1)]
+    total = len(batch_sizes) * (warmup + repeats)
+    started = time.perf_counter()
+    for index, batch in enumerate(int(b) for b in batch_sizes):
+        target_rows, draft_rows = [], []
+        for rep in range(warmup + repeats):
+            if progress:
+                done = index * (warmup + repeats) + rep
+                print(f"\rprofiling round costs: {done}/{total} repetitions, "
+                      f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr,
+                      flush=True)
+            prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
+            length = context + 2 * (max_drafts + 2) * len(items) + 2
+            last, features, cache, cache_len = prefill(target, prompts, length, device)
+            position = cache_len.long()
+            seeds = torch.arange(batch, dtype=torch.int64, device=device)
+            temperature = torch.zeros(batch, dtype=torch.float32, device=device)
+            anchor = last.argmax(-1)
+            proposer.start(prompts, features, cache_len, anchor, length)
+            history = [list(p) + [int(a)] for p, a in zip(prompts, anchor.tolist())]
+            seconds = {}
+            shift = rep % len(items)
+            for kind, n in items[shift:] + items[:shift]:
+                _sync(device)
+                begin = time.perf_counter()
+                if kind == "target" and n == 1:
+                    plain_step(target, anchor, cache, cache_len, temperature, seeds, position, {})
+                elif kind == "target":
+                    drafts = torch.randint(0, vocab, (batch, n - 1), generator=generator)
+                    num = torch.full((batch,), n - 1, dtype=torch.int32, device=device)
+                    verify_step(target, anchor, drafts.to(device), None, num, position, cache,
+                                cache_len, temperature, seeds, {})
+                else:
+                    proposer.propose(n, anchor, position, temperature, seeds, {}, history)
+                _sync(device)
+                seconds[kind, n] = time.perf_counter() - begin
+            if rep >= warmup:
+                target_rows.append([seconds["target", w] for w in range(1, max_drafts + 2)])
+                draft_rows.append([seconds["draft", k] for k in range(1, max_drafts + 1)])
+        timings["target"][batch] = target_rows
+        timings["draft"][batch] = draft_rows
+    if progress:
+        print(f"\rprofiling round costs: {total}/{total} repetitions, "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return timings
+
+
+def estimate_costs(timings: dict) -> CostTable:
+    """A cost table from :func:`time_rounds`' timings: per batch size, the plain step is the
+    median of its repetitions, and every other entry is the plain step times the median of its
+    ratio to the plain step *of the same repetition*.
+
+    What the scheduler decides on is the ratios (whether a round of ``w`` tokens and ``k``
+    drafts pays over ``w`` plain steps), and a shared, noisy machine slows the entries in spells
+    that cover part of a profile: medians taken entry by entry then pick their middle values
+    from different spells (four profiles of SmolLM2 on one machine put width 2 at 0.96x to
+    1.27x of the plain step; the target's entries do not depend on the proposer). A ratio within one repetition compares timings a
+    fraction of a second apart. Drafting times are priced the same way, on the plain step
+    of the smallest batch size."""
+    target_seconds: Dict[int, List[float]] = {}
+    for batch, rows in sorted(timings["target"].items()):
+        plain = statistics.median(row[0] for row in rows)
+        target_seconds[batch] = [plain] + [
+            plain * statistics.median(row[w] / row[0] for row in rows)
+            for w in range(1, len(rows[0]))]
+    smallest = min(timings["target"])
+    pairs = list(zip(timings["draft"][smallest], timings["target"][smallest]))
+    draft_seconds = [0.0] + [
+        max(target_seconds[smallest][0] * statistics.median(d[k] / t[0] for d, t in pairs), 1e-9)
+        for k in range(len(pairs[0][0]))]
+    return CostTable(timings["key"], target_seconds, draft_seconds)
+
+
 def profile_costs(target, proposer, *, batch_sizes: Sequence[int] = (1,),
-                  max_drafts: Optional[int] = None, context: int = 128, repeats: int = 5,
+                  max_drafts: Optional[int] = None, context: int = 128, repeats: int = 9,
                   warmup: int = 1, progress: bool = True, seed: int = 0) -> CostTable:
     """Measures the cost table of ``target`` with ``proposer`` on this machine.
 
     Per batch size and repetition: a fresh prefill of ``context`` tokens per request, then, in
     an order that rotates from repetition to repetition (so a noisy machine slows every entry
     alike), one plain step, one verify step of every width ``2..K+1`` and one drafting call of
-    every ``k = 1..K`` slots, each timed alone (CUDA: synchronised around it). The table holds
-    the medians of ``repeats`` repetitions after ``warmup`` untimed ones.
+    every ``k = 1..K`` slots, each timed alone (CUDA: synchronised around it)
+    (:func:`time_rounds`). The table holds the median plain step and, for every other entry,
+    the median of its ratio to the plain step of its own repetition (:func:`estimate_costs`),
+    over ``repeats`` repetitions after ``warmup`` untimed ones.
 
     Parameters
     ----------
@@ -346,66 +451,9 @@ def profile_costs(target, proposer, *, batch_sizes: Sequence[int] = (1,),
     -------
     CostTable
     """
-    from .steps import plain_step, prefill, verify_step
-
-    max_drafts = proposer.max_drafts if max_drafts is None else int(max_drafts)
-    if max_drafts < 0 or repeats < 1 or warmup < 0 or context < 1:
-        raise ValueError(f"profile_costs(): need max_drafts >= 0, repeats >= 1, warmup >= 0 and "
-                         f"context >= 1, got {max_drafts}, {repeats}, {warmup} and {context}")
-    if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
-        raise ValueError(f"profile_costs(): 'batch_sizes' must be >= 1, got {list(batch_sizes)}")
-    device = target.device
-    vocab = _vocab_size(target)
-    generator = torch.Generator().manual_seed(seed)
-    dtype = getattr(target, "dtype", torch.float32)
-    key = cost_key(target, proposer, device=device, dtype=dtype, batch_sizes=batch_sizes)
-    target_seconds: Dict[int, List[float]] = {}
-    draft_times: Dict[int, List[float]] = {k: [] for k in range(1, max_drafts + 1)}
-    items = [("target", w) for w in range(1, max_drafts + 2)]
-    items += [("draft", k) for k in range(1, max_drafts + 1)]
-    total = len(batch_sizes) * (warmup + repeats)
-    started = time.perf_counter()
-    for index, batch in enumerate(int(b) for b in batch_sizes):
-        times: Dict[int, List[float]] = {w: [] for w in range(1, max_drafts + 2)}
-        for rep in range(warmup + repeats):
-            if progress:
-                done = index * (warmup + repeats) + rep
-                print(f"\rprofiling round costs: {done}/{total} repetitions, "
-                      f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr,
-                      flush=True)
-            prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
-            length = context + 2 * (max_drafts + 2) * len(items) + 2
-            last, features, cache, cache_len = prefill(target, prompts, length, device)
-            position = cache_len.long()
-            seeds = torch.arange(batch, dtype=torch.int64, device=device)
-            temperature = torch.zeros(batch, dtype=torch.float32, device=device)
-            anchor = last.argmax(-1)
-            proposer.start(prompts, features, cache_len, anchor, length)
-            history = [list(p) + [int(a)] for p, a in zip(prompts, anchor.tolist())]
-            shift = rep % len(items)
-            for kind, n in items[shift:] + items[:shift]:
-                _sync(device)
-                begin = time.perf_counter()
-                if kind == "target" and n == 1:
-                    plain_step(target, anchor, cache, cache_len, temperature, seeds, position, {})
-                elif kind == "target":
-                    drafts = torch.randint(0, vocab, (batch, n - 1), generator=generator)
-                    num = torch.full((batch,), n - 1, dtype=torch.int32, device=device)
-                    verify_step(target, anchor, drafts.to(device), None, num, position, cache,
-                                cache_len, temperature, seeds, {})
-                else:
-                    proposer.propose(n, anchor, position, temperature, seeds, {}, history)
-                _sync(device)
-                seconds = time.perf_counter() - begin
-                if rep >= warmup:
-                    (times[n] if kind == "target" else draft_times[n]).append(seconds)
-        target_seconds[batch] = [statistics.median(times[w]) for w in sorted(times)]
-    if progress:
-        print(f"\rprofiling round costs: {total}/{total} repetitions, "
-              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    draft_seconds = [0.0] + [max(statistics.median(draft_times[k]), 1e-9)
-                             for k in range(1, max_drafts + 1)]
-    return CostTable(key, target_seconds, draft_seconds)
+    return estimate_costs(time_rounds(target, proposer, batch_sizes=batch_sizes,
+                                      max_drafts=max_drafts, context=context, repeats=repeats,
+                                      warmup=warmup, progress=progress, seed=seed))
 
 
 def load_or_profile_costs(target, proposer, *, batch_sizes: Sequence[int] = (1,),

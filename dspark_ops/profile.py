@@ -32,7 +32,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, default=128,
                         help="tokens of context behind every measured step")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="timed repetitions (each prices every width and slot count once)")
     parser.add_argument("--out", default=None, help="where to write the table (default: the "
                         "cache, " + default_cost_dir() + ")")
     args = parser.parse_args(argv)

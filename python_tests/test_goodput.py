@@ -148,12 +148,13 @@ def test_a_foreign_table_is_refused_by_name(tmp_path, pair):
     target, draft = pair
     proposer = BlockDraftProposer(draft)
     key = costs_module.cost_key(target, proposer, device="cpu", dtype=torch.float64)
-    assert set(key) >= {"target", "proposer", "device", "dtype", "threads", "library"}
+    assert set(key) >= {"target", "proposer", "device", "dtype", "threads", "library", "estimate"}
     path = str(tmp_path / "costs.json")
     table([1, 2, 3, 4, 5, 6], [1] * 5, key=key).save(path)
     assert CostTable.load(path, key).key == key
     for field, value in (("threads", key["threads"] + 1), ("device", "cuda:H200"),
-                         ("dtype", "bfloat16"), ("library", "0.0.1")):
+                         ("dtype", "bfloat16"), ("library", "0.0.1"),
+                         ("estimate", "entry-by-entry medians")):
         with pytest.raises(CostTableMismatch, match=f"measured with {field} = "):
             CostTable.load(path, {**key, field: value})
     other, _ = tiny_pair(vocab=32, block_size=5)
@@ -167,6 +168,27 @@ def test_a_foreign_table_is_refused_by_name(tmp_path, pair):
     (tmp_path / "junk.json").write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="is not a cost table"):
         CostTable.load(str(tmp_path / "junk.json"))
+
+
+def test_prices_are_median_ratios_to_the_plain_step_of_the_same_repetition():
+    """Five repetitions: two fast, three in a slow spell (3x) that begins in the third just
+    after its plain step. Entry-by-entry medians would put width 2 at 3x its true price against
+    the plain step; the per-repetition ratios recover every true ratio."""
+    plain, widths, drafts = 0.05, [1.0, 1.1, 1.3], [0.2, 0.35]  # ratios to the plain step
+    target_rows, draft_rows = [], []
+    for rep, slow in enumerate([1, 1, 3, 3, 3]):
+        first = 1 if rep == 2 else slow  # the spell starts after rep 2's plain step
+        target_rows.append([plain * first] + [plain * r * slow for r in widths[1:]])
+        draft_rows.append([plain * r * slow for r in drafts])
+    table = costs_module.estimate_costs({"key": {}, "target": {1: target_rows},
+                                         "draft": {1: draft_rows}})
+    assert table.target_seconds[1] == pytest.approx([plain * r for r in widths], rel=1e-12)
+    assert table.draft_seconds == pytest.approx([0.0] + [plain * r for r in drafts], rel=1e-12)
+    # a second batch size gets its own plain step and ratios; drafts stay on the smallest's
+    table = costs_module.estimate_costs({"key": {}, "target": {1: target_rows, 4: [
+        [2 * plain, 4 * plain, 6 * plain]] * 3}, "draft": {1: draft_rows, 4: [[1.0, 1.0]] * 3}})
+    assert table.target_seconds[4] == pytest.approx([2 * plain, 4 * plain, 6 * plain])
+    assert table.draft_seconds[1:] == pytest.approx([plain * r for r in drafts])
 
 
 def test_profile_measures_every_width_and_slot_and_is_cached(tmp_path, pair, monkeypatch):
