@@ -191,6 +191,27 @@ def test_prices_are_median_ratios_to_the_plain_step_of_the_same_repetition():
     assert table.draft_seconds[1:] == pytest.approx([plain * r for r in drafts])
 
 
+def test_the_noise_study_prices_as_the_library_does():
+    """bench.cost_noise's per-repetition estimator is estimate_costs' (divided by the plain
+    step), and its spread covers every window of every run."""
+    from bench.cost_noise import entrywise, per_repetition, spread
+
+    generator = torch.Generator().manual_seed(0)
+    shape = 0.05 * torch.tensor([1.0, 1.1, 1.3, 1.2, 1.5, 1.6, 1.6, 1.7], dtype=torch.float64)
+    spells = 0.5 + 2.5 * torch.rand(7, 1, generator=generator, dtype=torch.float64)
+    jitter = 0.9 + 0.2 * torch.rand(7, 8, generator=generator, dtype=torch.float64)
+    rows = (shape * spells * jitter).tolist()
+    table = costs_module.estimate_costs({"key": {}, "target": {1: rows}, "draft": {1: [[]] * 7}})
+    assert per_repetition(rows) == pytest.approx(
+        [s / table.target_seconds[1][0] for s in table.target_seconds[1]], rel=1e-12)
+    assert entrywise(rows)[0] == 1.0 and entrywise(rows) != pytest.approx(per_repetition(rows))
+    report = spread([rows, rows[:6]], window=5)
+    assert {e["profiles"] for e in report.values()} == {3 + 2}
+    for entry in report.values():
+        for v in entry["widths"].values():
+            assert v["min"] <= v["q1"] <= v["median"] <= v["q3"] <= v["max"]
+
+
 def test_profile_measures_every_width_and_slot_and_is_cached(tmp_path, pair, monkeypatch):
     target, draft = pair
     proposer = BlockDraftProposer(draft, block_size=3)
