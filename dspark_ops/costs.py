@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -319,6 +320,21 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _warn_if_loaded(device) -> None:
+    """Warns when a CPU profile starts on a machine with more runnable work than cores: its
+    table would price the load (SmolLM2 beside a training run: t(2)/t(1) about 1.6 against
+    0.95 quiet), and the decoder would act on those prices until its online correction caught
+    up."""
+    if torch.device(device).type != "cpu" or not hasattr(os, "getloadavg"):
+        return
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load >= cores + 1:
+        warnings.warn(f"profiling round costs with a load average of {load:.1f} on {cores} "
+                      "cores: the table will price a loaded machine; profile where it will "
+                      "decode (python -m dspark_ops.profile writes a table to reuse)",
+                      RuntimeWarning, stacklevel=3)
+
+
 @torch.no_grad()
 def time_rounds(target, proposer, *, batch_sizes: Sequence[int] = (1,),
                 max_drafts: Optional[int] = None, context: int = 128, repeats: int = 9,
@@ -338,6 +354,7 @@ def time_rounds(target, proposer, *, batch_sizes: Sequence[int] = (1,),
     if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
         raise ValueError(f"profile_costs(): 'batch_sizes' must be >= 1, got {list(batch_sizes)}")
     device = target.device
+    _warn_if_loaded(device)
     vocab = _vocab_size(target)
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(target, "dtype", torch.float32)
@@ -399,10 +416,12 @@ def estimate_costs(timings: dict) -> CostTable:
     What the scheduler decides on is the ratios (whether a round of ``w`` tokens and ``k``
     drafts pays over ``w`` plain steps), and a shared, noisy machine slows the entries in spells
     that cover part of a profile: medians taken entry by entry then pick their middle values
-    from different spells (four profiles of SmolLM2 on one machine put width 2 at 0.96x to
-    1.27x of the plain step; the target's entries do not depend on the proposer). A ratio within one repetition compares timings a
-    fraction of a second apart. Drafting times are priced the same way, on the plain step
-    of the smallest batch size."""
+    from different spells. A ratio within one repetition compares timings a fraction of a
+    second apart. Drafting times are priced the same way, on the plain step of the smallest
+    batch size. (SmolLM2 on 2 threads, ``bench.cost_noise``: on a quiet machine both estimates
+    agree within 3 %; beside a training run, windows of 9 repetitions put t(2)/t(1) at
+    1.25-1.93 by ratios and 1.06-2.17 by entries, and the loaded machine's shape was its own,
+    about 1.6 against 0.95 quiet: profile on the machine as it will decode.)"""
     target_seconds: Dict[int, List[float]] = {}
     for batch, rows in sorted(timings["target"].items()):
         plain = statistics.median(row[0] for row in rows)

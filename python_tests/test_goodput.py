@@ -229,6 +229,10 @@ def test_profile_measures_every_width_and_slot_and_is_cached(tmp_path, pair, mon
                                   context=8, repeats=1)
     again = load_or_profile_costs(target, proposer, cache_dir=str(tmp_path), progress=False)
     assert len(calls) == 1 and again.to_dict() == first.to_dict()
+    monkeypatch.setattr(costs_module.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(costs_module.os, "cpu_count", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="load average of 9.0 on 2 cores"):
+        profile_costs(target, proposer, context=8, repeats=1, progress=False)
     with pytest.raises(ValueError, match="repeats >= 1"):
         profile_costs(target, proposer, repeats=0)
     with pytest.raises(ValueError, match="'batch_sizes' must be >= 1"):
