@@ -202,7 +202,7 @@ def build_runners(model, target, drafts: Dict[str, object], stop: List[int], new
                "prompt lookup": lambda p, s: hf(p, s, prompt_lookup_num_tokens=lookup_tokens),
                "plain": plain}
     runners.update({name: speculative(name) for name in decoders})
-    return runners
+    return {name: run for name, run in runners.items() if name in methods}
 
 
 def run_setting(runners, counter, prompts: Dict[str, List[List[int]]], temperature: float,
