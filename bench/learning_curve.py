@@ -100,6 +100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--chart", default="docs/smollm2_learning_curve.png")
     parser.add_argument("--chart-only", action="store_true",
                         help="draw --chart from the results in --json, reading no run")
+    parser.add_argument("--title", default="SmolLM2-135M-Instruct drafts trained by "
+                        "bench.smollm2_train (one CPU thread each)",
+                        help="the chart's title (how the drafts were trained)")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window must be at least 1, got {args.window}")
@@ -115,9 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         if not drafts:
             raise SystemExit(f"bench.learning_curve: no {', '.join(ARCHS)} training log under "
                              f"{args.runs}/<arch>/metrics.jsonl; run python -m bench.smollm2_train")
-        results = {"title": "SmolLM2-135M-Instruct drafts trained by bench.smollm2_train "
-                            "(one CPU thread each)",
-                   "runs": args.runs, "drafts": drafts}
+        results = {"title": args.title, "runs": args.runs, "drafts": drafts}
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:
