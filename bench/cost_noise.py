@@ -35,8 +35,13 @@ def entrywise(rows: List[List[float]]) -> List[float]:
 
 
 def per_repetition(rows: List[List[float]]) -> List[float]:
-    """Medians of each entry's ratio to its own repetition's plain step (``estimate_costs``)."""
-    return [1.0] + [statistics.median(r[w] / r[0] for r in rows) for w in range(1, len(rows[0]))]
+    """Ratios to the plain step of the library's prices (``dspark_ops.costs.estimate_costs``:
+    medians of each entry's ratio to its own repetition's plain step)."""
+    from dspark_ops.costs import estimate_costs
+
+    prices = estimate_costs({"key": {}, "target": {1: rows},
+                             "draft": {1: [[]] * len(rows)}}).target_seconds[1]
+    return [price / prices[0] for price in prices]
 
 
 def spread(runs: List[List[List[float]]], window: int) -> Dict[str, dict]:
