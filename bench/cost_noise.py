@@ -17,7 +17,6 @@ makes. Nothing here is a speed claim.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -83,6 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from bench.common import device_name, write_json
     from bench.e2e import _load_draft
     from dspark_ops import smollm2
     from dspark_ops.costs import time_rounds
@@ -106,15 +106,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "repetitions), SmolLM2-135M-Instruct, batch 1, by estimator",
         "command": "python -m bench.cost_noise " + " ".join(
             sys.argv[1:] if argv is None else argv),
+        "machine": f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cores, "
+                   f"{args.threads} threads, torch {torch.__version__}",
         "draft": args.dspark, "threads": args.threads, "profiles": args.profiles,
         "repeats": args.repeats, "profile_seconds": seconds,
         "plain_step_ms": [1e3 * statistics.median(r[0] for r in rows) for rows in runs],
         "windows": {str(w): spread(runs, w) for w in args.window},
         "timings": runs,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.json, results)
     for window, report in results["windows"].items():
         for name, entry in report.items():
             cells = "  ".join(f"{w} {v['min']:.2f} [{v['q1']:.2f} {v['median']:.2f} "
