@@ -533,9 +533,10 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     k_chunk = constant("kKChunk")
     chunks = (rank + k_chunk - 1) // k_chunk
     stages = slot_launch.fields["stages"]
-    # Per k chunk: its fragments from the ring (two LDS.128), the MMAs, the refill (two cp.async).
+    # Per k chunk: its fragments from the ring (two LDS.128), the MMAs, the refill (eight 4-byte
+    # cp.async: each lane's words land in its MMAs' register order).
     mma = LoopSpec("W2 ring x inputs (mma.sync)",
-                   {r"^HMMA": 2 * ct * passes, r"^LDGSTS": 2},
+                   {r"^HMMA": 2 * ct * passes, r"^LDGSTS": 8},
                    16 * k_chunk / 32, (r"^HMMA", 2 * ct * passes), loads=r"^LDGSTS")
     # z is stored through a row pointer kept in shared memory (a generic ST.E).
     store = r"^ST\.E$"

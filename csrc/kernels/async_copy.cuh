@@ -1,11 +1,11 @@
 // Asynchronous global -> shared copies (cp.async, sm_80+; PTX ISA "cp.async",
 // "cp.async.commit_group", "cp.async.wait_group"), torch-free.
 //
-// A thread issues 16-byte copies that need no registers to stage the data and are all in flight
-// together; commit_group closes the copies issued since the last commit into a group, and
-// wait_group<N> returns once at most the N most recent groups are still pending. Until then the
-// destination holds undefined bytes, and only the issuing thread's wait makes the data visible to
-// it: other threads see it after a barrier that follows the wait.
+// A thread issues 16-byte (or 4-byte) copies that need no registers to stage the data and are
+// all in flight together; commit_group closes the copies issued since the last commit into a
+// group, and wait_group<N> returns once at most the N most recent groups are still pending. Until
+// then the destination holds undefined bytes, and only the issuing thread's wait makes the data
+// visible to it: other threads see it after a barrier that follows the wait.
 //
 // In the SIMT emulator (csrc/sim/prelude.h) a copy poisons its destination at issue and is
 // performed by the issuing thread at the wait that completes it, through instrumented loads and
@@ -30,6 +30,21 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool f
                : "memory");
 #elif defined(DSPARK_OPS_SIM)
   ::dspark_sim::copy_async(DSPARK_SIM_SITE, dst, src, 16, fill ? 16 : 0);
+#else
+  __trap();
+#endif
+}
+
+// 4 bytes from global `src` to shared `dst`, both 4-byte aligned (cp.async.ca: the only cache
+// mode for copies under 16 bytes); `fill` as for copy_async_16.
+__device__ __forceinline__ void copy_async_4(void* dst, const void* src, bool fill) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared), "l"(src),
+               "r"(fill ? 4 : 0)
+               : "memory");
+#elif defined(DSPARK_OPS_SIM)
+  ::dspark_sim::copy_async(DSPARK_SIM_SITE, dst, src, 4, fill ? 4 : 0);
 #else
   __trap();
 #endif

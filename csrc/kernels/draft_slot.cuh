@@ -13,7 +13,9 @@
 // K = r) with its epilogue overlapped: 16-bit W2 streams through a per-warp ring of k chunks in
 // shared memory (cp.async, 2-8 stages: W2Stream), issued ahead across the warp's tiles, so the
 // next tile's chunks load during this tile's epilogue; each lane copies and reads back only its
-// own fragments, so the ring needs no barrier. The ring's first chunks are issued before
+// own fragments (4-byte copies that land in the MMAs' register order: no moves), so the ring
+// needs no barrier. The group's inputs are laid out k chunk by k chunk (input_index), so a
+// column tile's fragments sit at fixed offsets. The ring's first chunks are issued before
 // anything else, ahead of the wait for the previous launch of the walk (a programmatic dependent
 // launch, kernels/draft.cuh). Base logits are loaded two column tiles ahead of their epilogue
 // call. rnn_draft's activation enters as a high and a low 16-bit part (two MMAs against the same
@@ -67,15 +69,22 @@ constexpr int kSlotSharedReserve = 5 * 1024;
 // The group's inputs when the device cannot be queried: below the 48 KB that needs no opt-in.
 constexpr int kFallbackInputBytes = 44 * 1024;
 
-// Shared-memory row stride (elements) of the bias inputs: an odd multiple of 64 bytes for 16-bit
-// types and 16 extra bytes for float32 keep the fragment reads of one quarter-warp on distinct
-// banks.
-template <typename W>
-__host__ __device__ constexpr int input_stride(int padded_rank) {
-  return sizeof(W) == 2 ? (padded_rank + 63) / 64 * 64 + 32 : padded_rank + 4;
-}
-
 __host__ __device__ constexpr int padded_rank(int rank) { return (rank + kKChunk - 1) / kKChunk * kKChunk; }
+
+// Where input k of request i (pass `pass`) of the group's bias inputs lives in shared memory
+// (elements). 16-bit inputs are [pass][k chunk][request][32 k]: a request's k chunk is one
+// 64-byte row, so the MMA fragments of column tile nt sit at fixed offsets (nt x 512 bytes) from a
+// lane's chunk base, and a quarter warp's 16-byte reads (two requests' whole rows) fall on
+// distinct banks. float32 inputs (the CUDA-core path) are [request][padded rank + 4]: the 16 extra
+// bytes keep one quarter warp's reads on distinct banks.
+template <typename W>
+__host__ __device__ constexpr int input_index(int pass, int i, int k, int group_size,
+                                              int padded) {
+  if (sizeof(W) == 2) {
+    return ((pass * (padded / kKChunk) + k / kKChunk) * group_size + i) * kKChunk + k % kKChunk;
+  }
+  return (pass * group_size + i) * (padded + 4) + k;
+}
 
 // Passes over W2 per tile: the RNN activation enters 16-bit MMAs as a high and a low part.
 template <typename W, bool kRnn>
@@ -85,7 +94,8 @@ constexpr int input_passes() { return kRnn && sizeof(W) == 2 ? 2 : 1; }
 // 16-byte aligned).
 template <typename W, bool kRnn>
 __host__ __device__ int draft_input_bytes(int group_size, int rank) {
-  return input_passes<W, kRnn>() * group_size * input_stride<W>(padded_rank(rank)) * int{sizeof(W)};
+  return input_index<W>(input_passes<W, kRnn>(), 0, 0, group_size, padded_rank(rank)) *
+         int{sizeof(W)};
 }
 
 // Dynamic shared memory: the inputs, then for 16-bit weights the W2 ring of `stages` chunks.
@@ -99,11 +109,9 @@ __host__ int draft_shared_bytes(int group_size, int rank, int stages) {
 // its 16-row tile and, for each k chunk of 32, the 8 consecutive k at 8t: that is one 16-byte
 // load per row, feeding two m16n8k16 MMAs. The MMA's k positions {2t, 2t+1, 2t+8, 2t+9} map to
 // k = 8t + {0..3} in the first MMA and 8t + {4..7} in the second; the B fragment (bias inputs of
-// request g of the column tile) uses the same map, so the sum over k is unchanged.
-
-struct Frag16 {
-  uint4 row_lo, row_hi;  // rows g and g + 8: 8 values each as 4 x 32-bit pairs
-};
+// request g of the column tile) uses the same map, so the sum over k is unchanged. An MMA's A
+// fragment alternates the two rows ({row g, row g + 8} words 0, 1, then 2, 3), so the W2 ring
+// keeps each lane's words in that order (W2Stream).
 
 // Eight k values of one W2 row starting at k (zero past the rank or past the vocabulary).
 template <typename W>
@@ -122,10 +130,11 @@ __device__ __forceinline__ uint4 load_w2_8(const DraftParams& p, int64_t v, int 
 // warp's (n / chunks)-th tile, in ring slot n % stages. Chunks are issued `stages` ahead of their
 // use and across tiles, so the next tile's first chunks load during this tile's epilogue.
 struct W2Stream {
-  uint4* ring;  // this warp's [stages][2 rows][32 lanes] fragments
+  uint4* ring;  // this warp's [stages][2 MMAs][32 lanes] A fragments
   int stages, chunks;
   int64_t tile, tile_stride, tiles;  // the tile of the next chunk to issue, the walk's step, end
-  const char* rows[2];  // the lane's W2 rows g, g + 8 of that tile (null past the vocabulary)
+  const char* rows[2];  // the lane's W2 rows g, g + 8 of that tile (row 0 past the vocabulary)
+  int rows_left;        // vocabulary rows from that tile's first (rows past them are zero-filled)
   int k;                // the lane's first k of the next chunk: 32 chunk + 8t
   int vector_end;       // k + 8 at most this: one 16-byte copy (the rank; 0 for unaligned rows)
   int issued, used;     // stream chunks issued and used
@@ -134,12 +143,12 @@ struct W2Stream {
 template <typename W>
 __device__ __forceinline__ void w2_stream_rows(const DraftParams& p, W2Stream& w) {
   const int g = (threadIdx.x & 31) >> 2;
+  w.rows_left = p.vocab - w.tile * 16 < 16 ? static_cast<int>(p.vocab - w.tile * 16) : 16;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t v = w.tile * 16 + g + 8 * h;
-    w.rows[h] = v < p.vocab ? reinterpret_cast<const char*>(static_cast<const W*>(p.w2) +
-                                                            v * p.w2_stride)
-                            : nullptr;
+    w.rows[h] = reinterpret_cast<const char*>(static_cast<const W*>(p.w2) +
+                                              (v < p.vocab ? v : 0) * p.w2_stride);
   }
 }
 
@@ -162,18 +171,32 @@ __device__ __forceinline__ void w2_stream_start(const DraftParams& p, W2Stream& 
 
 // Issues the stream's next chunk into its slot (the slot's previous chunk has been used) and
 // commits its group (empty past the warp's last tile) and kMaxW2Stages / stages - 1 empty ones
-// (wait_w2).
+// (wait_w2). A slot holds each lane's words in the order of its two MMAs' A fragments (rows g and
+// g + 8 alternating: 4-byte copies), so the lane reads them back with two 16-byte loads and no
+// register moves.
 template <typename W>
 __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
   if (w.tile < w.tiles) {
-    uint4* slot = w.ring + (w.issued & (w.stages - 1)) * 64 + (threadIdx.x & 31);
+    uint32_t* slot = reinterpret_cast<uint32_t*>(w.ring + (w.issued & (w.stages - 1)) * 64 +
+                                                 (threadIdx.x & 31));
+    if (w.k + 8 <= w.vector_end) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (w.rows[h] && w.k + 8 <= w.vector_end) {
-        copy_async_16(slot + 32 * h, w.rows[h] + w.k * int{sizeof(W)}, true);
-      } else {
-        // Unaligned rows and the rank's tail: a plain load; zeros past the vocabulary or the rank.
-        slot[32 * h] = load_w2_8<W>(p, w.tile * 16 + ((threadIdx.x & 31) >> 2) + 8 * h, w.k);
+      for (int h = 0; h < 2; ++h) {
+        const char* src = w.rows[h] + w.k * int{sizeof(W)};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          copy_async_4(slot + 128 * (m >> 1) + 2 * (m & 1) + h, src + 4 * m,
+                       ((threadIdx.x & 31) >> 2) + 8 * h < w.rows_left);
+        }
+      }
+    } else {
+      // Unaligned rows and the rank's tail: plain loads; zeros past the vocabulary or the rank.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = load_w2_8<W>(p, w.tile * 16 + ((threadIdx.x & 31) >> 2) + 8 * h, w.k);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) slot[128 * (m >> 1) + 2 * (m & 1) + h] = words[m];
       }
     }
     w.k += kKChunk;
@@ -197,25 +220,23 @@ __device__ __forceinline__ void wait_w2() { copy_async_wait<kMaxW2Stages - 1>();
 // `stages` ahead once its MMAs are issued (their operands are read from it by then).
 template <typename W, int kPasses, int kColumnTiles>
 __device__ __forceinline__ void tile_products_n(const DraftParams& p, W2Stream& w2,
-                                                const W* inputs, int stride, int plane,
-                                                float (&acc)[kMaxGroup / 8][4]) {
+                                                const W* inputs, float (&acc)[kMaxGroup / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const W* lane_inputs = inputs + g * stride + 8 * t;
+  const int chunk_elems = p.group_size * kKChunk;  // one k chunk of the group's inputs
+  const W* lane_inputs = inputs + g * kKChunk + 8 * t;
   for (int c = 0; c < w2.chunks; ++c) {
     wait_w2();
     const uint4* slot = w2.ring + (w2.used & (w2.stages - 1)) * 64 + lane;
-    Frag16 a;
-    a.row_lo = slot[0];
-    a.row_hi = slot[32];
+    const uint4 a0 = slot[0], a1 = slot[32];
     ++w2.used;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
 #pragma unroll
       for (int nt = 0; nt < kColumnTiles; ++nt) {
-        const W* in = lane_inputs + (pass * plane + nt * 8) * stride + c * kKChunk;
+        const W* in = lane_inputs + (pass * w2.chunks + c) * chunk_elems + nt * 8 * kKChunk;
         const uint4 b = *reinterpret_cast<const uint4*>(in);
-        mma_m16n8k16<W>(acc[nt], a.row_lo.x, a.row_hi.x, a.row_lo.y, a.row_hi.y, b.x, b.y);
-        mma_m16n8k16<W>(acc[nt], a.row_lo.z, a.row_hi.z, a.row_lo.w, a.row_hi.w, b.z, b.w);
+        mma_m16n8k16<W>(acc[nt], a0.x, a0.y, a0.z, a0.w, b.x, b.y);
+        mma_m16n8k16<W>(acc[nt], a1.x, a1.y, a1.z, a1.w, b.z, b.w);
       }
     }
     issue_w2<W>(p, w2);
@@ -226,28 +247,28 @@ __device__ __forceinline__ void tile_products_n(const DraftParams& p, W2Stream& 
 // column tile.
 template <typename W, int kPasses>
 __device__ __forceinline__ void tile_products(const DraftParams& p, W2Stream& w2,
-                                              const W* inputs, int stride, int plane,
-                                              int column_tiles, float (&acc)[kMaxGroup / 8][4]) {
+                                              const W* inputs, int column_tiles,
+                                              float (&acc)[kMaxGroup / 8][4]) {
   static_assert(kMaxGroup / 8 == 8, "one case per column tile count");
   switch (column_tiles) {
-    case 1: tile_products_n<W, kPasses, 1>(p, w2, inputs, stride, plane, acc); break;
-    case 2: tile_products_n<W, kPasses, 2>(p, w2, inputs, stride, plane, acc); break;
-    case 3: tile_products_n<W, kPasses, 3>(p, w2, inputs, stride, plane, acc); break;
-    case 4: tile_products_n<W, kPasses, 4>(p, w2, inputs, stride, plane, acc); break;
-    case 5: tile_products_n<W, kPasses, 5>(p, w2, inputs, stride, plane, acc); break;
-    case 6: tile_products_n<W, kPasses, 6>(p, w2, inputs, stride, plane, acc); break;
-    case 7: tile_products_n<W, kPasses, 7>(p, w2, inputs, stride, plane, acc); break;
-    default: tile_products_n<W, kPasses, 8>(p, w2, inputs, stride, plane, acc); break;
+    case 1: tile_products_n<W, kPasses, 1>(p, w2, inputs, acc); break;
+    case 2: tile_products_n<W, kPasses, 2>(p, w2, inputs, acc); break;
+    case 3: tile_products_n<W, kPasses, 3>(p, w2, inputs, acc); break;
+    case 4: tile_products_n<W, kPasses, 4>(p, w2, inputs, acc); break;
+    case 5: tile_products_n<W, kPasses, 5>(p, w2, inputs, acc); break;
+    case 6: tile_products_n<W, kPasses, 6>(p, w2, inputs, acc); break;
+    case 7: tile_products_n<W, kPasses, 7>(p, w2, inputs, acc); break;
+    default: tile_products_n<W, kPasses, 8>(p, w2, inputs, acc); break;
   }
 }
 
 // The same products for float32 weights on CUDA cores, in the MMA's accumulator layout: lane
 // (g, t) sums over all k for rows g, g + 8 and requests 2t, 2t + 1 of each column tile.
 __device__ __forceinline__ void tile_products_f32(const DraftParams& p, int64_t row0,
-                                                  const float* inputs, int stride,
-                                                  int column_tiles,
+                                                  const float* inputs, int column_tiles,
                                                   float (&acc)[kMaxGroup / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int padded = padded_rank(p.rank);
   const float* rows[2] = {nullptr, nullptr};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -271,7 +292,8 @@ __device__ __forceinline__ void tile_products_f32(const DraftParams& p, int64_t 
       if (nt >= column_tiles) break;
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float4 b = *reinterpret_cast<const float4*>(inputs + (nt * 8 + 2 * t + q) * stride + k);
+        const float4 b = *reinterpret_cast<const float4*>(
+            inputs + input_index<float>(0, nt * 8 + 2 * t + q, k, p.group_size, padded));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& c = acc[nt][2 * h + q];
@@ -329,11 +351,10 @@ static_assert(sizeof(GroupSampling) + 1024 <= kSlotSharedReserve, "kSlotSharedRe
 // Each thread resolves one request's source first, then all loads of the rows are independent:
 // one round trip for the whole gather instead of a few per request.
 template <typename W, typename Base, bool kRnn>
-__device__ void load_group(const DraftParams& p, int first, int members, W* inputs, int stride,
+__device__ void load_group(const DraftParams& p, int first, int members, W* inputs,
                            GroupSampling& s) {
   constexpr int kPasses = input_passes<W, kRnn>();
   constexpr int kBatch = 8;  // loads in flight per thread
-  const int plane = p.group_size;
   const int width = padded_rank(p.rank);
   for (int i = threadIdx.x; i < p.group_size; i += blockDim.x) {
     const int b = first + i;
@@ -384,7 +405,8 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
       for (int j = 0; j < kBatch; ++j) {
         const int idx = base + j * threads;
         if (idx < items) {
-          *reinterpret_cast<uint4*>(inputs + (idx / chunks) * stride + (idx % chunks) * kVec) = v[j];
+          *reinterpret_cast<uint4*>(inputs + input_index<W>(0, idx / chunks, (idx % chunks) * kVec,
+                                                            p.group_size, width)) = v[j];
         }
       }
     }
@@ -410,8 +432,10 @@ __device__ void load_group(const DraftParams& p, int first, int members, W* inpu
         if (idx >= items) continue;
         const float v = kRnn ? tanhf(value[j]) : value[j];  // tanh(0) = 0 for the padding
         const W hi = from_float<W>(v);
-        inputs[i * stride + k] = hi;
-        if (kPasses == 2) inputs[(plane + i) * stride + k] = from_float<W>(v - to_float(hi));
+        inputs[input_index<W>(0, i, k, p.group_size, width)] = hi;
+        if (kPasses == 2) {
+          inputs[input_index<W>(1, i, k, p.group_size, width)] = from_float<W>(v - to_float(hi));
+        }
       }
     }
   }
@@ -521,18 +545,32 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
   }
   float key[4];
   bool needs_log[4];
+  const bool in_vocab[2] = {row0 + g < p.vocab, row0 + g + 8 < p.vocab};
+  float head[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) head[e] = c[e] + base[e];
+  // The rare path, one branch per call: a float32 sum that is not finite or too large for its
+  // rounding to be trusted is summed again in float64.
+  if (!(fabsf(c[0]) < kExactHeadAbove && fabsf(c[1]) < kExactHeadAbove &&
+        fabsf(c[2]) < kExactHeadAbove && fabsf(c[3]) < kExactHeadAbove)) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e >> 1, q = e & 1;
+      if (!(fabsf(c[e]) < kExactHeadAbove) && member[q] && in_vocab[h]) {
+        head[e] = exact_head_logit<W, kRnn>(p, s.source[nt * 8 + 2 * t + q], row0 + g + 8 * h,
+                                            base[e]);
+      }
+    }
+  }
   // The stored type is chosen once per call (a uniform branch around the loop, not per element).
   const auto store_and_bound = [&](auto bf16) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int h = e >> 1, q = e & 1;  // c[e]: row g + 8h, request 2t + q; u[e] is its uniform
       const int64_t v = row0 + g + 8 * h;
-      const bool valid = member[q] && v < p.vocab;
+      const bool valid = member[q] && in_vocab[h];
       // bfloat16 logits: z is rounded first, and the key below is that of the stored value.
-      float z = c[e] + base[e];
-      if (!(fabsf(c[e]) < kExactHeadAbove) && valid) {
-        z = exact_head_logit<W, kRnn>(p, s.source[nt * 8 + 2 * t + q], v, base[e]);
-      }
+      float z = head[e];
       if constexpr (decltype(bf16)::value) {
         const __nv_bfloat16 rounded = __float2bfloat16_rn(z);
         z = __bfloat162float(rounded);
@@ -606,7 +644,6 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   const int group = blockIdx.y;
   const int first = group * p.group_size;
   const int members = min(p.group_size, p.batch - first);
-  const int stride = input_stride<W>(padded_rank(p.rank));
   // Warp w of block x takes the 16-row warp tiles w * gridDim.x + x, x + (w + 8) * gridDim.x, ...:
   // the leftover of the last round falls on the low warps of every block, not on whole blocks, so
   // every block holds its share of the vocabulary to within a warp tile and the SMs finish
@@ -626,7 +663,7 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
     for (int i = 0; i < p.stages; ++i) issue_w2<W>(p, w2);
   }
   wait_for_previous_grid();  // the tokens, the RNN head's activations
-  load_group<W, Base, kRnn>(p, first, members, inputs, stride, s);
+  load_group<W, Base, kRnn>(p, first, members, inputs, s);
   const bool any_sampled = __any_sync(0xffffffffu, s.any_sampled);  // warp-uniform to the compiler
   unsigned long long* best = p.best + int64_t{p.slot} * p.batch;
 
@@ -648,9 +685,9 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
     if (column_tiles > 1) load_base(p, s, row0, members, 1, base[1]);
     float acc[kMaxGroup / 8][4] = {};
     if constexpr (kRing) {
-      tile_products<W, kPasses>(p, w2, inputs, stride, p.group_size, column_tiles, acc);
+      tile_products<W, kPasses>(p, w2, inputs, column_tiles, acc);
     } else {
-      tile_products_f32(p, row0, inputs, stride, column_tiles, acc);
+      tile_products_f32(p, row0, inputs, column_tiles, acc);
     }
     if (grid_best != 0) atomicMax(&s.seen[threadIdx.x], static_cast<uint32_t>(grid_best >> 32));
 #pragma unroll
