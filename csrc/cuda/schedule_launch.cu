@@ -1,5 +1,7 @@
 // Launchers of the scheduling family (nvcc, torch-free): one block of kernels/schedule.cuh's
-// kernels, the sort's shared memory opted into per launch.
+// kernels, the sort's shared memory opted into per launch. schedule_kernel's launch is a
+// programmatic dependent launch (kernels/launch.cuh): its launch overlaps the kernel before it on
+// the stream (draft_confidence's), and it waits for that kernel before it reads anything.
 #include "../kernels/schedule_launch.h"
 
 #include "../kernels/launch.cuh"
@@ -19,7 +21,8 @@ cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
     if (opted_in != cudaSuccess) return opted_in;
   }
-  DSPARK_LAUNCH(1, kScheduleThreads, shared_bytes, stream, schedule_kernel<Mode, SharedSort>)(p);
+  DSPARK_LAUNCH_DEPENDENT(1, kScheduleThreads, shared_bytes, stream,
+                          schedule_kernel<Mode, SharedSort>)(p);
   return cudaGetLastError();
 }
 

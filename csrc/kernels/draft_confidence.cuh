@@ -2,7 +2,10 @@
 // slot) row. The block copies the weight vector [d + r] into shared memory asynchronously while
 // each lane issues its 16-byte loads of [h_j; W1[x_j]], so the weights' and the rows' HBM waits
 // overlap (one per row at the modelled shapes); float32 dot product, warp reduction. A row whose
-// float32 sum is not finite is summed again in float64 (exact_dot).
+// float32 sum is not finite is summed again in float64 (exact_dot). A programmatic dependent
+// launch (kernels/launch.cuh): its launch overlaps the kernel before it on the stream (on sm_90 the
+// drafting walk's last slot kernel, which lets it start once its tiles are done), and every thread
+// waits for that kernel before it reads anything.
 // Input contract: ConfidenceParams (kernels/draft_launch.h), filled and checked by
 // cuda/draft_cuda.cpp.
 #pragma once
@@ -172,6 +175,7 @@ __global__ void __launch_bounds__(kConfidenceThreads, 4)
     draft_confidence_kernel(const ConfidenceParams p) {
   DSPARK_EXTERN_SHARED(uint4, staged_bytes);
   P* const staged = reinterpret_cast<P*>(staged_bytes);
+  wait_for_previous_grid();  // the tokens, hidden rows and weights may be the stream's last writes
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t{blockIdx.x} * (kConfidenceThreads / 32) + (threadIdx.x >> 5);
   const bool active = row < int64_t{p.batch} * p.block;  // inactive warps still stage weights
@@ -247,8 +251,8 @@ cudaError_t launch_draft_confidence(const ConfidenceParams& p, cudaStream_t stre
         draft_confidence_kernel<W, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
     if (opted_in != cudaSuccess) return opted_in;
   }
-  DSPARK_LAUNCH(static_cast<unsigned>(blocks), kConfidenceThreads, shared, stream,
-                draft_confidence_kernel<W, P>)(p);
+  DSPARK_LAUNCH_DEPENDENT(static_cast<unsigned>(blocks), kConfidenceThreads, shared, stream,
+                          draft_confidence_kernel<W, P>)(p);
   return cudaGetLastError();
 }
 

@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const Schedu
   uint64_t* keys = SharedSort ? dynamic_keys : p.global_keys;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int pairs = p.batch * p.block;
+  wait_for_previous_grid();  // a dependent launch: the confidences may be the stream's last writes
 
   // Phase 3's contiguous segments of admission counts are sized by the most admissions there can
   // be, not yet by the eligible count, so a thread reads the step rates of its segment's first
