@@ -146,9 +146,8 @@ __device__ __forceinline__ void w2_stream_rows(const DraftParams& p, W2Stream& w
   w.rows_left = p.vocab - w.tile * 16 < 16 ? static_cast<int>(p.vocab - w.tile * 16) : 16;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t v = w.tile * 16 + g + 8 * h;
-    w.rows[h] = reinterpret_cast<const char*>(static_cast<const W*>(p.w2) +
-                                              (v < p.vocab ? v : 0) * p.w2_stride);
+    const int64_t v = g + 8 * h < w.rows_left ? w.tile * 16 + g + 8 * h : 0;
+    w.rows[h] = reinterpret_cast<const char*>(static_cast<const W*>(p.w2) + v * p.w2_stride);
   }
 }
 
@@ -169,6 +168,13 @@ __device__ __forceinline__ void w2_stream_start(const DraftParams& p, W2Stream& 
   if (first_tile < tiles) w2_stream_rows<W>(p, w);
 }
 
+// Where word m (0..3) of row g + 8h's 16 bytes goes among the 8 words of a lane's slot: the two
+// MMAs' A fragments, {row g, row g + 8} words 0, 1 in the first and 2, 3 in the second (the
+// second fragment 32 lanes' 16 bytes further on).
+__device__ __forceinline__ constexpr int fragment_word(int m, int h) {
+  return 128 * (m >> 1) + 2 * (m & 1) + h;
+}
+
 // Issues the stream's next chunk into its slot (the slot's previous chunk has been used) and
 // commits its group (empty past the warp's last tile) and kMaxW2Stages / stages - 1 empty ones
 // (wait_w2). A slot holds each lane's words in the order of its two MMAs' A fragments (rows g and
@@ -185,7 +191,7 @@ __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
         const char* src = w.rows[h] + w.k * int{sizeof(W)};
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-          copy_async_4(slot + 128 * (m >> 1) + 2 * (m & 1) + h, src + 4 * m,
+          copy_async_4(slot + fragment_word(m, h), src + 4 * m,
                        ((threadIdx.x & 31) >> 2) + 8 * h < w.rows_left);
         }
       }
@@ -196,7 +202,7 @@ __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
         const uint4 v = load_w2_8<W>(p, w.tile * 16 + ((threadIdx.x & 31) >> 2) + 8 * h, w.k);
         const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int m = 0; m < 4; ++m) slot[128 * (m >> 1) + 2 * (m & 1) + h] = words[m];
+        for (int m = 0; m < 4; ++m) slot[fragment_word(m, h)] = words[m];
       }
     }
     w.k += kKChunk;
