@@ -313,13 +313,18 @@ def test_chain_is_a_bound_and_every_launch_pays_its_launch():
     assert big.time_s == pytest.approx(4e9 / H200.dram_bytes_per_s + H200.launch_s)
 
 
-def test_verify_item_chain_waits_once_per_iteration():
+def test_verify_item_chain_waits_once_per_iteration_or_ring_batch():
     # 9504-element chunks (V = 151936 over 16), 256 threads: five groups of 8 (the target row
     # alone) cover the chunk in one iteration, one HBM wait; three groups (with the draft row)
     # need two iterations; 8192 elements in four groups, exactly one.
     assert kernels.verify_item_chain(9504, 256, 5, 8).dram_waits == 1
     assert kernels.verify_item_chain(9504, 256, 3, 8).dram_waits == 2
     assert kernels.verify_item_chain(8192, 256, 4, 8).dram_waits == 1
+    # Through the ring (draft rows): a bf16 + float32 chunk's three iterations of two groups in
+    # one batch with three stages, in two with two stages (the emulated L4), three with one.
+    assert [kernels.verify_item_chain(9504, 256, 2, 8, s).dram_waits for s in (3, 2, 1)] == \
+        [1, 2, 3]
+    assert kernels.verify_item_chain(9504, 256, 2, 8, 4).dram_waits == 1
     # No sequentially consistent fence: the scalars' round trip, and the acq_rel arrival's
     # membar (the partial's store) and atomic are the item's L2 waits.
     item = kernels.verify_item_chain(9504, 256, 3, 8)

@@ -276,17 +276,23 @@ SORT_STAGE_INSTRS = 5
 DIGIT_INSTRS = 120
 
 
-def verify_item_chain(chunk: int, threads: int, groups: int, elems_per_thread: int) -> Chain:
+def verify_item_chain(chunk: int, threads: int, groups: int, elems_per_thread: int,
+                      stages: int = 1) -> Chain:
     """One (row, chunk) item of verify_row_stats_kernel, the block's path: the request's scalars
     with the mark and the decider's draft-id loads (issued together: one L2 round trip) and the
     barrier that shares the skip; its chunk in iterations of `groups` 16-byte loads per row and
-    thread, all issued before any is used (one HBM wait each); the block reduction (three
-    barriers); the partial's store and the arrival, one acq_rel atomic: MEMBAR.ALL.GPU, ATOM,
-    CCTL.IVALL in the SASS. ASSUMED: that membar (not the sequentially consistent MEMBAR.SC.GPU
-    the fitted fence_s prices) waits for the thread's own outstanding store, the partial, so it
-    costs one L2 round trip, and the atomic another."""
-    waits = -(-chunk // (threads * elems_per_thread * groups))
-    return Chain(l2_waits=3, dram_waits=waits, barrier_stages=4)
+    thread, all issued before any is used; the block reduction (three barriers); the partial's
+    store and the arrival, one acq_rel atomic: MEMBAR.ALL.GPU, ATOM, CCTL.IVALL in the SASS.
+    ASSUMED: that membar (not the sequentially consistent MEMBAR.SC.GPU the fitted fence_s
+    prices) waits for the thread's own outstanding store, the partial, so it costs one L2 round
+    trip, and the atomic another.
+
+    The HBM waits: one per iteration in registers (stages = 1). With draft rows the iterations
+    go through the ring, `stages` of them in flight: iteration k is issued stages - 1 iterations
+    before its use, so while an iteration's folding is short against the HBM latency, the
+    iterations arrive in batches of `stages`, one wait each."""
+    iterations = -(-chunk // (threads * elems_per_thread * groups))
+    return Chain(l2_waits=3, dram_waits=-(-iterations // stages), barrier_stages=4)
 
 
 def verify_decide_chain(greedy: bool) -> Chain:
@@ -320,10 +326,16 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
         stream = LoopSpec("stream target row", {r"^LDG\.E\.128": groups, BF16_HIGH: 4 * groups,
                                                 r"^FSETP\.GT": 8 * groups}, 8, (BF16_HIGH, 4))
     else:
-        stream = LoopSpec("stream target+draft rows",
-                          {r"^LDG\.E\.128": 3 * groups, BF16_HIGH: 4 * groups,
-                           r"^FSETP\.GT": 16 * groups, r"^MUFU\.EX2": 16 * groups}, 8,
-                          (BF16_HIGH, 4))
+        # Both rows through the ring (stream_rows_staged): per group a later iteration's three
+        # 16-byte copies (target, two of the draft) and this one's three 16-byte reads back, and
+        # the wait for this iteration's copies with stages - 1 groups left pending (the branch of
+        # copy_async_wait_upto the planned depth takes).
+        stream = LoopSpec("stream target+draft rows (ring)",
+                          {r"^LDGSTS\.E\.BYPASS\.128": 3 * groups, r"^LDS\.128": 3 * groups,
+                           BF16_HIGH: 4 * groups, r"^FSETP\.GT": 16 * groups,
+                           r"^MUFU\.EX2": 16 * groups,
+                           f"re:DEPBAR\\.LE SB0, 0x{stats_launch.fields['stages'] - 1:x}\\b": 1},
+                          8, (BF16_HIGH, 4), loads=r"^LDGSTS")
     stats_bytes = batch * vocab * (t_rows * BF16 + d_rows * F32)
 
     # Rows are decided independently: a (row, chunk) item's block streams its chunk, publishes
@@ -336,7 +348,9 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
     # the last row, which waits for everything.
     chunk = vocab // chunks + (vocab % chunks > 0)
     chunk = -(-chunk // 16) * 16                          # chunks start at multiples of 16
-    item = verify_item_chain(chunk, threads, groups, elems)
+    # The ring's depth (draft rows only; the glue plans it for the device: verify_stages).
+    stages = 1 if greedy else stats_launch.fields["stages"]
+    item = verify_item_chain(chunk, threads, groups, elems, stages)
     skip = Chain(l2_waits=1, barrier_stages=1)
     decide = verify_decide_chain(greedy)
     note = "rows decided independently: items in series per resident slot"

@@ -72,4 +72,19 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
+// copy_async_wait with a runtime `pending` in [0, kMaxPending]: wait_group takes an immediate, so
+// one of kMaxPending + 1 waits, chosen by a branch that is uniform wherever `pending` is.
+template <int kMaxPending>
+__device__ __forceinline__ void copy_async_wait_upto(int pending) {
+  if constexpr (kMaxPending > 0) {
+    if (pending >= kMaxPending) {
+      copy_async_wait<kMaxPending>();
+      return;
+    }
+    copy_async_wait_upto<kMaxPending - 1>(pending);
+  } else {
+    copy_async_wait<0>();
+  }
+}
+
 }  // namespace dspark_ops::kernels

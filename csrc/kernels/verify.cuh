@@ -14,9 +14,10 @@
 //  1. verify_row_stats_kernel, grid (B * C, G + 1): block (b * C + c, j) is the item (row j of
 //     request b, chunk c). Blocks start in the order of their index, x fastest, so row j of every
 //     request is streamed before row j + 1 of any (row-major): by the time a request's row j + 1
-//     starts, its row j has mostly been decided. An item reads the target row (and when the
-//     draft is a distribution the draft row) over its chunk in one loop, its loads issued in
-//     groups before any is used, and publishes partial softmax statistics (max, sum of weights,
+//     starts, its row j has mostly been decided. An item reads the target row over its chunk in
+//     one loop, its loads issued in groups before any is used (when the draft is a distribution,
+//     both rows through a per-thread cp.async ring in shared memory, a chunk's next iterations in
+//     flight while one is folded), and publishes partial softmax statistics (max, sum of weights,
 //     argmax) with one release/acquire arrival atomic. The last block to arrive at a row (the CUDA
 //     "threadFenceReduction" pattern, without the fence) merges the C partials in chunk order and
 //     decides the row; a rejection raises the request's mark (the largest G + 1 - j over its
@@ -45,7 +46,8 @@
 // decider runs the thresholds' radix digits on those lists on chip, reading nothing of the row;
 // a list that overflows, or 64 < k <= kVerifyFloorK (floors only), costs it one gather from the
 // row from the highest floor; larger k, top-p or min-p alone, a radix descent over the row (at
-// most seven passes through L2). Dynamic shared memory (FilterShared) only when a filter is given.
+// most seven passes through L2). Dynamic shared memory: the ring with draft rows, then in the
+// deciding block FilterShared when a filter is given (the same bytes, the larger of the two).
 //
 // Each element of a needed row is read once from HBM; the race reads row j* of a sampled request
 // again. Chunks start at multiples of 16 elements, so rows whose
@@ -64,6 +66,7 @@
 #include <cstdint>
 #include <cuda/atomic>
 
+#include "async_copy.cuh"
 #include "convert.cuh"
 #include "filter.cuh"
 #include "reduce.cuh"
@@ -76,13 +79,12 @@ namespace dspark_ops::kernels {
 constexpr int kVerifyThreads = 256;
 constexpr int kVerifyWarps = kVerifyThreads / 32;
 constexpr int kElementsPerThread = 8;  // two Philox blocks; one 16-byte load of 16-bit logits
-// Groups whose loads one iteration of the statistics pass issues before using any: with a draft
-// row, three of the target row and three of the draft row (two when one row is 16-bit and the
-// other float32: three spilled at the register cap of three blocks per SM; bf16 + float32 then
-// keeps 96 bytes a thread in flight, 74 KB per SM at three blocks, three times the ~25 KB an
-// H200 SM needs to cover HBM latency); without one, about 80 bytes of the target row, in the
-// registers the draft's would take: five groups of a 16-bit row, which cover a 9,504-element
-// chunk (V = 151,936) in one iteration, one HBM wait per item; two of a float32 row.
+// Groups of 8 elements per thread in one iteration of the statistics pass: with a draft row, an
+// iteration is one stage of the ring (kMaxVerifyStages), three groups of both rows (two when one
+// row is 16-bit and the other float32: 96 bytes a thread, 24 KB a block per stage); without one,
+// the target row's loads are issued in registers before any is used, about 80 bytes: five groups
+// of a 16-bit row, which cover a 9,504-element chunk (V = 151,936) in one iteration, one HBM wait
+// per item; two of a float32 row.
 constexpr int kStatsGroups = 3;
 constexpr int kMixedStatsGroups = 2;
 constexpr int kTargetGroups = 5;
@@ -96,6 +98,33 @@ template <typename TT, typename DT>
 constexpr int stats_groups() {
   return sizeof(TT) != sizeof(DT) && sizeof(TT) + sizeof(DT) == 6 ? kMixedStatsGroups
                                                                   : kStatsGroups;
+}
+
+// With a draft row the statistics pass streams both rows through a ring in dynamic shared memory
+// (stream_rows_staged): each thread copies (cp.async) its groups' 16-byte words up to
+// VerifyParams::stages iterations ahead of their use into slots that only it reads, so no
+// registers hold loads in flight, nothing waits for another thread, and a chunk's next iterations
+// load while this one is folded. The launcher takes the most stages (up to the iterations a chunk
+// needs, at most kMaxVerifyStages) that cost the kernel no resident block: a 9,504-element chunk
+// of bf16 target and float32 draft rows is three iterations, 72 KB a block.
+constexpr int kMaxVerifyStages = 4;
+
+// 16-byte words of one ring stage per thread: one iteration, stats_groups() groups of both rows.
+template <typename TT, typename DT>
+constexpr int ring_stage_words() {
+  return stats_groups<TT, DT>() * kElementsPerThread * int{sizeof(TT) + sizeof(DT)} / 16;
+}
+
+template <typename TT, typename DT>
+constexpr int ring_stage_bytes() {
+  return ring_stage_words<TT, DT>() * 16 * kVerifyThreads;
+}
+
+// Iterations of the ring's stream over a chunk of `chunk` elements.
+template <typename TT, typename DT>
+constexpr int64_t ring_iterations(int64_t chunk) {
+  const int64_t per_iteration = int64_t{kVerifyThreads} * kElementsPerThread * stats_groups<TT, DT>();
+  return (chunk + per_iteration - 1) / per_iteration;
 }
 
 struct RowPartial {
@@ -369,38 +398,110 @@ __device__ __forceinline__ void accumulate8(SoftmaxStats& s, const float (&v)[kE
   }
 }
 
-// This thread's statistics of the target row and (if kDraft) the draft row over [x0, x1), in
-// iterations of kGroups groups of 8 elements whose 16-byte loads are all issued before any is
-// used (one HBM wait per iteration; the chunk's tail too, where whole 16-byte words remain; only
-// elements past a 16-byte boundary are read one at a time). Group g of an iteration is 8
-// elements at base + g * kGroupStride: a warp's 16-byte loads cover 512 contiguous bytes (whole
-// sectors). Every thread folds its groups in the order of their index whatever kGroups is, so
-// the sums do not depend on how many groups are in flight. Stops early once `*reject_mark`
-// exceeds `abandon_above` (an earlier row was rejected, so this row is not needed); the poll is
-// issued at the top of an iteration and used at its end, so its latency hides behind the row's.
-template <int kGroups, bool kDraft, typename TT, typename DT>
-__device__ __forceinline__ void stream_row(const TT* trow, const int32_t* mrow, const DT* drow,
-                                           int64_t x0, int64_t x1, const Request& r,
-                                           const int32_t* reject_mark, int32_t abandon_above,
-                                           RowPartial& s) {
-  const bool t_sum = r.need_distribution, d_sum = !r.draft_greedy;
-  const bool aligned = ((reinterpret_cast<uintptr_t>(trow) | reinterpret_cast<uintptr_t>(drow)) &
-                        15) == 0;
+// This thread's statistics of the target row over [x0, x1) (no draft row), in iterations of
+// kGroups groups of 8 elements whose 16-byte loads are all issued before any is used (one HBM
+// wait per iteration; the chunk's tail too, where whole 16-byte words remain; only elements past
+// a 16-byte boundary are read one at a time). Group g of an iteration is 8 elements at
+// base + g * kGroupStride: a warp's 16-byte loads cover 512 contiguous bytes (whole sectors).
+// Every thread folds its groups in the order of their index whatever kGroups is, so the sums do
+// not depend on how many groups are in flight. Stops early once `*reject_mark` exceeds
+// `abandon_above` (an earlier row was rejected, so this row is not needed); the poll is issued
+// at the top of an iteration and used at its end, so its latency hides behind the row's.
+template <int kGroups, typename TT>
+__device__ __forceinline__ void stream_target_row(const TT* trow, const int32_t* mrow, int64_t x0,
+                                                  int64_t x1, const Request& r,
+                                                  const int32_t* reject_mark,
+                                                  int32_t abandon_above, SoftmaxStats& s) {
+  const bool t_sum = r.need_distribution;
+  const bool aligned = (reinterpret_cast<uintptr_t>(trow) & 15) == 0;
   // blockDim.x is kVerifyThreads: constant strides keep registers free under the cap.
   constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
   for (int64_t base = x0 + int64_t{threadIdx.x} * kElementsPerThread; base < x1;
        base += kGroupStride * kGroups) {
     const int32_t mark = poll_mark(reject_mark);
     Raw8<TT> t_raw[kGroups];
-    Raw8<DT> d_raw[kDraft ? kGroups : 1];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const int64_t x = base + g * kGroupStride;
+      if (aligned && x + kElementsPerThread <= x1) issue8(trow, x, t_raw[g]);
+    }
+    float v[kElementsPerThread];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t x = base + g * kGroupStride;
+      if (x >= x1) break;  // the groups past the end would add nothing
       if (aligned && x + kElementsPerThread <= x1) {
-        if (trow) issue8(trow, x, t_raw[g]);
-        if constexpr (kDraft) issue8(drow, x, d_raw[g]);
+        unpack8(t_raw[g], v);
+      } else {
+        load8(trow, x, x1, kSingleLoads, v);
+      }
+      drop_disallowed8(mrow, x, x1, v);
+      accumulate8(s, v, x, t_sum, r.inv_t);
+    }
+    if (mark > abandon_above) break;
+  }
+}
+
+// This thread's statistics of the target row (if any) and the draft row over [x0, x1): the same
+// groups, folded in the same order as stream_target_row folds them, but each group's 16-byte
+// words of both rows arrive through this thread's slots of the ring (see kMaxVerifyStages):
+// iteration i's copies are issued at iteration i - stages + 1 and waited for at iteration i.
+// Groups without whole 16-byte words (a chunk's tail, rows past a 16-byte boundary) are read one
+// element at a time when folded. Every copy has landed when this returns (the deciding block
+// reuses the ring's shared memory for the filters).
+template <int kGroups, typename TT, typename DT>
+__device__ __forceinline__ void stream_rows_staged(const TT* trow, const int32_t* mrow,
+                                                   const DT* drow, int64_t x0, int64_t x1,
+                                                   const Request& r, const int32_t* reject_mark,
+                                                   int32_t abandon_above, int stages, uint4* ring,
+                                                   RowPartial& s) {
+  const bool t_sum = r.need_distribution, d_sum = !r.draft_greedy;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(trow) | reinterpret_cast<uintptr_t>(drow)) &
+                        15) == 0;
+  constexpr int64_t kGroupStride = int64_t{kVerifyThreads} * kElementsPerThread;
+  constexpr int64_t kIteration = kGroupStride * kGroups;
+  constexpr int kTargetWords = kElementsPerThread * int{sizeof(TT)} / 16;
+  constexpr int kDraftWords = kElementsPerThread * int{sizeof(DT)} / 16;
+  constexpr int kGroupWords = kTargetWords + kDraftWords;
+  static_assert(kGroups * kGroupWords == ring_stage_words<TT, DT>());
+  // Word w of stage k of this thread is ring[(k * words per stage + w) * threads + thread]: a
+  // warp's words of one kind are 512 contiguous bytes, so its copies and reads hit every bank
+  // equally.
+  uint4* const mine = ring + threadIdx.x;
+  constexpr int kStageStride = kGroups * kGroupWords * kVerifyThreads;
+  const int64_t first = x0 + int64_t{threadIdx.x} * kElementsPerThread;
+  int64_t ahead = first;  // the next iteration to issue, and its stage
+  int ahead_stage = 0;
+  const auto issue = [&] {
+    uint4* const stage = mine + ahead_stage * kStageStride;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t x = ahead + g * kGroupStride;
+      if (!aligned || x + kElementsPerThread > x1) continue;
+      if (trow) {
+#pragma unroll
+        for (int h = 0; h < kTargetWords; ++h) {
+          copy_async_16(stage + (g * kGroupWords + h) * kVerifyThreads,
+                        reinterpret_cast<const uint4*>(trow + x) + h, true);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kDraftWords; ++h) {
+        copy_async_16(stage + (g * kGroupWords + kTargetWords + h) * kVerifyThreads,
+                      reinterpret_cast<const uint4*>(drow + x) + h, true);
       }
     }
+    copy_async_commit();  // a group per iteration, empty past the chunk: the waits count them
+    ahead += kIteration;
+    ahead_stage = ahead_stage + 1 == stages ? 0 : ahead_stage + 1;
+  };
+  for (int k = 1; k < stages; ++k) issue();
+  int stage_index = 0;
+  for (int64_t base = first; base < x1; base += kIteration) {
+    const int32_t mark = poll_mark(reject_mark);
+    issue();  // stages - 1 iterations after this one
+    copy_async_wait_upto<kMaxVerifyStages - 1>(stages - 1);
+    const uint4* const stage = mine + stage_index * kStageStride;
     float v[kElementsPerThread];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -409,40 +510,51 @@ __device__ __forceinline__ void stream_row(const TT* trow, const int32_t* mrow, 
       const bool vector = aligned && x + kElementsPerThread <= x1;
       if (trow) {
         if (vector) {
-          unpack8(t_raw[g], v);
+          Raw8<TT> raw;
+#pragma unroll
+          for (int h = 0; h < kTargetWords; ++h) {
+            raw.word[h] = stage[(g * kGroupWords + h) * kVerifyThreads];
+          }
+          unpack8(raw, v);
         } else {
           load8(trow, x, x1, kSingleLoads, v);
         }
         drop_disallowed8(mrow, x, x1, v);
         accumulate8(s.target, v, x, t_sum, r.inv_t);
       }
-      if constexpr (kDraft) {
-        if (vector) {
-          unpack8(d_raw[g], v);
-        } else {
-          load8(drow, x, x1, kSingleLoads, v);
+      if (vector) {
+        Raw8<DT> raw;
+#pragma unroll
+        for (int h = 0; h < kDraftWords; ++h) {
+          raw.word[h] = stage[(g * kGroupWords + kTargetWords + h) * kVerifyThreads];
         }
-        accumulate8(s.draft, v, x, d_sum, r.inv_td);
+        unpack8(raw, v);
+      } else {
+        load8(drow, x, x1, kSingleLoads, v);
       }
+      accumulate8(s.draft, v, x, d_sum, r.inv_td);
     }
+    stage_index = stage_index + 1 == stages ? 0 : stage_index + 1;
     if (mark > abandon_above) break;
   }
+  copy_async_wait<0>();
 }
 
 // This thread's statistics of the target row and (if drow) the draft row over [x0, x1): both
-// rows' loads in flight together, or, without a draft row, more of the target row's in the
-// registers the draft's would take.
+// rows through the ring, or, without a draft row, more of the target row's loads in flight in
+// registers.
 template <typename TT, typename DT>
 __device__ RowPartial thread_row_stats(const TT* trow, const int32_t* mrow, const DT* drow,
                                        int64_t x0, int64_t x1, const Request& r,
-                                       const int32_t* reject_mark, int32_t abandon_above) {
+                                       const int32_t* reject_mark, int32_t abandon_above,
+                                       int stages, uint4* ring) {
   RowPartial s{empty_stats(), empty_stats()};
   if (drow) {
-    stream_row<stats_groups<TT, DT>(), true>(trow, mrow, drow, x0, x1, r, reject_mark,
-                                             abandon_above, s);
-  } else {
-    stream_row<target_groups<TT>(), false>(trow, mrow, drow, x0, x1, r, reject_mark,
-                                          abandon_above, s);
+    stream_rows_staged<stats_groups<TT, DT>()>(trow, mrow, drow, x0, x1, r, reject_mark,
+                                               abandon_above, stages, ring, s);
+  } else if (trow) {
+    stream_target_row<target_groups<TT>()>(trow, mrow, x0, x1, r, reject_mark, abandon_above,
+                                           s.target);
   }
   return s;
 }
@@ -713,20 +825,27 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
   });
 }
 
-// Resident blocks per SM the statistics kernel is compiled for: the decider's filter code must
-// not cost the streaming loop its occupancy. Three on sm_90, two before; two for float32 target
-// and draft rows, whose wider loads keep twice the bytes in flight per thread and need the
-// registers. The bytes-in-flight arithmetic behind each count: docs/performance-model.md, "Why
-// the launch constants are what they are".
+// Resident blocks per SM the statistics kernel is compiled for on a GPU of compute capability
+// `major` (its register cap), and which the launcher sizes the ring to keep (verify_stages): the
+// decider's filter code must not cost the streaming loop its occupancy. Three on sm_90, two
+// before; two for float32 target and draft rows, whose wider groups need the registers. The
+// arithmetic behind each count: docs/performance-model.md, "Why the launch constants are what
+// they are".
+template <typename TT, typename DT>
+constexpr int stats_blocks_per_sm(int major) {
+  return (sizeof(TT) == 4 && sizeof(DT) == 4) || major < 9 ? 2 : 3;
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-constexpr int kStatsBlocksPerSM = 2;
+constexpr int kStatsArchMajor = 8;
 #else
-constexpr int kStatsBlocksPerSM = 3;
+constexpr int kStatsArchMajor = 9;
 #endif
 
+// The count of the code being compiled (the kernel's __launch_bounds__).
 template <typename TT, typename DT>
 constexpr int stats_blocks_per_sm() {
-  return sizeof(TT) == 4 && sizeof(DT) == 4 ? 2 : kStatsBlocksPerSM;
+  return stats_blocks_per_sm<TT, DT>(kStatsArchMajor);
 }
 
 // Block (b * C + c, j) streams chunk c of row j of request b and publishes its partial; the
@@ -747,9 +866,11 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
   __shared__ RowPartial scratch[32];
   __shared__ RowPartial merged;
   __shared__ bool skip, last;
-  // Dynamic shared memory: sizeof(FilterShared) when the call has filters, else none.
-  DSPARK_EXTERN_SHARED(unsigned char, filter_shared_raw);
-  auto* const filter_shared = reinterpret_cast<FilterShared*>(filter_shared_raw);  // null: none
+  // Dynamic shared memory (verify_shared_bytes): the ring while the rows stream (with a draft
+  // row), then in the deciding block the filters' FilterShared (with filters).
+  DSPARK_EXTERN_SHARED(unsigned char, shared_raw);
+  auto* const filter_shared = reinterpret_cast<FilterShared*>(shared_raw);
+  uint4* const ring = reinterpret_cast<uint4*>(shared_raw);
 
   const int64_t row = r.start + j;
   const bool row_ok = row >= 0 && row < p.target_rows;
@@ -778,7 +899,8 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
   if (skip) return;
 
   const int64_t x0 = c * p.chunk, x1 = min(x0 + p.chunk, p.vocab);
-  const RowPartial mine = thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j);
+  const RowPartial mine =
+      thread_row_stats(trow, mrow, drow, x0, x1, r, p.reject_marks + b, rows - j, p.stages, ring);
   const int64_t slot = int64_t{b} * rows + j;
   // Top-k's floor and candidates of this chunk (ChunkFloor), published by thread 0's arrival
   // below, after the reduction's barriers.
@@ -962,7 +1084,14 @@ __global__ void __launch_bounds__(kVerifyThreads, 3) verify_emit_kernel(const Ve
   race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh);
 }
 
-// Dynamic shared memory of the statistics kernel: the filters' histograms, when the call has any.
-inline int verify_shared_bytes(bool filters) { return filters ? int{sizeof(FilterShared)} : 0; }
+// Dynamic shared memory of the statistics kernel: the ring of `stages` stages while the rows
+// stream (a call with draft rows), then the filters' histograms in the deciding block (a call
+// with filters): the larger of the two.
+template <typename TT, typename DT>
+int verify_shared_bytes(bool draft_rows, bool filters, int stages) {
+  const int ring_bytes = draft_rows ? stages * ring_stage_bytes<TT, DT>() : 0;
+  const int filter_bytes = filters ? int{sizeof(FilterShared)} : 0;
+  return ring_bytes > filter_bytes ? ring_bytes : filter_bytes;
+}
 
 }  // namespace dspark_ops::kernels
