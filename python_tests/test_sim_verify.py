@@ -599,37 +599,44 @@ def test_grid_plan_depends_on_vocab_only(sim):
         sim.set_plan_only(False)
 
 
-def stats_stages(sim, case: Case, **kwargs) -> list:
-    """The statistics kernel's ring stages for ``case`` (planned only)."""
+def ring_stages(sim, case: Case, **kwargs) -> list:
+    """(the statistics kernel's ring stages, the emit kernel's shared memory: its race's ring)
+    for ``case`` (planned only)."""
     sim.clear_launch_log()
     sim.set_plan_only(True)
     try:
         case.call(_filtered(sim.verify), **kwargs)
     finally:
         sim.set_plan_only(False)
-    return [r["fields"]["stages"] for r in parse_records(sim.launch_records())
-            if r["kernel"].startswith("verify_row_stats_kernel")]
+    records = parse_records(sim.launch_records())
+    (stats,) = [r for r in records if r["kernel"].startswith("verify_row_stats_kernel")]
+    (emit,) = [r for r in records if r["kernel"].startswith("verify_emit_kernel")]
+    return stats["fields"]["stages"], emit["shared"]
 
 
 def test_ring_stages_follow_the_device(sim):
-    """With draft rows the statistics pass streams both rows through a per-thread ring of
-    cp.async copies, as deep as a chunk needs while the kernel keeps the blocks per SM it is built
-    for: at V = 151,936 (9,504-element chunks: three iterations of a bf16 target and a float32
-    draft row) three stages on the emulated H200 (three blocks per SM) and A100 (two), the whole
-    chunk in flight at once, and two on the L4 (the ring wraps); with filters too (their shared
-    memory is the ring's, reused by the deciding block). A float32 pair's chunk is two iterations
-    (two stages on the H200). Chunks of one iteration (every other test) take one stage. Sampled
-    with top-k and top-p and logprobs: the same outputs on the three devices, bit for bit, and the
-    CPU kernel's and the reference's."""
+    """Both kernels stream their rows through per-thread rings of cp.async copies, as deep as a
+    chunk needs while the kernel keeps the blocks per SM it is built for. At V = 151,936
+    (9,504-element chunks) with a bf16 target and a float32 draft row: the statistics pass's three
+    iterations take three stages on the emulated H200 (three blocks per SM) and A100 (two), the
+    whole chunk in flight at once, and two on the L4 (the ring wraps), with filters too (their
+    shared memory is the ring's, reused by the deciding block); the race's five iterations
+    (12 KB a stage) take five stages on the H200, four on the A100 and two on the L4 (three blocks
+    per SM). A float32 pair's chunk is two statistics iterations (two stages on the H200) and
+    five race iterations (four stages of 16 KB). Chunks of one iteration (most other tests) take
+    one stage. Sampled with top-k and top-p and logprobs: the same outputs on the three devices,
+    bit for bit, and the CPU kernel's and the reference's."""
     vocab = 151936
     case = make_case(1, 2, vocab, seed=stable_seed("ring"), temperature="sampled",
                      dtype=BF16, draft_dtype=F32, noise=0.05)
     filters = Filters(top_k=torch.tensor([50], dtype=I32), top_p=torch.tensor([0.9]))
+    race_stage = 256 * 8 * (2 + 4)
     outputs = {}
-    for device, stages in (("h200", 3), ("a100", 3), ("l4", 2)):
+    for device, stages, race in (("h200", 3, 5), ("a100", 3, 4), ("l4", 2, 2)):
         with emulator.emulated_device(device):
-            assert stats_stages(sim, case) == [stages], device
-            assert stats_stages(sim, case, **filters.kwargs()) == [stages], device
+            assert ring_stages(sim, case) == (stages, race * race_stage), device
+            assert ring_stages(sim, case, **filters.kwargs()) == (stages, race * race_stage), \
+                device
             outputs[device] = check_filtered(sim, case, filters)
     for device in ("a100", "l4"):
         for name in ("tokens", "num_accepted", "valid", "logprobs"):
@@ -637,7 +644,7 @@ def test_ring_stages_follow_the_device(sim):
                 (device, name)
     f32 = make_case(1, 1, vocab, seed=stable_seed("ring-f32"), temperature="sampled",
                     dtype=F32, draft_dtype=F32)
-    assert stats_stages(sim, f32) == [2]
+    assert ring_stages(sim, f32) == (2, 4 * 256 * 8 * 8)
     check(sim, f32)
 
 

@@ -348,7 +348,7 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
     # the last row, which waits for everything.
     chunk = vocab // chunks + (vocab % chunks > 0)
     chunk = -(-chunk // 16) * 16                          # chunks start at multiples of 16
-    # The ring's depth (draft rows only; the glue plans it for the device: verify_stages).
+    # The ring's depth (draft rows only; the glue plans it for the device: plan_verify_rings).
     stages = 1 if greedy else stats_launch.fields["stages"]
     item = verify_item_chain(chunk, threads, groups, elems, stages)
     skip = Chain(l2_waits=1, barrier_stages=1)
@@ -405,23 +405,30 @@ def verify_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: i
     emit_chain = Chain(l2_waits=2, barrier_stages=1)
     if not greedy:
         p_draft = 1 - alpha ** block       # rejected at a drafted row: race over max(p - q, 0)
-        with_q = LoopSpec("race p-q (draft row)", {r"^LDG\.E\.128": 3, r"^MUFU\.EX2": 16,
-                                                   PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
-                          (r"^LDG\.E\.128", 3))
-        no_q = LoopSpec("race p (bonus row)", {r"^LDG\.E\.128": 1, r"^MUFU\.EX2": 8,
-                                               PHILOX: 2 * PHILOX_PER_BLOCK}, 8,
-                        (r"^LDG\.E\.128", 1))
+        # The race's ring (thread_race): its depth is the emit launch's shared memory over one
+        # stage's (8 bf16 target and 8 float32 draft elements a thread), as the glue planned it.
+        race_stages = emit_launch.shared // (threads * elems * (BF16 + F32))
+        wait = f"re:DEPBAR\\.LE SB0, 0x{race_stages - 1:x}\\b"
+        with_q = LoopSpec("race p-q (draft row, ring)",
+                          {r"^LDGSTS\.E\.BYPASS\.128": 3, r"^LDS\.128": 3, r"^MUFU\.EX2": 16,
+                           PHILOX: 2 * PHILOX_PER_BLOCK, wait: 1}, 8, (r"^LDS\.128", 3),
+                          loads=r"^LDGSTS")
+        no_q = LoopSpec("race p (bonus row, ring)",
+                        {r"^LDGSTS\.E\.BYPASS\.128": 1, r"^LDS\.128": 1, r"^MUFU\.EX2": 8,
+                         PHILOX: 2 * PHILOX_PER_BLOCK, wait: 1}, 8, (r"^LDS\.128", 1),
+                        loads=r"^LDGSTS")
         emit_terms = [term(binary, emit, with_q, batch * vocab * p_draft),
                       term(binary, emit, no_q, batch * vocab * (1 - p_draft))]
         emit_bytes = batch * vocab * (BF16 + F32 * p_draft)
-        # race_chunk: the chunk in thread_race's iterations (8 elements a thread, each load used
-        # by its iteration's Philox and exponentials: an HBM wait each), two block reductions,
-        # the partial's arrival (acq_rel: two L2 round trips, as an item's); the last block's
-        # merge of the C partials from L2 and two more reductions (twelve barriers in all).
+        # race_chunk: the chunk in thread_race's iterations (8 elements a thread, its Philox and
+        # exponentials in series), arriving through the ring in batches of race_stages, an HBM
+        # wait each (as verify_item_chain's); two block reductions, the partial's arrival
+        # (acq_rel: two L2 round trips, as an item's); the last block's merge of the C partials
+        # from L2 and two more reductions (twelve barriers in all).
         race = emit_terms[0]
         race_iters = math.ceil(chunk / (threads * elems))
         per_iter = race.path_instrs * elems / race.elems_per_iter
-        emit_chain = emit_chain + Chain(dram_waits=race_iters,
+        emit_chain = emit_chain + Chain(dram_waits=math.ceil(race_iters / race_stages),
                                         dependent_instrs=race_iters * per_iter,
                                         l2_waits=3, barrier_stages=12)
     launches = [planned(stats_launch, "row items: statistics + decide"

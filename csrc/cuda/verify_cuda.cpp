@@ -95,7 +95,7 @@ void VerifyCuda::run(const VerifyArgs& a, VerifyResult& outputs) {
   const int draft_type = a.draft_logits.defined() ? element_type(a.draft_logits.scalar_type())
                                                   : kernels::kElementFloat;
   const int target_type = element_type(a.target.scalar_type());
-  p.stages = kernels::verify_stages(target_type, draft_type, p, device_index(a.target));
+  kernels::plan_verify_rings(target_type, draft_type, p, device_index(a.target));
   const cudaError_t error =
       kernels::launch_verify(target_type, draft_type, p, stream);
   if (error != cudaSuccess) StreamCounters::forget(a.target, stream);

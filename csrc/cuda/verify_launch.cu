@@ -2,6 +2,8 @@
 // emit kernels of kernels/verify.cuh instantiated per target and draft element type.
 #include "../kernels/verify_launch.h"
 
+#include <algorithm>
+
 #include "../common/device_cache.h"
 #include "../kernels/convert.cuh"
 #include "../kernels/launch.cuh"
@@ -32,45 +34,62 @@ WorkspaceLayout workspace_layout(const VerifyParams& p) {
   return w;
 }
 
-// Lets the statistics kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with
-// this opt-in, which is per device and function: set whenever it is needed).
-template <typename TT, typename DT>
-cudaError_t allow_stats_shared(int shared_bytes) {
+// Lets `kernel` take `shared_bytes` of dynamic shared memory (past 48 KB only with this opt-in,
+// which is per device and function: set whenever it is needed).
+template <typename Kernel>
+cudaError_t allow_shared(Kernel kernel, int shared_bytes) {
   if (shared_bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(verify_row_stats_kernel<TT, DT>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
 }
 
-// The most ring stages (up to kMaxVerifyStages) whose shared memory, beside the filters' when
-// `filters`, still lets the statistics kernel keep the blocks per SM it is built for resident on
-// `device` (fewer if it cannot anyway): once per device.
+// The most stages in [1, most] whose dynamic shared memory (`shared_bytes(stages)`) still lets
+// `kernel` keep `designed` blocks per SM resident on the current device (as many as one stage
+// allows, when that is fewer).
+template <typename Kernel, typename Bytes>
+int deepest_ring(Kernel kernel, int most, int designed, Bytes shared_bytes) {
+  const auto resident = [kernel](int bytes) {
+    int blocks = 0;
+    if (allow_shared(kernel, bytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kVerifyThreads, bytes) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();  // the query's own error: that depth is not taken
+      return 0;
+    }
+    return blocks;
+  };
+  const int one = resident(shared_bytes(1));
+  const int wanted = one < designed ? one : designed;
+  for (int stages = most; stages > 1; --stages) {
+    if (resident(shared_bytes(stages)) >= wanted) return stages;
+  }
+  return 1;
+}
+
+// The statistics ring's deepest on `device`, beside the filters' shared memory when `filters`:
+// once per device.
 template <typename TT, typename DT>
-int most_stages(int device, bool filters) {
+int stats_ring_depth(int device, bool filters) {
   static DeviceCache caches[2]{};
   return once_per_device(caches[filters ? 1 : 0], device, [device, filters] {
-    const auto resident = [](int shared_bytes) {
-      int blocks = 0;
-      if (allow_stats_shared<TT, DT>(shared_bytes) != cudaSuccess ||
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, verify_row_stats_kernel<TT, DT>,
-                                                        kVerifyThreads,
-                                                        shared_bytes) != cudaSuccess) {
-        (void)cudaGetLastError();  // the query's own error: that depth is not taken
-        return 0;
-      }
-      return blocks;
-    };
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
       (void)cudaGetLastError();
       return 1;
     }
-    const int one = resident(verify_shared_bytes<TT, DT>(true, filters, 1));
-    const int designed = stats_blocks_per_sm<TT, DT>(major);
-    const int wanted = one < designed ? one : designed;
-    for (int stages = kMaxVerifyStages; stages > 1; --stages) {
-      if (resident(verify_shared_bytes<TT, DT>(true, filters, stages)) >= wanted) return stages;
-    }
-    return 1;
+    return deepest_ring(verify_row_stats_kernel<TT, DT>, kMaxVerifyStages,
+                        stats_blocks_per_sm<TT, DT>(major), [filters](int stages) {
+                          return verify_shared_bytes<TT, DT>(true, filters, stages);
+                        });
+  });
+}
+
+// The race's ring's deepest on `device`: once per device.
+template <typename TT, typename DT>
+int race_ring_depth(int device) {
+  static DeviceCache cache{};
+  return once_per_device(cache, device, [] {
+    return deepest_ring(verify_emit_kernel<TT, DT>, kMaxRaceStages, kEmitBlocksPerSM,
+                        [](int stages) { return verify_race_shared_bytes<TT, DT>(stages); });
   });
 }
 
@@ -81,15 +100,18 @@ cudaError_t launch_verify_typed(const VerifyParams& p, cudaStream_t stream) {
   // row-major order: row j of every request before row j + 1 of any, and a request's later rows
   // start once its earlier ones are decided, when a rejection lets them be skipped.
   const dim3 items(p.num_chunks * p.batch, p.block + 1);
-  const int shared_bytes =
+  const int stats_shared =
       verify_shared_bytes<TT, DT>(p.draft != nullptr, has_filters(p), p.stages);
-  cudaError_t error = allow_stats_shared<TT, DT>(shared_bytes);
+  cudaError_t error = allow_shared(verify_row_stats_kernel<TT, DT>, stats_shared);
   if (error != cudaSuccess) return error;
-  DSPARK_LAUNCH(items, kVerifyThreads, shared_bytes, stream, verify_row_stats_kernel<TT, DT>)(p);
+  DSPARK_LAUNCH(items, kVerifyThreads, stats_shared, stream, verify_row_stats_kernel<TT, DT>)(p);
   error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   // Dependent: its launch overlaps the statistics kernel's last blocks (sm_90 and later).
-  DSPARK_LAUNCH_DEPENDENT(dim3(p.num_chunks, p.batch), kVerifyThreads, 0, stream,
+  const int race_shared = verify_race_shared_bytes<TT, DT>(p.race_stages);
+  error = allow_shared(verify_emit_kernel<TT, DT>, race_shared);
+  if (error != cudaSuccess) return error;
+  DSPARK_LAUNCH_DEPENDENT(dim3(p.num_chunks, p.batch), kVerifyThreads, race_shared, stream,
                           verify_emit_kernel<TT, DT>)(p);
   return cudaGetLastError();
 }
@@ -120,15 +142,19 @@ void bind_verify_workspace(VerifyParams& p, void* workspace) {
   p.candidates = w.candidate_bytes ? reinterpret_cast<uint32_t*>(base) : nullptr;
 }
 
-int verify_stages(int target_type, int draft_type, const VerifyParams& p, int device) {
-  if (!p.draft) return 1;
-  return with_element_type(target_type, [&](auto tt) {
+void plan_verify_rings(int target_type, int draft_type, VerifyParams& p, int device) {
+  with_element_type(target_type, [&](auto tt) {
     return with_element_type(draft_type, [&](auto dt) {
       using TT = decltype(tt);
       using DT = decltype(dt);
-      const int64_t needed = ring_iterations<TT, DT>(p.chunk);
-      const int most = most_stages<TT, DT>(device, has_filters(p));
-      return static_cast<int>(needed < most ? (needed > 1 ? needed : 1) : most);
+      const auto depth = [](int64_t needed, int most) {
+        return static_cast<int>(std::clamp<int64_t>(needed, 1, most));
+      };
+      p.stages = p.draft ? depth(ring_iterations<TT, DT>(p.chunk),
+                                 stats_ring_depth<TT, DT>(device, has_filters(p)))
+                         : 1;
+      p.race_stages = depth(race_iterations(p.chunk), race_ring_depth<TT, DT>(device));
+      return 0;
     });
   });
 }

@@ -28,8 +28,9 @@
 //  2. verify_emit_kernel, grid (C, B): the final row j* of each request is the first rejected
 //     row (from the mark) or the bonus row n. A greedy request's block 0 writes the argmax of row
 //     j*. A sampled request's token is drawn by the exponential race over r = max(p - q, 0) on row
-//     j*, split into the C chunks: block c races chunk c, and the block that publishes the last
-//     chunk merges them in chunk order and writes the outputs. It also returns to zero the
+//     j*, split into the C chunks: block c races chunk c (its rows through a per-thread cp.async
+//     ring, as the statistics pass's), and the block that publishes the last chunk merges them
+//     in chunk order and writes the outputs. It also returns to zero the
 //     counters the statistics kernel leaves set (every counter's last user resets it, so the
 //     counters need no fill before a call: common/stream_counters.h keeps one buffer per
 //     stream). It is a dependent launch (launch.cuh): on sm_90 its blocks start as the statistics
@@ -571,28 +572,57 @@ struct Proposal {
   float inv_t;         // kDistribution
 };
 
-// This thread's part of the exponential race over row[x0, x1). kRecut: rows past a 16-byte
-// boundary are read with 16-byte loads re-cut in registers, else one element at a time (the
-// statistics kernel, whose register cap the re-cut words would spill).
+// The race's ring (race_chunk): a stage is one iteration of a thread's race, 8 elements of the
+// target row and of the draft row (when it is raced against), 48 bytes a thread for a bf16
+// target with a float32 draft, 12 KB a block; a 9,504-element chunk is five iterations. As the
+// statistics pass's ring: each thread copies its own words ahead of their use (cp.async) and
+// reads them back, no barrier; the launcher plans the depth (VerifyParams::race_stages).
+constexpr int kMaxRaceStages = 8;
+// Resident blocks per SM the emit kernel is compiled for (without a minimum, ptxas capped the
+// registers at 64 and spilled), and which the launcher sizes the race's ring to keep.
+constexpr int kEmitBlocksPerSM = 3;
+
+template <typename TT, typename DT>
+constexpr int race_stage_words() {
+  return kElementsPerThread * int{sizeof(TT) + sizeof(DT)} / 16;
+}
+
+template <typename TT, typename DT>
+constexpr int race_stage_bytes() {
+  return race_stage_words<TT, DT>() * 16 * kVerifyThreads;
+}
+
+// Iterations of a thread's race over a chunk of `chunk` elements.
+constexpr int64_t race_iterations(int64_t chunk) {
+  const int64_t per_iteration = int64_t{kVerifyThreads} * kElementsPerThread;
+  return (chunk + per_iteration - 1) / per_iteration;
+}
+
+// This thread's part of the exponential race over row[x0, x1). Rows that start on 16-byte
+// boundaries stream through the race's ring of `stages` iterations (`ring`: dynamic shared
+// memory, every copy landed when this returns); rows past a boundary are read in registers, as
+// 16-byte loads re-cut (kRecut) or one element at a time. Either way a thread races the same
+// elements in the same order with the same values.
 template <bool kRecut, typename TT, typename DT>
 __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t x1,
                             const int32_t* mrow, bool filtered, FilterResult filter,
                             const SoftmaxStats& t, float inv_t, const Proposal& q, int64_t seed,
-                            int64_t position, float& mass, RaceCandidate& best) {
+                            int64_t position, int stages, uint4* ring, float& mass,
+                            RaceCandidate& best) {
   const auto mis = [](const void* row) {
     const int m = misalignment16(row);
     return kRecut || m == 0 ? m : kSingleLoads;
   };
-  const int t_mis = mis(trow), d_mis = drow ? mis(drow) : 0;
+  const bool with_q = q.kind == Proposal::kDistribution;
+  const int t_mis = mis(trow), d_mis = with_q ? mis(drow) : 0;
   const float t_inv_sum = 1.f / t.sum;
-  const float q_inv_sum = q.kind == Proposal::kDistribution ? 1.f / q.stats.sum : 0.f;
-  for (int64_t x = x0 + int64_t{threadIdx.x} * kElementsPerThread; x < x1;
-       x += int64_t{blockDim.x} * kElementsPerThread) {
-    float v[kElementsPerThread], w[kElementsPerThread], u[kElementsPerThread];
-    load8(trow, x, x1, t_mis, v);
+  const float q_inv_sum = with_q ? 1.f / q.stats.sum : 0.f;
+  // Races elements [x, x + 8): v the target's logits, w the draft's (with_q).
+  const auto race8 = [&](int64_t x, float (&v)[kElementsPerThread],
+                         const float (&w)[kElementsPerThread]) {
     drop_disallowed8(mrow, x, x1, v);
     if (filtered) drop_filtered8(filter, t.max, inv_t, v);
-    if (q.kind == Proposal::kDistribution) load8(drow, x, x1, d_mis, w);
+    float u[kElementsPerThread];
 #pragma unroll
     for (int g = 0; g < kElementsPerThread / 4; ++g) {
       const Philox4 block =
@@ -605,7 +635,7 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
       // -inf (dropped) elements weigh 0 without a test: both maxima are finite here.
       const float p_x = softmax_weight(v[k], t.max, inv_t) * t_inv_sum;
       float q_x = 0.f;
-      if (q.kind == Proposal::kDistribution) {
+      if (with_q) {
         q_x = softmax_weight(w[k], q.stats.max, q.inv_t) * q_inv_sum;
       } else if (q.kind == Proposal::kOneHot && x + k == q.token) {
         q_x = 1.f;
@@ -620,7 +650,73 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
             best, RaceCandidate{r / exponential_from_uniform(u[k]), static_cast<int32_t>(x + k)});
       }
     }
+  };
+  constexpr int64_t kStride = int64_t{kVerifyThreads} * kElementsPerThread;
+  const int64_t first = x0 + int64_t{threadIdx.x} * kElementsPerThread;
+  if (t_mis != 0 || d_mis != 0) {
+    for (int64_t x = first; x < x1; x += kStride) {
+      float v[kElementsPerThread], w[kElementsPerThread];
+      load8(trow, x, x1, t_mis, v);
+      if (with_q) load8(drow, x, x1, d_mis, w);
+      race8(x, v, w);
+    }
+    return;
   }
+  constexpr int kTargetWords = kElementsPerThread * int{sizeof(TT)} / 16;
+  constexpr int kDraftWords = kElementsPerThread * int{sizeof(DT)} / 16;
+  constexpr int kStageStride = race_stage_words<TT, DT>() * kVerifyThreads;
+  // Word w of stage k of this thread: ring[k * stage stride + w * threads + thread].
+  uint4* const mine = ring + threadIdx.x;
+  int64_t ahead = first;  // the next iteration to issue, and its stage
+  int ahead_stage = 0;
+  const auto issue = [&] {
+    if (ahead + kElementsPerThread <= x1) {
+      uint4* const stage = mine + ahead_stage * kStageStride;
+#pragma unroll
+      for (int h = 0; h < kTargetWords; ++h) {
+        copy_async_16(stage + h * kVerifyThreads, reinterpret_cast<const uint4*>(trow + ahead) + h,
+                      true);
+      }
+      if (with_q) {
+#pragma unroll
+        for (int h = 0; h < kDraftWords; ++h) {
+          copy_async_16(stage + (kTargetWords + h) * kVerifyThreads,
+                        reinterpret_cast<const uint4*>(drow + ahead) + h, true);
+        }
+      }
+    }
+    copy_async_commit();  // a group per iteration, empty past the whole words: the waits count
+    ahead += kStride;
+    ahead_stage = ahead_stage + 1 == stages ? 0 : ahead_stage + 1;
+  };
+  for (int k = 1; k < stages; ++k) issue();
+  int stage_index = 0;
+  for (int64_t x = first; x < x1; x += kStride) {
+    issue();  // stages - 1 iterations after this one
+    copy_async_wait_upto<kMaxRaceStages - 1>(stages - 1);
+    float v[kElementsPerThread], w[kElementsPerThread];
+    if (x + kElementsPerThread <= x1) {
+      const uint4* const stage = mine + stage_index * kStageStride;
+      Raw8<TT> t_raw;
+#pragma unroll
+      for (int h = 0; h < kTargetWords; ++h) t_raw.word[h] = stage[h * kVerifyThreads];
+      unpack8(t_raw, v);
+      if (with_q) {
+        Raw8<DT> d_raw;
+#pragma unroll
+        for (int h = 0; h < kDraftWords; ++h) {
+          d_raw.word[h] = stage[(kTargetWords + h) * kVerifyThreads];
+        }
+        unpack8(d_raw, w);
+      }
+    } else {  // the row's last elements: one at a time
+      load8(trow, x, x1, 0, v);
+      if (with_q) load8(drow, x, x1, 0, w);
+    }
+    stage_index = stage_index + 1 == stages ? 0 : stage_index + 1;
+    race8(x, v, w);
+  }
+  copy_async_wait<0>();
 }
 
 // Writes request b's outputs, one slot k per thread (the draft-id loads in parallel, not a chain
@@ -759,7 +855,7 @@ __device__ __forceinline__ void write_unraced(const VerifyParams& p, int b, cons
 // zero (every block of the request has read the mark by then).
 template <bool kRecut, typename TT, typename DT>
 __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j,
-                           const RowResult& res, int k, RaceShared& sh) {
+                           const RowResult& res, int k, RaceShared& sh, uint4* ring) {
   const bool target_valid = !(res.decision & kTargetInvalid);
   const bool valid = !(res.decision & kDraftInvalid);
   const SoftmaxStats& t = res.target;
@@ -783,7 +879,7 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
   RaceCandidate best = empty_candidate();
   if (target_valid) {  // request-uniform
     thread_race<kRecut>(trow, drow, x0, x1, mrow, r.filtered, res.filter, t, r.inv_t, q, r.seed,
-                        position, mass, best);
+                        position, p.race_stages, ring, mass, best);
     mass = block_reduce(mass, add, 0.f, sh.mass);
     best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
   }
@@ -815,7 +911,8 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
     float unused = 0.f;
     best = empty_candidate();
     thread_race<kRecut>(trow, static_cast<const DT*>(nullptr), 0, p.vocab, mrow, r.filtered,
-                        res.filter, t, r.inv_t, none, r.seed, position, unused, best);
+                        res.filter, t, r.inv_t, none, r.seed, position, p.race_stages, ring,
+                        unused, best);
     best = block_reduce(best, merge_cand, empty_candidate(), sh.candidates);
   }
   const bool won = best.index >= 0;  // every thread holds the block's `best`
@@ -826,8 +923,8 @@ __device__ void race_chunk(const VerifyParams& p, int b, const Request& r, int j
 }
 
 // Resident blocks per SM the statistics kernel is compiled for on a GPU of compute capability
-// `major` (its register cap), and which the launcher sizes the ring to keep (verify_stages): the
-// decider's filter code must not cost the streaming loop its occupancy. Three on sm_90, two
+// `major` (its register cap), and which the launcher sizes the ring to keep (plan_verify_rings):
+// the decider's filter code must not cost the streaming loop its occupancy. Three on sm_90, two
 // before; two for float32 target and draft rows, whose wider groups need the registers. The
 // arithmetic behind each count: docs/performance-model.md, "Why the launch constants are what
 // they are".
@@ -1059,10 +1156,11 @@ __global__ void __launch_bounds__(kVerifyThreads, stats_blocks_per_sm<TT, DT>())
 // n when every draft was accepted. A greedy request's block 0 writes the row's argmax; a sampled
 // request's C blocks race the C chunks of row j* (race_chunk). Every row of a request up to j*
 // was decided (a block skips a row only past a rejection), so row j*'s result is this call's.
-// Also returns the counters the statistics kernel leaves set to zero. Three blocks per SM
-// (without a minimum, ptxas capped the registers at 64 and spilled).
+// Also returns the counters the statistics kernel leaves set to zero. kEmitBlocksPerSM blocks per
+// SM; dynamic shared memory: the race's ring.
 template <typename TT, typename DT>
-__global__ void __launch_bounds__(kVerifyThreads, 3) verify_emit_kernel(const VerifyParams p) {
+__global__ void __launch_bounds__(kVerifyThreads, kEmitBlocksPerSM)
+    verify_emit_kernel(const VerifyParams p) {
   const int b = blockIdx.y, c = blockIdx.x, rows = p.block + 1;
   const Request r = load_request(p, b);  // inputs only: may precede the wait
   // Launched dependent: the statistics kernel may still run until this returns.
@@ -1081,12 +1179,20 @@ __global__ void __launch_bounds__(kVerifyThreads, 3) verify_emit_kernel(const Ve
     write_unraced(p, b, r, j, res);
     return;
   }
-  race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh);
+  // Dynamic shared memory: the race's ring (verify_race_shared_bytes).
+  DSPARK_EXTERN_SHARED(unsigned char, race_raw);
+  race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh, reinterpret_cast<uint4*>(race_raw));
 }
 
 // Dynamic shared memory of the statistics kernel: the ring of `stages` stages while the rows
 // stream (a call with draft rows), then the filters' histograms in the deciding block (a call
 // with filters): the larger of the two.
+// Dynamic shared memory of the emit kernel: the race's ring of `stages` stages.
+template <typename TT, typename DT>
+int verify_race_shared_bytes(int stages) {
+  return stages * race_stage_bytes<TT, DT>();
+}
+
 template <typename TT, typename DT>
 int verify_shared_bytes(bool draft_rows, bool filters, int stages) {
   const int ring_bytes = draft_rows ? stages * ring_stage_bytes<TT, DT>() : 0;

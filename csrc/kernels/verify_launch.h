@@ -47,8 +47,11 @@ struct VerifyParams {
   int num_chunks;
   int64_t chunk;
   // Iterations of a chunk whose loads are in flight together through the statistics pass's ring
-  // when draft rows are given (kernels/verify.cuh, kMaxVerifyStages): set by verify_stages.
+  // when draft rows are given (kernels/verify.cuh, kMaxVerifyStages), and through the emit
+  // kernel's race (kMaxRaceStages; the emit launch's shared memory says it): set by
+  // plan_verify_rings.
   int stages;
+  int race_stages;
   // Workspace (any initial contents).
   RowPartial* partials;  // [B, G+1, C]
   // [B, G+1, C] when top-k is given, else null: each chunk's floor under the row's k-th largest
@@ -95,10 +98,11 @@ int64_t verify_candidate_bytes(const VerifyParams& p);
 int64_t verify_workspace_bytes(const VerifyParams& p);
 void bind_verify_workspace(VerifyParams& p, void* workspace);
 
-// The ring depth for p.stages on `device` (p.draft, p.chunk and the filters set): the
-// iterations a chunk takes, at most kMaxVerifyStages, fewer while the ring's shared memory would
-// cost the statistics kernel a resident block (a host query, cached); 1 without draft rows.
-int verify_stages(int target_type, int draft_type, const VerifyParams& p, int device);
+// Sets p.stages and p.race_stages for `device` (p.draft, p.chunk and the filters set): each the
+// iterations a chunk takes, at most kMaxVerifyStages / kMaxRaceStages, fewer while the ring's
+// shared memory would cost its kernel resident blocks (host queries, cached per device); the
+// statistics ring 1 without draft rows (unused).
+void plan_verify_rings(int target_type, int draft_type, VerifyParams& p, int device);
 
 // Launches both kernels on `stream`, the second as a dependent launch; target_type and
 // draft_type are the ElementType codes (common/element_type.h) of the target and draft logits.
