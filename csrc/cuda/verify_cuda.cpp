@@ -95,7 +95,11 @@ void VerifyCuda::run(const VerifyArgs& a, VerifyResult& outputs) {
   const int draft_type = a.draft_logits.defined() ? element_type(a.draft_logits.scalar_type())
                                                   : kernels::kElementFloat;
   const int target_type = element_type(a.target.scalar_type());
-  kernels::plan_verify_rings(target_type, draft_type, p, device_index(a.target));
+  const int device = device_index(a.target);
+  TORCH_CHECK_VALUE(compute_capability_major(device) >= 8,
+                    "verify(): the CUDA kernels need compute capability 8.0 or newer (they "
+                    "stream rows with cp.async)");
+  kernels::plan_verify_rings(target_type, draft_type, p, device);
   const cudaError_t error =
       kernels::launch_verify(target_type, draft_type, p, stream);
   if (error != cudaSuccess) StreamCounters::forget(a.target, stream);

@@ -58,6 +58,7 @@ int deepest_ring(Kernel kernel, int most, int designed, Bytes shared_bytes) {
     return blocks;
   };
   const int one = resident(shared_bytes(1));
+  if (one == 0) return 1;  // the queries failed: no deeper ring than the launch needs
   const int wanted = one < designed ? one : designed;
   for (int stages = most; stages > 1; --stages) {
     if (resident(shared_bytes(stages)) >= wanted) return stages;

@@ -1184,15 +1184,15 @@ __global__ void __launch_bounds__(kVerifyThreads, kEmitBlocksPerSM)
   race_chunk</*kRecut=*/true, TT, DT>(p, b, r, j, res, c, sh, reinterpret_cast<uint4*>(race_raw));
 }
 
-// Dynamic shared memory of the statistics kernel: the ring of `stages` stages while the rows
-// stream (a call with draft rows), then the filters' histograms in the deciding block (a call
-// with filters): the larger of the two.
 // Dynamic shared memory of the emit kernel: the race's ring of `stages` stages.
 template <typename TT, typename DT>
 int verify_race_shared_bytes(int stages) {
   return stages * race_stage_bytes<TT, DT>();
 }
 
+// Dynamic shared memory of the statistics kernel: the ring of `stages` stages while the rows
+// stream (a call with draft rows), then the filters' histograms in the deciding block (a call
+// with filters): the larger of the two.
 template <typename TT, typename DT>
 int verify_shared_bytes(bool draft_rows, bool filters, int stages) {
   const int ring_bytes = draft_rows ? stages * ring_stage_bytes<TT, DT>() : 0;
