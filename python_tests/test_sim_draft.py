@@ -387,8 +387,10 @@ def test_w2_ring_stages_and_dependent_launches(sim):
     """The slot kernel's W2 ring takes the most stages (8, 4 or 2) the shared-memory budget leaves
     beside the group's inputs (none for float32 weights), and every launch of a block walk after
     its first is a programmatic dependent launch (the first waits for the stream: what ran before
-    may have written the weights). The stages the emulated tests cover: 8 at small ranks, 4 for the
-    RNN's two input planes at r 256 and for bf16 r 864 (groups of 32), 2 on the L4 at r 352."""
+    may have written the weights). The budget is a third of the SM's shared memory for 16-bit
+    Markov weights (three blocks per SM), a half for the RNN. The stages the emulated tests cover:
+    8 at small ranks, 4 for Markov at r 256 and for the RNN's two input planes at r 256, 2 for
+    bf16 r 864 (groups of 32) and on the L4 at r 352."""
     slot = "draft_slot_kernel<__nv_bfloat16, float, {}>"
     markov, rnn = slot.format("false"), slot.format("true")
     head = "rnn_head_mma_kernel<__nv_bfloat16>"
@@ -396,14 +398,42 @@ def test_w2_ring_stages_and_dependent_launches(sim):
                            ("rnn", plan_args("rnn", 64, 2, 1000, 256, BF16)),
                            ("markov", plan_args("markov", 33, 1, 300, 864, BF16)),
                            ("markov", plan_args("markov", 9, 2, 300, 20, F32))])
-    assert got[0] == [(markov, False, 8), (markov, True, 8), (markov, True, 8)]
+    assert got[0] == [(markov, False, 4), (markov, True, 4), (markov, True, 4)]
     assert got[1] == [(head, False, 4), (rnn, True, 4), (head, True, 4), (rnn, True, 4)]
-    assert got[2] == [(markov, False, 4)]
+    assert got[2] == [(markov, False, 2)]
     f32 = "draft_slot_kernel<float, float, false>"
     assert got[3] == [(f32, False, 0), (f32, True, 0)]
     with emulator.emulated_device("l4"):
         (l4,) = slot_plans(sim, [("markov", plan_args("markov", 33, 1, 300, 352, BF16))])
     assert l4 == [(markov, False, 2)]
+
+
+@pytest.mark.skipif(DEBUG, reason="DSPARK_OPS_DEBUG=1 turns the value checks on")
+def test_groups_sized_for_three_blocks_per_sm(sim):
+    """16-bit weights plan for three slot blocks per SM: a group's inputs and W2 ring fit a third
+    of the SM's shared memory less 5 KB (72,704 bytes on the emulated H200), float32 weights a
+    half. r 256: 64 requests (32 KB of inputs), a ring of 4 stages; r 512: groups of 32, 4
+    stages; r 864: groups of 32, 2 stages; the RNN's two input planes at r 256: groups of 32, 4
+    stages; float32 r 200: 64 requests in a half (52 KB of inputs)."""
+    def plan(head, batch, rank, weights):
+        sim.clear_launch_log()
+        sim.set_plan_only(True)
+        try:
+            getattr(sim, f"{head}_draft")(*plan_args(head, batch, 1, 300, rank, weights))
+        finally:
+            sim.set_plan_only(False)
+        (record,) = [r for r in parse_records(sim.launch_records())
+                     if r["kernel"].startswith("draft_slot_kernel")]
+        return record["fields"]["group_size"], record["fields"]["stages"], record["shared"]
+
+    third, half = 228 * 1024 // 3 - 5 * 1024, 228 * 1024 // 2 - 5 * 1024
+    for head, rank, weights, group, stages, budget in (
+            ("markov", 256, BF16, 64, 4, third), ("markov", 512, BF16, 32, 4, third),
+            ("markov", 864, BF16, 32, 2, third), ("rnn", 256, BF16, 32, 4, third),
+            ("markov", 200, F32, 64, 0, half)):
+        got = plan(head, 64, rank, weights)
+        assert got[:2] == (group, stages), (head, rank, got)
+        assert got[2] <= budget
 
 
 def test_w2_ring_over_several_tiles_per_warp(sim):
@@ -558,14 +588,16 @@ def test_overflowing_keys_across_blocks(sim):
 def test_other_emulated_devices(sim, device):
     """The same checks on the emulated A100 and L4 (compute capability 8.x, so the 16-bit
     tensor-core path is allowed; their launch limits), with halved groups of the largest
-    per-block inputs (above each device's budget of half its SM's shared memory less 5 KB: 77 KB
-    on the A100, 45 KB on the L4) and the RNN head's two input planes, under each device's own
-    grid plan."""
+    per-block inputs (above each device's budget: its SM's shared memory less 5 KB a block, split
+    three ways for 16-bit weights, two for float32, and never below 44 KB: 77 KB on the A100 and
+    45 KB on the L4 for float32 weights) and the RNN head's two input planes, under each device's
+    own grid plan."""
     cases = [
         # f32 r = 316: 64 x 324 x 4 bytes > 77 KB, so groups of 32 (two here) on both.
         make_case(33, 2, 300, 316, seed=stable_seed("dev", device, 0), weights="f32",
                   base_dtype=F16),
-        # bf16 r = 352: 64 x 416 x 2 bytes: groups of 32 on the L4, of 64 (opted in) on the A100.
+        # bf16 r = 352: 64 x 384 x 2 bytes: groups of 32 on both (16-bit weights: a third of the
+        # A100's SM, 49.7 KB; the L4's 44 KB floor of the budget).
         make_case(33, 2, 300, 352, seed=stable_seed("dev", device, 1), weights="bf16",
                   base_dtype=BF16, anchor_dtype=I32),
         make_case(65, 2, 100, 40, seed=stable_seed("dev", device, 2), weights="f16",

@@ -342,25 +342,33 @@ def test_rows_decided_is_a_distribution_with_the_floor_s_mean():
 
 
 def test_draft_slot_chain_exposes_only_what_the_ring_and_prefetch_do_not_cover():
-    # The busiest warp's 5 tiles of B = 64 (8 column tiles, 8 k chunks at r 256). With 8 ring
-    # stages and long epilogue calls every W2 chunk and base-logit load is covered: only the
-    # inputs' row waits.
+    # The busiest warp's 5 tiles of B = 64 in one sweep of 8 column tiles, 8 k chunks at r 256.
+    # With 8 ring stages and long epilogue calls every W2 chunk and base-logit load is covered:
+    # only the inputs' row waits.
     hw = H200
-    chain = kernels.draft_slot_chain(5, 8, 8, 8, 240.0, 330.0, 4500.0)
+    chain = kernels.draft_slot_chain(5, 8, 8, 1, 8, 240.0, 330.0, 4500.0)
     assert chain.dram_waits == 1
     assert chain.dependent_instrs == 5 * 4500.0
     assert chain.fences == 2 and chain.l2_waits == 2
     # Four stages for eight chunks: once per tile the chunk 4 ahead waits for what 3 chunks'
     # products leave of the latency.
-    four = kernels.draft_slot_chain(5, 8, 4, 8, 40.0, 330.0, 3000.0)
+    four = kernels.draft_slot_chain(5, 8, 4, 1, 8, 40.0, 330.0, 3000.0)
     left = 1 - 3 * 40.0 * hw.dependent_instr_s / hw.dram_dependent_s
     assert four.dram_waits == pytest.approx(1 + 5 * left)
+    # Two sweeps of four column tiles (three blocks per SM): the ring runs through each tile's
+    # chunks twice, so that wait comes once per sweep.
+    swept = kernels.draft_slot_chain(3, 8, 4, 2, 4, 40.0, 330.0, 3000.0)
+    assert swept.dram_waits == pytest.approx(1 + 3 * 2 * left)
+    assert swept.dependent_instrs == 3 * 3000.0
     # Short epilogue calls leave part of each later base-logit load exposed (two calls ahead).
-    short = kernels.draft_slot_chain(1, 1, 8, 8, 1000.0, 100.0, 1800.0)
+    short = kernels.draft_slot_chain(1, 1, 8, 1, 8, 1000.0, 100.0, 1800.0)
     per_load = 1 - 2 * 100.0 * hw.dependent_instr_s / hw.dram_dependent_s
     assert short.dram_waits == pytest.approx(1 + 6 * per_load)
+    # The same calls in two sweeps of four: each sweep's last two loads are exposed.
+    assert kernels.draft_slot_chain(1, 1, 8, 2, 4, 1000.0, 100.0, 1800.0).dram_waits == \
+        pytest.approx(1 + 2 * 2 * per_load)
     # Float32 weights (no ring): a wait per chunk.
-    assert kernels.draft_slot_chain(2, 8, 0, 1, 500.0, 330.0, 1000.0).dram_waits == 1 + 2 * 8
+    assert kernels.draft_slot_chain(2, 8, 0, 1, 1, 500.0, 330.0, 1000.0).dram_waits == 1 + 2 * 8
 
 
 def test_attention_split_chain_waits_once_per_ring_of_tiles_per_round():

@@ -494,7 +494,7 @@ def exposed(cover_s: float, hw=H200) -> float:
     return max(0.0, 1.0 - cover_s / hw.dram_dependent_s)
 
 
-def draft_slot_chain(warp_tiles: int, chunks: int, stages: int, column_tiles: int,
+def draft_slot_chain(warp_tiles: int, chunks: int, stages: int, sweeps: int, sweep_tiles: int,
                      chunk_instrs: float, call_instrs: float, per_tile_instrs: float,
                      hw=H200) -> Chain:
     """The busiest warp's path through one draft_slot_kernel launch (see draft_op): the group's
@@ -502,28 +502,30 @@ def draft_slot_chain(warp_tiles: int, chunks: int, stages: int, column_tiles: in
     then per tile the tile's instructions in series and what of its loads they do not cover, then
     the arrival's fences and atomic and the last block's read of the maxima.
 
-    The W2 ring holds `stages` chunks of the warp's stream, each issued when the chunk `stages`
-    before it is used: a tile's first chunks are issued before the tile before's epilogue calls
-    and load during them, and with more chunks than stages the chunk `stages` ahead waits once
-    per tile for
-    what `stages - 1` chunks' products leave of the latency (the later ones follow it at the
-    products' pace). The base logits load two column tiles ahead: the first two during the
-    products, each later one during two epilogue calls. A float32-weight tile (no ring,
-    `stages` 0) loads its W2 rows four k at a time and uses them at once: one wait per chunk."""
+    A tile's column tiles go in `sweeps` sweeps of up to `sweep_tiles`: each sweep streams the
+    tile's `chunks` W2 chunks for its products, then makes its epilogue calls. The W2 ring holds
+    `stages` chunks of the warp's stream, each issued when the chunk `stages` before it is used:
+    a sweep's first chunks are issued during the sweep before's last products and load during its
+    epilogue calls, and with more chunks than stages the chunk `stages` ahead waits once per sweep
+    for what `stages - 1` chunks' products leave of the latency (the later ones follow it at the
+    products' pace). The base logits load two column tiles ahead: a sweep's first two during its
+    products, each later one during two epilogue calls. A float32-weight tile (no ring, `stages`
+    0, one sweep) loads its W2 rows four k at a time and uses them at once: one wait per chunk."""
     dep = hw.dependent_instr_s
     products_s = chunks * chunk_instrs * dep
     call_s = call_instrs * dep
     if stages == 0:
         w2_waits = float(chunks)
     else:
-        w2_waits = exposed(column_tiles * call_s, hw) + (
+        w2_waits = exposed(sweep_tiles * call_s, hw) + sweeps * (
             exposed((stages - 1) * chunk_instrs * dep, hw) if chunks > stages else 0.0)
     base_waits = exposed(products_s, hw)
-    if column_tiles > 1:
+    if sweep_tiles > 1:
         base_waits += exposed(products_s + call_s, hw)
-    base_waits += max(0, column_tiles - 2) * exposed(2 * call_s, hw)
+    base_waits += max(0, sweep_tiles - 2) * exposed(2 * call_s, hw)
     return Chain(l2_waits=2, dram_waits=1, fences=2, barrier_stages=3) + Chain(
-        dram_waits=w2_waits + base_waits, dependent_instrs=per_tile_instrs).scaled(warp_tiles)
+        dram_waits=w2_waits + sweeps * base_waits, dependent_instrs=per_tile_instrs).scaled(
+            warp_tiles)
 
 
 def attention_split_chain(tiles: int, stages: int, rounds: int) -> Chain:
@@ -554,23 +556,30 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     k_chunk = constant("kKChunk")
     chunks = (rank + k_chunk - 1) // k_chunk
     stages = slot_launch.fields["stages"]
+    # A tile's column tiles in sweeps (kernels/draft_slot.cuh, sweep_tiles): kSweepTiles at a time
+    # with 16-bit weights (three blocks per SM). Each sweep streams the tile's W2 chunks through
+    # the ring again (the later times mostly from L2).
+    sweep_ct = min(ct, constant("kSweepTiles"))
+    sweeps = (ct + sweep_ct - 1) // sweep_ct
     # Per k chunk: its fragments from the ring (two LDS.128), the MMAs, the refill (eight 4-byte
-    # cp.async: each lane's words land in its MMAs' register order).
+    # cp.async: each lane's words land in its MMAs' register order). The loop of a full sweep.
     mma = LoopSpec("W2 ring x inputs (mma.sync)",
-                   {r"^HMMA": 2 * ct * passes, r"^LDGSTS": 8},
-                   16 * k_chunk / 32, (r"^HMMA", 2 * ct * passes), loads=r"^LDGSTS")
+                   {r"^HMMA": 2 * sweep_ct * passes, r"^LDGSTS": 8},
+                   16 * k_chunk / 32, (r"^HMMA", 2 * sweep_ct * passes), loads=r"^LDGSTS")
     # z is stored through a row pointer kept in shared memory (a generic ST.E).
     store = r"^ST\.E$"
-    need = {store: 4 * ct}
+    need = {store: 4 * sweep_ct}
     if sampled:
-        need[PHILOX] = PHILOX_PER_BLOCK * ct  # one Philox block per lane and column tile
-    epi = LoopSpec("epilogue: store z, key bounds", need, 16 * 8 * ct / 32, (store, 4 * ct),
-                   innermost=False)
+        need[PHILOX] = PHILOX_PER_BLOCK * sweep_ct  # one Philox block per lane and column tile
+    epi = LoopSpec("epilogue: store z, key bounds", need, 16 * 8 * sweep_ct / 32,
+                   (store, 4 * sweep_ct), innermost=False)
+    # W2 from HBM once per group: a tile's later sweeps re-read its chunks from L2 (ASSUMED to hit:
+    # a tile's chunks come back a sweep, a few microseconds, after they were first read).
     w2 = vocab * rank * BF16 * groups
     slot_bytes = w2 + batch * vocab * BF16 + batch * vocab * F32 + batch * rank * BF16
     # The ring keeps `stages` chunks (32 bytes a lane each) in flight across the loop's
     # iterations, more than one iteration's path shows.
-    mma_term = term(binary, slot, mma, vocab * rank * groups)
+    mma_term = term(binary, slot, mma, vocab * rank * groups * sweeps)
     mma_term = dataclasses.replace(mma_term, in_flight=max(mma_term.in_flight, 32 * stages))
     terms = [mma_term, term(binary, slot, epi, vocab * batch)]
     # The epilogue's two warp votes: the logarithms (log1pf and logf: two exponent extractions per
@@ -580,7 +589,7 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     # vote blocks' elements are divided by the imbalance. One column tile's share of the
     # epilogue's anchors with its vote block, times ct: a path search over all tiles' anchors at
     # once grows too large with the bf16 store path.
-    epi_tile = dataclasses.replace(epi, need={a: n // ct for a, n in epi.need.items()},
+    epi_tile = dataclasses.replace(epi, need={a: n // sweep_ct for a, n in epi.need.items()},
                                    unroll=(store, 4))
     tile_rows = constant("kTileRows")
     f_red = vote_fraction(grid_tiles, tiles, tile_rows, 1.0)
@@ -589,11 +598,11 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
         terms.append(extra_term(binary, slot, epi_tile,
                                 f"epilogue: logarithms ({100 * f_log:.1f}% "
                                 "of warp calls, assumed)", {r"^I2FP\.F32\.S32": 8},
-                                vocab * batch * f_log / imbalance, copies=ct))
+                                vocab * batch * f_log / imbalance, copies=sweep_ct))
     terms.append(extra_term(binary, slot, epi_tile, f"epilogue: reductions + atomicMax "
                             f"({100 * f_red:.1f}% of warp calls, assumed)",
                             {r"^ATOMG\.E\.MAX": 2}, vocab * batch * f_red / imbalance,
-                            copies=ct))
+                            copies=sweep_ct))
     note = (f"vote blocks assumed in {100 * f_log:.1f}% (logarithms) / {100 * f_red:.1f}% "
             "(reductions) of warp calls: every call of a block's first tile, ~1/n later")
     # The busiest warp's path through the slot (kernels/draft_slot.cuh, draft_slot_kernel): the
@@ -607,9 +616,9 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     call_instrs = sum(t.instr_per_elem * per_tile_elems * t.elements / (vocab * batch)
                       for t in terms[1:]) / ct
     chunk_instrs = mma_term.instr_per_elem * 16 * k_chunk / 32
-    per_tile_instrs = call_instrs * ct + chunk_instrs * chunks
-    slot_chain = draft_slot_chain(busiest_warp_tiles, chunks, stages, ct, chunk_instrs,
-                                  call_instrs, per_tile_instrs)
+    per_tile_instrs = call_instrs * ct + chunk_instrs * chunks * sweeps
+    slot_chain = draft_slot_chain(busiest_warp_tiles, chunks, stages, sweeps, sweep_ct,
+                                  chunk_instrs, call_instrs, per_tile_instrs)
     launches = []
     if rnn:
         rows = 3 * rank
@@ -649,7 +658,7 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
                                 f"{stages} stages)" + (", dependent" if slot_launch.dependent
                                                        else ""),
                                 terms, slot_bytes, count=slot_count, imbalance=imbalance,
-                                load_bytes=w2 + batch * vocab * BF16, chain=slot_chain,
+                                load_bytes=w2 * sweeps + batch * vocab * BF16, chain=slot_chain,
                                 note=note + f"; busiest warp: {busiest_warp_tiles} tiles"))
     if filtered:
         # float32 draft rows (the default draft_logits dtype).

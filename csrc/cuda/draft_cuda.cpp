@@ -78,7 +78,9 @@ void run_draft(bool rnn, const DraftArgs& a, at::Tensor& tokens, at::Tensor& log
   TORCH_CHECK_VALUE(w_type == kernels::kElementFloat || compute_capability_major(device) >= 8, op,
                     "(): 16-bit 'w1'/'w2' need tensor cores of compute capability 8.0 or newer "
                     "on CUDA; pass float32 weights on this GPU");
-  const int budget = kernels::draft_input_budget(device);
+  // The shared memory of the blocks per SM the slot kernel is compiled for.
+  const int budget = kernels::draft_input_budget(
+      device, kernels::slot_blocks_per_sm(w_type != kernels::kElementFloat));
   p.group_size = group_size(w_type, rnn, a.batch, a.rank, budget);
   p.stages = kernels::draft_w2_stages(w_type, rnn, p.group_size, p.rank, budget);
   const int64_t groups = (a.batch + p.group_size - 1) / p.group_size;

@@ -46,9 +46,10 @@ int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget) 
   return stages;
 }
 
-int draft_input_budget(int device) {
-  static DeviceCache cache{};
-  return once_per_device(cache, device, [device] {
+int draft_input_budget(int device, int blocks) {
+  static DeviceCache caches[4]{};  // by blocks per SM: slot_blocks_per_sm gives 2 or 3
+  blocks = std::clamp(blocks, 1, 3);
+  return once_per_device(caches[blocks], device, [device, blocks] {
     int per_sm = 0, per_block = 0;
     if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
             cudaSuccess ||
@@ -58,7 +59,7 @@ int draft_input_budget(int device) {
       return kFallbackInputBytes;
     }
     return std::max(kFallbackInputBytes,
-                    std::min(per_sm / 2, per_block) - kSlotSharedReserve);
+                    std::min(per_sm / blocks, per_block) - kSlotSharedReserve);
   });
 }
 

@@ -22,6 +22,14 @@ constexpr int kHeadRequests = 8;
 // the most the shared-memory budget leaves beside the group's inputs, at least two.
 constexpr int kMaxW2Stages = 8;
 constexpr int kMinW2Stages = 2;
+// Blocks per SM the slot kernel's registers are capped for (__launch_bounds__): three with 16-bit
+// weights (80 registers a thread; a tile's products and epilogue calls then sweep its column
+// tiles kSweepTiles at a time, and the group is sized to a third of the SM's shared memory), two
+// with float32 weights (the CUDA-core path, whose float32 inputs take twice the shared memory).
+constexpr int kSweepTiles = 4;
+__host__ __device__ constexpr int slot_blocks_per_sm(bool weights_16bit) {
+  return weights_16bit ? 3 : 2;
+}
 
 struct DraftParams {
   const void* w1;  // [V, r] of type W, unit stride along r
@@ -87,10 +95,10 @@ int draft_shared_bytes(int w_type, bool rnn, int group_size, int rank, int stage
 // shared memory fits `budget`, at least kMinW2Stages; 0 for float32 weights (no ring).
 int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget);
 
-// Dynamic shared memory a slot block may take for its group's inputs and W2 ring on `device` (a host query,
-// once per device): __launch_bounds__ lets two blocks share an SM by registers, so half the SM's
-// shared memory, less kSlotSharedReserve, and no more than one block may opt in to.
-int draft_input_budget(int device);
+// Dynamic shared memory a slot block may take for its group's inputs and W2 ring on `device` when
+// `blocks` share an SM (host queries, once per device): the SM's shared memory split `blocks`
+// ways, less kSlotSharedReserve, and no more than one block may opt in to.
+int draft_input_budget(int device, int blocks);
 
 // Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with this
 // opt-in; it is per device, so it is set on every call).

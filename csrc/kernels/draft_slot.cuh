@@ -10,9 +10,12 @@
 // warp multiplies 16 rows of W2 by all of them with mma.sync m16n8k16 (bf16/fp16 in, float32
 // accumulate; float32 weights use CUDA-core FMAs in the same register layout), so W2 is read from
 // HBM once per slot for up to 64 requests. The slot is a skinny GEMM (M = V, N = the group,
-// K = r) with its epilogue overlapped: 16-bit W2 streams through a per-warp ring of k chunks in
-// shared memory (cp.async, 2-8 stages: W2Stream), issued ahead across the warp's tiles, so the
-// next tile's chunks load during this tile's epilogue; each lane copies and reads back only its
+// K = r) with its epilogue overlapped. With 16-bit weights three blocks share an SM (80 registers:
+// the busiest warp walks 3 tiles instead of 5 at V 151,936), so a lane holds the accumulators of 4
+// column tiles and a tile's column tiles go in sweeps of 4 (kSweepTiles), each sweep its products
+// then its epilogue calls. 16-bit W2 streams through a per-warp ring of k chunks in shared memory
+// (cp.async, 2-8 stages: W2Stream) once per sweep, issued ahead across sweeps and tiles, so the
+// next sweep's chunks load during this sweep's epilogue; each lane copies and reads back only its
 // own fragments (4-byte copies that land in the MMAs' register order: no moves), so the ring
 // needs no barrier. The group's inputs are laid out k chunk by k chunk (input_index), so a
 // column tile's fragments sit at fixed offsets. The ring's first chunks are issued before
@@ -68,6 +71,12 @@ constexpr int kW2StageBytes = kDraftWarps * 32 * 32;  // one chunk of every warp
 constexpr int kSlotSharedReserve = 5 * 1024;
 // The group's inputs when the device cannot be queried: below the 48 KB that needs no opt-in.
 constexpr int kFallbackInputBytes = 44 * 1024;
+
+// Column tiles per sweep of a tile's W2 chunks: kSweepTiles for 16-bit weights (16 accumulators a
+// lane within 80 registers; a group of more than 32 requests streams each tile's chunks once per
+// sweep, the later times mostly from L2), all of them for float32 weights.
+template <typename W>
+constexpr int sweep_tiles() { return sizeof(W) == 2 ? kSweepTiles : kMaxGroup / 8; }
 
 __host__ __device__ constexpr int padded_rank(int rank) { return (rank + kKChunk - 1) / kKChunk * kKChunk; }
 
@@ -126,9 +135,11 @@ __device__ __forceinline__ uint4 load_w2_8(const DraftParams& p, int64_t v, int 
   return out;
 }
 
-// The warp's stream of W2 chunks through its ring: stream chunk n is k chunk n % chunks of the
-// warp's (n / chunks)-th tile, in ring slot n % stages. Chunks are issued `stages` ahead of their
-// use and across tiles, so the next tile's first chunks load during this tile's epilogue.
+// The warp's stream of W2 chunks through its ring: each of the warp's tiles' chunks once per sweep
+// (stream chunk n is k chunk n % chunks of sweep (n / chunks) % sweeps of the warp's
+// (n / (chunks sweeps))-th tile), in ring slot n % stages. Chunks are issued `stages` ahead of
+// their use and across sweeps and tiles, so the next sweep's first chunks load during this sweep's
+// epilogue; a tile's later sweeps read its rows again (from L2, a few microseconds later).
 struct W2Stream {
   uint4* ring;  // this warp's [stages][2 MMAs][32 lanes] A fragments
   int stages, chunks;
@@ -137,6 +148,7 @@ struct W2Stream {
   int rows_left;        // vocabulary rows from that tile's first (rows past them are zero-filled)
   int k;                // the lane's first k of the next chunk: 32 chunk + 8t
   int vector_end;       // k + 8 at most this: one 16-byte copy (the rank; 0 for unaligned rows)
+  int sweeps, sweep;    // streams of each tile's chunks, and the sweep of the next chunk to issue
   int issued, used;     // stream chunks issued and used
 };
 
@@ -151,11 +163,12 @@ __device__ __forceinline__ void w2_stream_rows(const DraftParams& p, W2Stream& w
   }
 }
 
-// The warp's stream from its first tile, `first_tile` + i `tile_stride` below `tiles`.
+// The warp's stream from its first tile, `first_tile` + i `tile_stride` below `tiles`, each tile's
+// chunks `sweeps` times.
 template <typename W>
 __device__ __forceinline__ void w2_stream_start(const DraftParams& p, W2Stream& w, uint4* ring,
                                                 int64_t first_tile, int64_t tile_stride,
-                                                int64_t tiles) {
+                                                int64_t tiles, int sweeps) {
   w.ring = ring;
   w.stages = p.stages;
   w.chunks = padded_rank(p.rank) / kKChunk;
@@ -164,6 +177,8 @@ __device__ __forceinline__ void w2_stream_start(const DraftParams& p, W2Stream& 
   w.tiles = tiles;
   w.k = 8 * (threadIdx.x & 3);
   w.vector_end = p.w2_aligned ? p.rank : 0;
+  w.sweeps = sweeps;
+  w.sweep = 0;
   w.issued = w.used = 0;
   if (first_tile < tiles) w2_stream_rows<W>(p, w);
 }
@@ -208,8 +223,11 @@ __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
     w.k += kKChunk;
     if (w.k >= w.chunks * kKChunk) {
       w.k -= w.chunks * kKChunk;
-      w.tile += w.tile_stride;
-      if (w.tile < w.tiles) w2_stream_rows<W>(p, w);
+      if (++w.sweep == w.sweeps) {
+        w.sweep = 0;
+        w.tile += w.tile_stride;
+        if (w.tile < w.tiles) w2_stream_rows<W>(p, w);
+      }
     }
   }
   for (int i = 0; i < kMaxW2Stages; i += w.stages) copy_async_commit();
@@ -221,15 +239,16 @@ __device__ __forceinline__ void issue_w2(const DraftParams& p, W2Stream& w) {
 // are kMaxW2Stages - 1 at any ring depth and one wait serves them all.
 __device__ __forceinline__ void wait_w2() { copy_async_wait<kMaxW2Stages - 1>(); }
 
-// acc[nt] += W2[16 rows] x inputs[column tile nt] over all k, for 16-bit weights and
-// kColumnTiles column tiles: the tile's chunks from the ring, each slot refilled with the chunk
-// `stages` ahead once its MMAs are issued (their operands are read from it by then).
-template <typename W, int kPasses, int kColumnTiles>
+// acc[nt] += W2[16 rows] x inputs[column tile nt0 + nt] over all k, for 16-bit weights and
+// kColumnTiles column tiles of a sweep: the tile's chunks from the ring, each slot refilled with
+// the chunk `stages` ahead once its MMAs are issued (their operands are read from it by then).
+template <typename W, int kPasses, int kColumnTiles, int kSweep>
 __device__ __forceinline__ void tile_products_n(const DraftParams& p, W2Stream& w2,
-                                                const W* inputs, float (&acc)[kMaxGroup / 8][4]) {
+                                                const W* inputs, int nt0,
+                                                float (&acc)[kSweep][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int chunk_elems = p.group_size * kKChunk;  // one k chunk of the group's inputs
-  const W* lane_inputs = inputs + g * kKChunk + 8 * t;
+  const W* lane_inputs = inputs + (nt0 * 8 + g) * kKChunk + 8 * t;
   for (int c = 0; c < w2.chunks; ++c) {
     wait_w2();
     const uint4* slot = w2.ring + (w2.used & (w2.stages - 1)) * 64 + lane;
@@ -249,23 +268,16 @@ __device__ __forceinline__ void tile_products_n(const DraftParams& p, W2Stream& 
   }
 }
 
-// The products for the group's column tiles (1..8): one unrolled loop per count, no branch per
-// column tile.
-template <typename W, int kPasses>
+// The products for column tiles nt0 .. nt0 + n - 1 (n of 1..kSweep): one unrolled loop per count,
+// no branch per column tile.
+template <typename W, int kPasses, int kSweep, int kN = 1>
 __device__ __forceinline__ void tile_products(const DraftParams& p, W2Stream& w2,
-                                              const W* inputs, int column_tiles,
-                                              float (&acc)[kMaxGroup / 8][4]) {
-  static_assert(kMaxGroup / 8 == 8, "one case per column tile count");
-  switch (column_tiles) {
-    case 1: tile_products_n<W, kPasses, 1>(p, w2, inputs, acc); break;
-    case 2: tile_products_n<W, kPasses, 2>(p, w2, inputs, acc); break;
-    case 3: tile_products_n<W, kPasses, 3>(p, w2, inputs, acc); break;
-    case 4: tile_products_n<W, kPasses, 4>(p, w2, inputs, acc); break;
-    case 5: tile_products_n<W, kPasses, 5>(p, w2, inputs, acc); break;
-    case 6: tile_products_n<W, kPasses, 6>(p, w2, inputs, acc); break;
-    case 7: tile_products_n<W, kPasses, 7>(p, w2, inputs, acc); break;
-    default: tile_products_n<W, kPasses, 8>(p, w2, inputs, acc); break;
+                                              const W* inputs, int nt0, int n,
+                                              float (&acc)[kSweep][4]) {
+  if constexpr (kN < kSweep) {
+    if (n > kN) return tile_products<W, kPasses, kSweep, kN + 1>(p, w2, inputs, nt0, n, acc);
   }
+  tile_products_n<W, kPasses, kN, kSweep>(p, w2, inputs, nt0, acc);
 }
 
 // The same products for float32 weights on CUDA cores, in the MMA's accumulator layout: lane
@@ -640,9 +652,10 @@ __device__ __forceinline__ void tile_epilogue(const DraftParams& p, int64_t row0
 
 // One slot of the block walk (see the file header).
 template <typename W, typename Base, bool kRnn>
-__global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const DraftParams p) {
+__global__ void __launch_bounds__(kDraftThreads, slot_blocks_per_sm(sizeof(W) == 2)) draft_slot_kernel(const DraftParams p) {
   constexpr int kPasses = input_passes<W, kRnn>();
   constexpr bool kRing = sizeof(W) == 2;
+  constexpr int kSweep = sweep_tiles<W>();
   DSPARK_EXTERN_SHARED(unsigned char, shared_raw);
   W* inputs = reinterpret_cast<W*>(shared_raw);
   __shared__ GroupSampling s;
@@ -660,12 +673,14 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   const int64_t tile_stride = int64_t{kDraftWarps} * gridDim.x;
   // The ring's first chunks before anything else: no kernel of the block walk writes W2, so they
   // may load while the launch before this one (a dependent launch's) still runs.
+  const int column_tiles = (members + 7) / 8;
   W2Stream w2{};
   if constexpr (kRing) {
     uint4* ring = reinterpret_cast<uint4*>(shared_raw +
                                            draft_input_bytes<W, kRnn>(p.group_size, p.rank)) +
                   warp * p.stages * 64;
-    w2_stream_start<W>(p, w2, ring, first_tile, tile_stride, warp_tiles);
+    w2_stream_start<W>(p, w2, ring, first_tile, tile_stride, warp_tiles,
+                      (column_tiles + kSweep - 1) / kSweep);
     for (int i = 0; i < p.stages; ++i) issue_w2<W>(p, w2);
   }
   wait_for_previous_grid();  // the tokens, the RNN head's activations
@@ -673,10 +688,9 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
   const bool any_sampled = __any_sync(0xffffffffu, s.any_sampled);  // warp-uniform to the compiler
   unsigned long long* best = p.best + int64_t{p.slot} * p.batch;
 
-  const int column_tiles = (members + 7) / 8;
   for (int64_t tile = first_tile; tile < warp_tiles; tile += tile_stride) {
     // The grid's best keys so far (other blocks publish theirs as they go), loaded before the
-    // products and folded into s.seen after them, so the load's latency is hidden.
+    // products and folded into s.seen after the first sweep's, so the load's latency is hidden.
     unsigned long long grid_best = 0;
     if (any_sampled && static_cast<int>(threadIdx.x) < members) {
       grid_best = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>(
@@ -684,28 +698,34 @@ __global__ void __launch_bounds__(kDraftThreads, 2) draft_slot_kernel(const Draf
                       .load(cuda::memory_order_relaxed);
     }
     const int64_t row0 = tile * 16;
-    // Base logits two column tiles ahead of their epilogue call: the first two load during the
-    // products, each later one during the two calls before its own.
-    Base base[kMaxGroup / 8][4];
-    load_base(p, s, row0, members, 0, base[0]);
-    if (column_tiles > 1) load_base(p, s, row0, members, 1, base[1]);
-    float acc[kMaxGroup / 8][4] = {};
-    if constexpr (kRing) {
-      tile_products<W, kPasses>(p, w2, inputs, column_tiles, acc);
-    } else {
-      tile_products_f32(p, row0, inputs, column_tiles, acc);
-    }
-    if (grid_best != 0) atomicMax(&s.seen[threadIdx.x], static_cast<uint32_t>(grid_best >> 32));
-#pragma unroll
-    for (int nt = 0; nt < kMaxGroup / 8; ++nt) {
-      if (nt >= column_tiles) break;
-      if (nt + 2 < kMaxGroup / 8 && nt + 2 < column_tiles) {
-        load_base(p, s, row0, members, nt + 2, base[nt + 2]);
+    // The tile's column tiles kSweep at a time: the products of a sweep, then its epilogue calls.
+    for (int nt0 = 0; nt0 < column_tiles; nt0 += kSweep) {
+      const int n = min(kSweep, column_tiles - nt0);
+      // Base logits two column tiles ahead of their epilogue call: the first two load during the
+      // products, each later one during the two calls before its own.
+      Base base[kSweep][4];
+      load_base(p, s, row0, members, nt0, base[0]);
+      if (n > 1) load_base(p, s, row0, members, nt0 + 1, base[1]);
+      float acc[kSweep][4] = {};
+      if constexpr (kRing) {
+        tile_products<W, kPasses, kSweep>(p, w2, inputs, nt0, n, acc);
+      } else {
+        tile_products_f32(p, row0, inputs, column_tiles, acc);
       }
-      float b[4];
+      if (grid_best != 0) {
+        atomicMax(&s.seen[threadIdx.x], static_cast<uint32_t>(grid_best >> 32));
+        grid_best = 0;
+      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) b[e] = to_float(base[nt][e]);
-      tile_epilogue<W, kRnn>(p, row0, members, nt, acc[nt], b, any_sampled, s, best + first);
+      for (int i = 0; i < kSweep; ++i) {
+        if (i >= n) break;
+        if (i + 2 < kSweep && i + 2 < n) load_base(p, s, row0, members, nt0 + i + 2, base[i + 2]);
+        float b[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) b[e] = to_float(base[i][e]);
+        tile_epilogue<W, kRnn>(p, row0, members, nt0 + i, acc[i], b, any_sampled, s,
+                               best + first);
+      }
     }
   }
   // The next launch of the walk may start its blocks (they wait for this grid before they read
