@@ -232,6 +232,28 @@ def test_launch_bounds(sim):
         sim.selftest("threads_over_bounds", torch.randn(64), 128)
 
 
+def test_every_kernels_launch_bounds_are_registered():
+    """csrc/sim/build.py registers the thread bound of every __launch_bounds__ in the kernel
+    sources, also where the blocks-per-SM argument is an expression with parentheses of its own
+    (the slot and statistics kernels): a kernel it missed would go unchecked."""
+    import importlib.util
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("sim_build", root / "csrc" / "sim" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    registered = re.findall(r'DSPARK_SIM_BOUNDS\("(\w+)", (\w+)\)', build.launch_bounds())
+    names = dict(registered)
+    sources = sorted((root / "csrc" / "kernels").glob("*.cuh")) + [root / "csrc" / "sim" /
+                                                                     "selftest.cpp"]
+    declared = sum(len(re.findall(r"__global__\s+void\s+__launch_bounds__\(", p.read_text()))
+                   for p in sources)
+    assert len(registered) == declared
+    assert names["draft_slot_kernel"] == "kDraftThreads"
+    assert names["verify_row_stats_kernel"] == "kVerifyThreads"
+
+
 def test_grid_limits(sim):
     sim.selftest("grid_y", torch.randn(64), 65535)
     with pytest.raises(RuntimeError, match="grid .* outside"):

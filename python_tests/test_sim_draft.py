@@ -284,8 +284,8 @@ MARKOV_CASES = sweep_params([
     markov(3, 1, 8193, 40, "f16", F16, I64, "sampled", "contiguous"),
     markov(1, 2, 8193, 1, "f32", F16, I32, "greedy", "offset"),
     # Large ranks: inputs past 48 KB need the shared-memory opt-in (f32 r = 200: 58 KB at 64
-    # requests); past the emulated H200's budget (109 KB: f32 r = 448, bf16 r = 864) the group
-    # halves to 32.
+    # requests); past the emulated H200's budgets (71 KB for 16-bit weights with their ring,
+    # 109 KB for float32: bf16 r = 864, f32 r = 448) the group halves to 32.
     markov(40, 2, 100, 200, "f32", F32, I64, "mixed", "contiguous"),
     markov(33, 1, 300, 400, "bf16", BF16, I32, "mixed", "padded"),
     markov(34, 1, 200, 352, "f16", F32, I64, "greedy", "aligned"),
@@ -388,7 +388,7 @@ def test_w2_ring_stages_and_dependent_launches(sim):
     beside the group's inputs (none for float32 weights), and every launch of a block walk after
     its first is a programmatic dependent launch (the first waits for the stream: what ran before
     may have written the weights). The budget is a third of the SM's shared memory for 16-bit
-    Markov weights (three blocks per SM), a half for the RNN. The stages the emulated tests cover:
+    weights (three blocks per SM), a half for float32 weights. The stages the emulated tests cover:
     8 at small ranks, 4 for Markov at r 256 and for the RNN's two input planes at r 256, 2 for
     bf16 r 864 (groups of 32) and on the L4 at r 352."""
     slot = "draft_slot_kernel<__nv_bfloat16, float, {}>"
@@ -414,7 +414,7 @@ def test_groups_sized_for_three_blocks_per_sm(sim):
     of the SM's shared memory less 5 KB (72,704 bytes on the emulated H200), float32 weights a
     half. r 256: 64 requests (32 KB of inputs), a ring of 4 stages; r 512: groups of 32, 4
     stages; r 864: groups of 32, 2 stages; the RNN's two input planes at r 256: groups of 32, 4
-    stages; float32 r 200: 64 requests in a half (52 KB of inputs)."""
+    stages; float32 r 200: 64 requests in a half (57 KB of inputs)."""
     def plan(head, batch, rank, weights):
         sim.clear_launch_log()
         sim.set_plan_only(True)
@@ -436,22 +436,27 @@ def test_groups_sized_for_three_blocks_per_sm(sim):
         assert got[2] <= budget
 
 
-def test_w2_ring_over_several_tiles_per_warp(sim):
+@pytest.mark.parametrize("batch, stages", [(9, 4), (56, 2)])
+def test_w2_ring_over_several_tiles_per_warp(sim, batch, stages):
     """The W2 ring streams a warp's chunks across its tiles: on the emulated L4 (a smaller grid,
-    four stages beside r = 136's inputs) warps walk two 16-row tiles of five k chunks each, so
-    chunks of the next tile are in flight during a tile's epilogue and the ring wraps inside a
-    tile; B = 9 (one request in the second column tile), greedy and sampled requests, bf16 base
-    logits, a winner placed in a warp's second tile."""
+    four or two stages beside r = 136's inputs) warps walk two 16-row tiles of five k chunks
+    each, so chunks of the next tile are in flight during a tile's epilogue and the ring wraps
+    inside a tile. B = 9: one request in the second column tile, one sweep; B = 56: seven column
+    tiles in two sweeps (4 + 3), so the stream runs through each tile's chunks twice before the
+    next tile. Greedy and sampled requests, bf16 base logits, a winner placed in a warp's second
+    tile."""
     vocab, rank = 20000, 136
-    case = make_case(9, 2, vocab, rank, seed=stable_seed("ring-tiles"), weights="bf16",
-                     base_dtype=BF16)
+    case = make_case(batch, 2, vocab, rank, seed=stable_seed("ring-tiles", batch),
+                     weights="bf16", base_dtype=BF16)
     with emulator.emulated_device("l4"):
         (records,) = slot_plans(sim, [("markov", (case.base_logits, case.anchor, case.w1, case.w2,
                                                   case.temperature, case.seed, case.position))])
-        assert {stages for _, _, stages in records} == {4}
+        assert {got for _, _, got in records} == {stages}
         case.base_logits[0, 0, vocab - 5] += 40.0  # row 19995: tile 1249, a second tile
+        case.base_logits[batch - 1, 0, vocab - 7] += 40.0  # the last column tile's request
         out = check_draft(sim, case)
     assert int(out.tokens[0, 0]) == vocab - 5
+    assert int(out.tokens[batch - 1, 0]) == vocab - 7
 
 
 def key_bound(zt: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -596,8 +601,8 @@ def test_other_emulated_devices(sim, device):
         # f32 r = 316: 64 x 324 x 4 bytes > 77 KB, so groups of 32 (two here) on both.
         make_case(33, 2, 300, 316, seed=stable_seed("dev", device, 0), weights="f32",
                   base_dtype=F16),
-        # bf16 r = 352: 64 x 384 x 2 bytes: groups of 32 on both (16-bit weights: a third of the
-        # A100's SM, 49.7 KB; the L4's 44 KB floor of the budget).
+        # bf16 r = 352: 64 x 352 x 2 bytes (44 KB) and a ring of at least 16 KB: groups of 32 on
+        # both (16-bit weights: a third of the A100's SM, 49.7 KB; the L4's 44 KB floor).
         make_case(33, 2, 300, 352, seed=stable_seed("dev", device, 1), weights="bf16",
                   base_dtype=BF16, anchor_dtype=I32),
         make_case(65, 2, 100, 40, seed=stable_seed("dev", device, 2), weights="f16",
@@ -649,11 +654,13 @@ RNN_CASES = sweep_params([
     rnn(3, 3, 17, 64, 33, "f16", F16, F32, I64, "padded"),
     rnn(65, 2, 17, 8, 16, "bf16", F32, F32, I32, "contiguous"),
     rnn(2, 2, 8193, 20, 16, "f16", BF16, BF16, I64, "contiguous"),
-    # r = 130, 16-bit: two input planes of 64 x 224 x 2 bytes (56 KB, past 48 KB: the opt-in).
+    # r = 130, 16-bit: two input planes of 64 x 160 x 2 bytes (40 KB; 56 KB with the ring, past
+    # 48 KB: the opt-in).
     rnn(33, 2, 100, 130, 16, "bf16", F16, BF16, I64, "aligned"),
     rnn(33, 1, 50, 130, 8, "f16", BF16, F32, I32, "offset"),
-    # Past the emulated H200's 109 KB budget, so groups of 32: r = 416, 16-bit (two planes of
-    # 64 x 480 x 2 bytes); f32 r = 448 (one plane of 64 x 452 x 4 bytes).
+    # Past the emulated H200's budgets (71 KB for 16-bit weights, 109 KB for float32), so groups
+    # of 32: r = 416, 16-bit (two planes of 64 x 416 x 2 bytes); f32 r = 448 (one plane of
+    # 64 x 452 x 4 bytes).
     rnn(33, 1, 50, 416, 8, "bf16", BF16, BF16, I64, "aligned"),
     rnn(34, 1, 50, 448, 8, "f32", F32, F16, I64, "padded"),
     rnn(9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),

@@ -517,8 +517,8 @@ def draft_slot_chain(warp_tiles: int, chunks: int, stages: int, sweeps: int, swe
     if stages == 0:
         w2_waits = float(chunks)
     else:
-        w2_waits = exposed(sweep_tiles * call_s, hw) + sweeps * (
-            exposed((stages - 1) * chunk_instrs * dep, hw) if chunks > stages else 0.0)
+        w2_waits = sweeps * (exposed(sweep_tiles * call_s, hw) + (
+            exposed((stages - 1) * chunk_instrs * dep, hw) if chunks > stages else 0.0))
     base_waits = exposed(products_s, hw)
     if sweep_tiles > 1:
         base_waits += exposed(products_s + call_s, hw)
@@ -560,7 +560,7 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
     # with 16-bit weights (three blocks per SM). Each sweep streams the tile's W2 chunks through
     # the ring again (the later times mostly from L2).
     sweep_ct = min(ct, constant("kSweepTiles"))
-    sweeps = (ct + sweep_ct - 1) // sweep_ct
+    sweeps = (ct + sweep_ct - 1) // sweep_ct  # a partial last sweep is priced as a full one
     # Per k chunk: its fragments from the ring (two LDS.128), the MMAs, the refill (eight 4-byte
     # cp.async: each lane's words land in its MMAs' register order). The loop of a full sweep.
     mma = LoopSpec("W2 ring x inputs (mma.sync)",

@@ -47,8 +47,9 @@ int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget) 
 }
 
 int draft_input_budget(int device, int blocks) {
-  static DeviceCache caches[4]{};  // by blocks per SM: slot_blocks_per_sm gives 2 or 3
-  blocks = std::clamp(blocks, 1, 3);
+  constexpr int kMostBlocks = 8;  // 8 warps a block: 64 warps an SM at most
+  static DeviceCache caches[kMostBlocks + 1]{};
+  blocks = std::clamp(blocks, 1, kMostBlocks);
   return once_per_device(caches[blocks], device, [device, blocks] {
     int per_sm = 0, per_block = 0;
     if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=

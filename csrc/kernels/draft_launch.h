@@ -96,8 +96,9 @@ int draft_shared_bytes(int w_type, bool rnn, int group_size, int rank, int stage
 int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget);
 
 // Dynamic shared memory a slot block may take for its group's inputs and W2 ring on `device` when
-// `blocks` share an SM (host queries, once per device): the SM's shared memory split `blocks`
-// ways, less kSlotSharedReserve, and no more than one block may opt in to.
+// `blocks` share an SM (host queries, once per device and count): the SM's shared memory split
+// `blocks` ways, less kSlotSharedReserve, and no more than one block may opt in to; never below
+// the 44 KB of kFallbackInputBytes (on an SM of 100 KB two blocks then fit, not three).
 int draft_input_budget(int device, int blocks);
 
 // Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with this

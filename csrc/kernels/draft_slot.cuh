@@ -656,6 +656,7 @@ __global__ void __launch_bounds__(kDraftThreads, slot_blocks_per_sm(sizeof(W) ==
   constexpr int kPasses = input_passes<W, kRnn>();
   constexpr bool kRing = sizeof(W) == 2;
   constexpr int kSweep = sweep_tiles<W>();
+  static_assert(kRing || kSweep == kMaxGroup / 8, "tile_products_f32 takes every column tile");
   DSPARK_EXTERN_SHARED(unsigned char, shared_raw);
   W* inputs = reinterpret_cast<W*>(shared_raw);
   __shared__ GroupSampling s;
@@ -783,7 +784,7 @@ int draft_blocks_per_sm(int device, int shared_bytes) {
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, draft_slot_kernel<W, Base, kRnn>, kDraftThreads,
                                                     shared_bytes) != cudaSuccess) {
     (void)cudaGetLastError();  // the query's own error; nothing else is pending at this point
-    n = 2;
+    n = slot_blocks_per_sm(sizeof(W) == 2);
   }
   return cache[{device, shared_bytes}] = n > 0 ? n : 1;
 }

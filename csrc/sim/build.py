@@ -45,14 +45,26 @@ def cuda_include() -> str:
 
 
 def launch_bounds() -> str:
-    """DSPARK_SIM_BOUNDS(name, bound) for every __launch_bounds__ in the kernel sources."""
+    """DSPARK_SIM_BOUNDS(name, threads) for every __launch_bounds__ in the kernel sources. Its
+    arguments may hold calls of their own (a blocks-per-SM expression), so each is read by
+    matching parentheses, not by a regular expression."""
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "*.cuh")))
     sources.append(os.path.join(SIM, "selftest.cpp"))
     lines = []
     for path in sources:
         text = open(path).read()
-        for m in re.finditer(r"__launch_bounds__\(([^,)]+)[^)]*\)\s*(\w+)\s*\(", text):
-            lines.append(f'DSPARK_SIM_BOUNDS("{m.group(2)}", {m.group(1).strip()})')
+        for m in re.finditer(r"__launch_bounds__\(", text):
+            depth, end, first_comma = 1, m.end(), None
+            while depth and end < len(text):
+                c = text[end]
+                depth += {"(": 1, ")": -1}.get(c, 0)
+                if c == "," and depth == 1 and first_comma is None:
+                    first_comma = end
+                end += 1
+            threads = text[m.end():(first_comma if first_comma is not None else end - 1)]
+            name = re.match(r"\s*(\w+)\s*\(", text[end:])
+            if name:
+                lines.append(f'DSPARK_SIM_BOUNDS("{name.group(1)}", {threads.strip()})')
     return "\n".join(lines) + "\n"
 
 
