@@ -27,7 +27,7 @@ constexpr int kMinW2Stages = 2;
 // tiles kSweepTiles at a time, and the group is sized to a third of the SM's shared memory), two
 // with float32 weights (the CUDA-core path, whose float32 inputs take twice the shared memory).
 constexpr int kSweepTiles = 4;
-__host__ __device__ constexpr int slot_blocks_per_sm(bool weights_16bit) {
+constexpr int slot_blocks_per_sm(bool weights_16bit) {
   return weights_16bit ? 3 : 2;
 }
 
