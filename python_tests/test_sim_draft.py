@@ -353,21 +353,23 @@ def test_several_tiles_per_block(sim):
         check_draft(sim, make_case(3, 2, vocab, 64, seed=203, weights="f32", base_dtype=F16))
 
 
+def planned_records(sim, head: str, args: tuple) -> list:
+    """The launch records of one drafting call (``head``: markov or rnn), planned only."""
+    sim.clear_launch_log()
+    sim.set_plan_only(True)
+    try:
+        getattr(sim, f"{head}_draft")(*args)
+    finally:
+        sim.set_plan_only(False)
+    return parse_records(sim.launch_records())
+
+
 def slot_plans(sim, case_args: list) -> list:
     """The launch records of each (head, call arguments) in ``case_args``, planned only: kernel,
     whether dependent, the W2 ring's stages."""
-    out = []
-    for head, args in case_args:
-        sim.clear_launch_log()
-        sim.set_plan_only(True)
-        try:
-            getattr(sim, f"{head}_draft")(*args)
-        finally:
-            sim.set_plan_only(False)
-        out.append([(r["kernel"].replace("dspark_ops::kernels::", ""), r["dependent"],
-                     r["fields"].get("stages"))
-                    for r in parse_records(sim.launch_records())])
-    return out
+    return [[(r["kernel"].replace("dspark_ops::kernels::", ""), r["dependent"],
+              r["fields"].get("stages")) for r in planned_records(sim, head, args)]
+            for head, args in case_args]
 
 
 def plan_args(head: str, batch: int, block: int, vocab: int, rank: int, weights) -> tuple:
@@ -416,13 +418,8 @@ def test_groups_sized_for_three_blocks_per_sm(sim):
     stages; r 864: groups of 32, 2 stages; the RNN's two input planes at r 256: groups of 32, 4
     stages; float32 r 200: 64 requests in a half (57 KB of inputs)."""
     def plan(head, batch, rank, weights):
-        sim.clear_launch_log()
-        sim.set_plan_only(True)
-        try:
-            getattr(sim, f"{head}_draft")(*plan_args(head, batch, 1, 300, rank, weights))
-        finally:
-            sim.set_plan_only(False)
-        (record,) = [r for r in parse_records(sim.launch_records())
+        (record,) = [r for r in planned_records(sim, head, plan_args(head, batch, 1, 300, rank,
+                                                                      weights))
                      if r["kernel"].startswith("draft_slot_kernel")]
         return record["fields"]["group_size"], record["fields"]["stages"], record["shared"]
 
