@@ -379,6 +379,31 @@ def test_attention_split_chain_waits_once_per_ring_of_tiles_per_round():
     assert kernels.attention_split_chain(64, 2, 1).dram_waits == 1 + 64
 
 
+def test_head_segment_waits_follow_the_kernel_s_rounds():
+    """head_segment_waits against head_mma_segment's loops (kernels/draft_rnn_head.cuh) written
+    out step by step: for every segment length up to 40 whole steps a warp, with and without a
+    partial last step, the most rounds (one HBM wait each) any warp makes."""
+    warps = 8
+
+    def kernel_rounds(warp: int, columns: int, most: int) -> int:
+        whole = columns // 16
+        step, rounds, size = warp, 0, most
+        while size >= 1:
+            while step + (size - 1) * warps < whole:
+                step, rounds = step + size * warps, rounds + 1
+            size //= 2
+        assert step >= whole  # every whole step taken
+        return rounds + (16 * step < columns)  # the partial last step, if it is this warp's
+
+    for most in (2, 4, 8):
+        for columns in [16 * whole + tail for whole in range(40 * warps) for tail in (0, 7)]:
+            busiest = max(kernel_rounds(w, columns, most) for w in range(warps))
+            assert kernels.head_segment_waits(columns, warps, most) == busiest, (most, columns)
+    # d 2560: rounds of 8, 8 and 4 (five rounds of 4 before); 3 steps wait twice, 4 steps once.
+    assert kernels.head_segment_waits(2560, warps, 8) == 3
+    assert kernels.head_round_waits(3, 4) == 2 and kernels.head_round_waits(4, 4) == 1
+
+
 def test_loss_products_are_the_op_s_floating_point_operations():
     # Per chunk: three products with the LM head (z, t, d h) and three with W2 (the bias, d u,
     # d W2): 6 n V (d + r), the 9.2 TFLOP of docs/semantics.md §4 over N = 3584 rows.

@@ -625,25 +625,25 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
         width = 2 * rank + hidden
         # The tensor-core head: a block per 16 rows x 8 requests, its warps splitting the
         # 16-column steps. A warp's step: one m16n8k16 (16 rows x 8 requests x 16 columns: 64
-        # multiply-adds a lane) from four 32-bit J loads and two of the inputs; unrolled by 4.
-        # The modelled loop is the bf16 hidden segment's (exact in bf16: one MMA a step), d of the
-        # 2r + d columns; the float32 state's r columns take three MMAs a step.
+        # multiply-adds a lane) from four 32-bit J loads and two of the inputs; rounds of 8 steps
+        # (head_mma_segment). The modelled loop is the bf16 hidden segment's (exact in bf16: one
+        # MMA a step), d of the 2r + d columns; the float32 state's r columns take three MMAs a
+        # step.
         head_groups = kernel_launches(plan, "rnn_head_mma_kernel<__nv_bfloat16>")
         head_launch = head_groups[0][0]
         macs = LoopSpec("J x [s; W1[x]; h] (mma.sync, pair loads)",
-                        {r"^HMMA": 4, r"^LDG\.E\.CONSTANT$": 24}, 64, (r"^HMMA", 1),
+                        {r"^HMMA": 8, r"^LDG\.E\.CONSTANT$": 48}, 64, (r"^HMMA", 1),
                         loads=r"^LDG\.E\.CONSTANT$")
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
         # A warp's path: the previous token (L2), then per input segment (s, W1[x], h: r, r
-        # and d columns) its share of the 16-column steps, unrolled by 4: each unrolled
-        # iteration and each remainder step issues its loads and uses them (one HBM wait);
-        # then the block's barrier and warp 0's sum.
+        # and d columns) its share of the 16-column steps in rounds, each round issuing its
+        # loads and then using them (one HBM wait, head_round_waits); then the block's barrier
+        # and warp 0's sum. The float32 state's rounds stop at 4 steps, the bf16 inputs' at 8.
         head_warps = head_launch.threads // 32
         head_waits = 0
-        for columns in (rank, rank, hidden):
-            steps = math.ceil(columns / 16 / head_warps)
-            head_waits += steps // 4 + steps % 4
+        for columns, most in ((rank, 4), (rank, 8), (hidden, 8)):
+            head_waits += head_segment_waits(columns, head_warps, most)
         head_terms = [term(binary, head_launch.kernel, macs, rows * width * batch)]
         for launch, count in head_groups:
             launches.append(planned(launch, "rnn head [g;c;o]" + (", dependent" if launch.dependent
@@ -688,6 +688,33 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
               match=None if filtered else dict(op=op, params=dict(B=batch, G=block, V=vocab,
                                                                     r=rank),
                                                variant="sampled" if sampled else "greedy"))
+
+
+def head_round_waits(steps: int, most: int) -> int:
+    """HBM round trips of a warp's ``steps`` 16-column steps of one input segment in
+    rnn_head_mma_kernel (kernels/draft_rnn_head.cuh, head_mma_segment): rounds of ``most`` steps
+    while a whole one is left, then rounds of half as many, and so on down to one step, at most
+    one round of each; every round issues its loads before its MMAs."""
+    waits, rest, size = steps // most, steps % most, most
+    while size > 1:
+        size //= 2
+        if rest >= size:
+            waits, rest = waits + 1, rest - size
+    return waits
+
+
+def head_segment_waits(columns: int, warps: int, most: int) -> int:
+    """The most HBM round trips any warp of rnn_head_mma_kernel waits on over one input segment of
+    ``columns``: warps take ceil or floor of the 16-column steps over ``warps`` (and the partial
+    last step, if any, is one more for one warp); a share one step shorter may need more rounds
+    (3 steps: 2 + 1; 4 steps: one round of 4)."""
+    whole, partial = divmod(columns, 16)
+    shares = {-(-whole // warps), whole // warps}
+    waits = max(head_round_waits(n, most) for n in shares)
+    if partial:
+        # The partial step's warp (whole % warps) holds a floor share when the shares differ.
+        waits = max(waits, head_round_waits(whole // warps, most) + 1)
+    return waits
 
 
 def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidden: int,

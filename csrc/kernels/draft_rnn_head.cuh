@@ -226,6 +226,9 @@ __global__ void __launch_bounds__(kDraftThreads, 2) rnn_head_kernel(const DraftP
 // not stored.
 constexpr int kHeadMmaWarps = 8;
 constexpr int kHeadMmaThreads = 32 * kHeadMmaWarps;
+// Three blocks an SM (80 registers): at B 64, r 256 the 48 x 8 blocks are all resident at once on
+// a 132-SM GPU, where the compiler's own choice for rounds of eight steps (128) allows two.
+constexpr int kHeadMmaBlocksPerSm = 3;
 
 template <typename W>
 __device__ __forceinline__ uint16_t head_bits(W v) {
@@ -288,26 +291,60 @@ __device__ __forceinline__ void head_mma_step(const W* jg, const W* jg8, int k, 
   }
 }
 
+// The most steps whose loads a warp issues together, before their MMAs: one HBM round trip for
+// the round. Eight steps of pair loads of 16-bit inputs hold 48 registers of loads; an input
+// converted to three parts (float32) holds two words more a step, and unaligned rows load each
+// element apart (twice the registers), so those rounds stop at four and two.
+template <bool kAligned, typename W, typename T>
+constexpr int head_round_steps() {
+  return !kAligned ? 2 : std::is_same_v<T, W> ? 8 : 4;
+}
+
+// Steps step, step + 8, ... in rounds of kRound (each round's loads issued before its MMAs) while
+// a whole round is left; returns the first step not taken.
+template <int kRound, bool kAligned, typename W, typename T>
+__device__ __forceinline__ int head_mma_rounds(const W* jg, const W* jg8, int step, int whole,
+                                               int len, const T* in, bool valid, int t,
+                                               float (&acc)[4]) {
+#pragma unroll 1
+  for (; step + (kRound - 1) * kHeadMmaWarps < whole; step += kRound * kHeadMmaWarps) {
+#pragma unroll
+    for (int i = 0; i < kRound; ++i) {
+      head_mma_step<kAligned, false>(jg, jg8, 16 * (step + i * kHeadMmaWarps) + 2 * t, len, in,
+                                     valid, acc);
+    }
+  }
+  return step;
+}
+
 // acc += J[rows, k0 + k] x in[k] over k in [0, len): the warp's share of the segment's 16-column
-// steps (w, w + 8, ...), the whole ones unguarded, then the partial last one if it is the warp's.
+// steps (w, w + 8, ...), the whole ones in rounds of head_round_steps, then halving rounds (at
+// most one each) for the rest, so a share of n steps waits on n / 8 round trips and at most three
+// more; then the partial last step if it is the warp's. The MMAs run in step order whatever the
+// rounds, so the sums are those of one step at a time.
 template <bool kAligned, typename W, typename T>
 __device__ __forceinline__ void head_mma_segment(const W* jg, const W* jg8, int k0, int len,
                                                  const T* in, bool valid, int warp, int lane,
                                                  float (&acc)[4]) {
+  constexpr int kRound = head_round_steps<kAligned, W, T>();
   const int t = lane & 3, whole = len / 16;
   jg += k0, jg8 += k0;
-  int step = warp;
-#pragma unroll 4
-  for (; step < whole; step += kHeadMmaWarps) {
-    head_mma_step<kAligned, false>(jg, jg8, 16 * step + 2 * t, len, in, valid, acc);
+  int step = head_mma_rounds<kRound, kAligned>(jg, jg8, warp, whole, len, in, valid, t, acc);
+  if constexpr (kRound > 4) {
+    step = head_mma_rounds<4, kAligned>(jg, jg8, step, whole, len, in, valid, t, acc);
   }
+  if constexpr (kRound > 2) {
+    step = head_mma_rounds<2, kAligned>(jg, jg8, step, whole, len, in, valid, t, acc);
+  }
+  step = head_mma_rounds<1, kAligned>(jg, jg8, step, whole, len, in, valid, t, acc);
   if (16 * step < len) {
     head_mma_step<kAligned, true>(jg, jg8, 16 * step + 2 * t, len, in, valid, acc);
   }
 }
 
 template <typename W>
-__global__ void __launch_bounds__(kHeadMmaThreads) rnn_head_mma_kernel(const DraftParams p) {
+__global__ void __launch_bounds__(kHeadMmaThreads, kHeadMmaBlocksPerSm)
+    rnn_head_mma_kernel(const DraftParams p) {
   wait_for_previous_grid();  // a dependent launch after the previous slot's: its state, tokens
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rows = 3 * p.rank, row0 = blockIdx.x * 16, b0 = blockIdx.y * 8;
