@@ -33,8 +33,7 @@ template <typename T, int D, int kStages>
 int blocks_per_sm_staged(int device) {
   const int shared = static_cast<int>(attention_shared_bytes(D, kStages));
   int n = 0;
-  if (cudaFuncSetAttribute(block_attention_split_kernel<T, D, kStages>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, shared) != cudaSuccess ||
+  if (allow_dynamic_shared(block_attention_split_kernel<T, D, kStages>, shared) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, block_attention_split_kernel<T, D, kStages>,
                                                     kAttnThreads, shared) != cudaSuccess) {
     (void)cudaGetLastError();  // the query's own error
@@ -56,10 +55,8 @@ int blocks_per_sm_typed(int device) {
 template <typename T, int D, int kStages>
 cudaError_t launch_staged(const AttentionParams& p, cudaStream_t stream) {
   const size_t shared = attention_shared_bytes(D, kStages);
-  // Beyond the default 48 KB at every head dim; the opt-in is per device, so it is set every time.
-  const cudaError_t opted_in = cudaFuncSetAttribute(block_attention_split_kernel<T, D, kStages>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    static_cast<int>(shared));
+  const cudaError_t opted_in =
+      allow_dynamic_shared(block_attention_split_kernel<T, D, kStages>, shared);
   if (opted_in != cudaSuccess) return opted_in;
   const int rows = p.block * (p.heads / p.kv_heads);
   const int groups = (rows + kAttnRows - 1) / kAttnRows;

@@ -14,13 +14,9 @@ template <int Mode, bool SharedSort>
 cudaError_t launch_schedule_mode(const ScheduleParams& p, cudaStream_t stream) {
   const size_t shared_bytes =
       SharedSort ? size_t(p.batch) * size_t(p.block) * sizeof(uint64_t) : 0;
-  if (SharedSort) {  // beyond the default 48 KB; the opt-in is per device, so set every time,
-                     // to what this sort needs (more than the device allows fails)
-    const cudaError_t opted_in =
-        cudaFuncSetAttribute(schedule_kernel<Mode, true>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
-    if (opted_in != cudaSuccess) return opted_in;
-  }
+  const cudaError_t opted_in =
+      allow_dynamic_shared(schedule_kernel<Mode, SharedSort>, shared_bytes);
+  if (opted_in != cudaSuccess) return opted_in;
   DSPARK_LAUNCH_DEPENDENT(1, kScheduleThreads, shared_bytes, stream,
                           schedule_kernel<Mode, SharedSort>)(p);
   return cudaGetLastError();

@@ -34,14 +34,6 @@ WorkspaceLayout workspace_layout(const VerifyParams& p) {
   return w;
 }
 
-// Lets `kernel` take `shared_bytes` of dynamic shared memory (past 48 KB only with this opt-in,
-// which is per device and function: set whenever it is needed).
-template <typename Kernel>
-cudaError_t allow_shared(Kernel kernel, int shared_bytes) {
-  if (shared_bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
-}
-
 // The most stages in [1, most] whose dynamic shared memory (`shared_bytes(stages)`) still lets
 // `kernel` keep `designed` blocks per SM resident on the current device (as many as one stage
 // allows, when that is fewer).
@@ -49,7 +41,7 @@ template <typename Kernel, typename Bytes>
 int deepest_ring(Kernel kernel, int most, int designed, Bytes shared_bytes) {
   const auto resident = [kernel](int bytes) {
     int blocks = 0;
-    if (allow_shared(kernel, bytes) != cudaSuccess ||
+    if (allow_dynamic_shared(kernel, bytes) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kVerifyThreads, bytes) !=
             cudaSuccess) {
       (void)cudaGetLastError();  // the query's own error: that depth is not taken
@@ -103,14 +95,14 @@ cudaError_t launch_verify_typed(const VerifyParams& p, cudaStream_t stream) {
   const dim3 items(p.num_chunks * p.batch, p.block + 1);
   const int stats_shared =
       verify_shared_bytes<TT, DT>(p.draft != nullptr, has_filters(p), p.stages);
-  cudaError_t error = allow_shared(verify_row_stats_kernel<TT, DT>, stats_shared);
+  cudaError_t error = allow_dynamic_shared(verify_row_stats_kernel<TT, DT>, stats_shared);
   if (error != cudaSuccess) return error;
   DSPARK_LAUNCH(items, kVerifyThreads, stats_shared, stream, verify_row_stats_kernel<TT, DT>)(p);
   error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   // Dependent: its launch overlaps the statistics kernel's last blocks (sm_90 and later).
   const int race_shared = verify_race_shared_bytes<TT, DT>(p.race_stages);
-  error = allow_shared(verify_emit_kernel<TT, DT>, race_shared);
+  error = allow_dynamic_shared(verify_emit_kernel<TT, DT>, race_shared);
   if (error != cudaSuccess) return error;
   DSPARK_LAUNCH_DEPENDENT(dim3(p.num_chunks, p.batch), kVerifyThreads, race_shared, stream,
                           verify_emit_kernel<TT, DT>)(p);

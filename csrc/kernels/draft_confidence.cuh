@@ -246,11 +246,8 @@ cudaError_t launch_draft_confidence(const ConfidenceParams& p, cudaStream_t stre
   constexpr int kRowsPerBlock = kConfidenceThreads / 32;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int shared = confidence_shared_bytes(p.hidden_size + p.rank, sizeof(P));
-  if (shared > 48 * 1024) {  // beyond the default only by opt-in (per device: set every time)
-    const cudaError_t opted_in = cudaFuncSetAttribute(
-        draft_confidence_kernel<W, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
-    if (opted_in != cudaSuccess) return opted_in;
-  }
+  const cudaError_t opted_in = allow_dynamic_shared(draft_confidence_kernel<W, P>, shared);
+  if (opted_in != cudaSuccess) return opted_in;
   DSPARK_LAUNCH_DEPENDENT(static_cast<unsigned>(blocks), kConfidenceThreads, shared, stream,
                           draft_confidence_kernel<W, P>)(p);
   return cudaGetLastError();

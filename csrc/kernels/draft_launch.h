@@ -102,7 +102,7 @@ int draft_w2_stages(int w_type, bool rnn, int group_size, int rank, int budget);
 int draft_input_budget(int device, int blocks);
 
 // Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with this
-// opt-in; it is per device, so it is set on every call).
+// opt-in; it is per device, so it is asked on every call that takes more).
 cudaError_t allow_draft_shared(int w_type, int base_type, bool rnn, int shared_bytes);
 
 // Blocks of draft_slot_kernel resident per SM on `device` (a host query, cached per

@@ -763,12 +763,10 @@ __global__ void __launch_bounds__(kDraftThreads, slot_blocks_per_sm(sizeof(W) ==
   }
 }
 
-// Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (past 48 KB only with this
-// opt-in; it is per device, so it is set on every call).
+// Lets draft_slot_kernel take `shared_bytes` of dynamic shared memory (allow_dynamic_shared).
 template <typename W, typename Base, bool kRnn>
 cudaError_t allow_draft_shared(int shared_bytes) {
-  return cudaFuncSetAttribute(draft_slot_kernel<W, Base, kRnn>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  return allow_dynamic_shared(draft_slot_kernel<W, Base, kRnn>, shared_bytes);
 }
 
 // Blocks of draft_slot_kernel resident per SM on the current device (a host query, cached per

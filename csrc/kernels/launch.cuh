@@ -2,7 +2,8 @@
 // same kernel source runs on both: a kernel launch, a launch that may overlap the kernel before
 // it, the waits and hints that go with that, and the declaration of dynamic shared memory. Under
 // nvcc they are <<<...>>>, cudaLaunchKernelEx, griddepcontrol and extern __shared__;
-// csrc/sim/prelude.h defines the emulator's versions before this file is seen.
+// csrc/sim/prelude.h defines the emulator's versions before this file is seen. Last, for both,
+// the opt-in to more than the default dynamic shared memory.
 #pragma once
 
 #if !defined(DSPARK_OPS_SIM)
@@ -83,3 +84,20 @@ __device__ __forceinline__ void allow_dependent_launch() {
 
 }  // namespace dspark_ops::kernels
 #endif
+
+namespace dspark_ops::kernels {
+
+// The dynamic shared memory any kernel may take without an opt-in.
+constexpr size_t kDefaultDynamicShared = 48 * 1024;
+
+// Lets `kernel` take `shared_bytes` of dynamic shared memory: past kDefaultDynamicShared only
+// by this opt-in, which is per device and function, so it is asked before every launch (and
+// occupancy query) that takes more. More than the device allows fails here, before the launch.
+template <typename Kernel>
+cudaError_t allow_dynamic_shared(Kernel* kernel, size_t shared_bytes) {
+  if (shared_bytes <= kDefaultDynamicShared) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(shared_bytes));
+}
+
+}  // namespace dspark_ops::kernels
