@@ -87,4 +87,49 @@ __device__ __forceinline__ void copy_async_wait_upto(int pending) {
   }
 }
 
+// A thread's own ring of `stages` stages in shared memory, for a stream whose iterations the
+// thread copies ahead (cp.async) and reads back itself, so no barrier is needed. Word w of stage
+// k is ring[(k * kWords + w) * kThreads + thread]: a warp's copies and reads of one word are 512
+// contiguous bytes and hit every bank equally. The caller issues each iteration's copies
+// (copy(w, src) for its words, then commit(): one group an iteration, empty ones included, as the
+// waits count groups) stages - 1 iterations before it reads them (next()).
+template <int kWords, int kThreads, int kMaxStages>
+class ThreadRing {
+ public:
+  __device__ __forceinline__ ThreadRing(uint4* ring, int stages)
+      : mine_(ring + threadIdx.x), stages_(stages) {}
+
+  // Word w of the iteration being issued, from global `src` (16-byte aligned).
+  __device__ __forceinline__ void copy(int w, const void* src) {
+    copy_async_16(mine_ + (issue_ * kWords + w) * kThreads, src, true);
+  }
+
+  // Closes the iteration being issued (its copies, if any) and moves on to the next stage.
+  __device__ __forceinline__ void commit() {
+    copy_async_commit();
+    issue_ = issue_ + 1 == stages_ ? 0 : issue_ + 1;
+  }
+
+  // Waits for the oldest iteration not yet read (the stages - 1 issued after it may still load)
+  // and returns its stage; word(stage, w) reads its words.
+  __device__ __forceinline__ const uint4* next() {
+    copy_async_wait_upto<kMaxStages - 1>(stages_ - 1);
+    const uint4* const stage = mine_ + read_ * kWords * kThreads;
+    read_ = read_ + 1 == stages_ ? 0 : read_ + 1;
+    return stage;
+  }
+
+  __device__ __forceinline__ static uint4 word(const uint4* stage, int w) {
+    return stage[w * kThreads];
+  }
+
+  // Every copy issued has landed (before the ring's memory is used for something else).
+  __device__ __forceinline__ void drain() { copy_async_wait<0>(); }
+
+ private:
+  uint4* mine_;
+  int stages_;
+  int issue_ = 0, read_ = 0;
+};
+
 }  // namespace dspark_ops::kernels

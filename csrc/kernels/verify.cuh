@@ -445,8 +445,9 @@ __device__ __forceinline__ void stream_target_row(const TT* trow, const int32_t*
 
 // This thread's statistics of the target row (if any) and the draft row over [x0, x1): the same
 // groups, folded in the same order as stream_target_row folds them, but each group's 16-byte
-// words of both rows arrive through this thread's slots of the ring (see kMaxVerifyStages):
-// iteration i's copies are issued at iteration i - stages + 1 and waited for at iteration i.
+// words of both rows arrive through this thread's ring (a ThreadRing, async_copy.cuh; see
+// kMaxVerifyStages): iteration i's copies are issued at iteration i - stages + 1 and waited for
+// at iteration i.
 // Groups without whole 16-byte words (a chunk's tail, rows past a 16-byte boundary) are read one
 // element at a time when folded. Every copy has landed when this returns (the deciding block
 // reuses the ring's shared memory for the filters).
@@ -465,16 +466,10 @@ __device__ __forceinline__ void stream_rows_staged(const TT* trow, const int32_t
   constexpr int kDraftWords = kElementsPerThread * int{sizeof(DT)} / 16;
   constexpr int kGroupWords = kTargetWords + kDraftWords;
   static_assert(kGroups * kGroupWords == ring_stage_words<TT, DT>());
-  // Word w of stage k of this thread is ring[(k * words per stage + w) * threads + thread]: a
-  // warp's words of one kind are 512 contiguous bytes, so its copies and reads hit every bank
-  // equally.
-  uint4* const mine = ring + threadIdx.x;
-  constexpr int kStageStride = kGroups * kGroupWords * kVerifyThreads;
+  ThreadRing<kGroups * kGroupWords, kVerifyThreads, kMaxVerifyStages> staged(ring, stages);
   const int64_t first = x0 + int64_t{threadIdx.x} * kElementsPerThread;
-  int64_t ahead = first;  // the next iteration to issue, and its stage
-  int ahead_stage = 0;
+  int64_t ahead = first;  // the next iteration to issue
   const auto issue = [&] {
-    uint4* const stage = mine + ahead_stage * kStageStride;
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const int64_t x = ahead + g * kGroupStride;
@@ -482,27 +477,23 @@ __device__ __forceinline__ void stream_rows_staged(const TT* trow, const int32_t
       if (trow) {
 #pragma unroll
         for (int h = 0; h < kTargetWords; ++h) {
-          copy_async_16(stage + (g * kGroupWords + h) * kVerifyThreads,
-                        reinterpret_cast<const uint4*>(trow + x) + h, true);
+          staged.copy(g * kGroupWords + h, reinterpret_cast<const uint4*>(trow + x) + h);
         }
       }
 #pragma unroll
       for (int h = 0; h < kDraftWords; ++h) {
-        copy_async_16(stage + (g * kGroupWords + kTargetWords + h) * kVerifyThreads,
-                      reinterpret_cast<const uint4*>(drow + x) + h, true);
+        staged.copy(g * kGroupWords + kTargetWords + h,
+                    reinterpret_cast<const uint4*>(drow + x) + h);
       }
     }
-    copy_async_commit();  // a group per iteration, empty past the chunk: the waits count them
+    staged.commit();  // empty past the chunk
     ahead += kIteration;
-    ahead_stage = ahead_stage + 1 == stages ? 0 : ahead_stage + 1;
   };
   for (int k = 1; k < stages; ++k) issue();
-  int stage_index = 0;
   for (int64_t base = first; base < x1; base += kIteration) {
     const int32_t mark = poll_mark(reject_mark);
     issue();  // stages - 1 iterations after this one
-    copy_async_wait_upto<kMaxVerifyStages - 1>(stages - 1);
-    const uint4* const stage = mine + stage_index * kStageStride;
+    const uint4* const stage = staged.next();
     float v[kElementsPerThread];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -514,7 +505,7 @@ __device__ __forceinline__ void stream_rows_staged(const TT* trow, const int32_t
           Raw8<TT> raw;
 #pragma unroll
           for (int h = 0; h < kTargetWords; ++h) {
-            raw.word[h] = stage[(g * kGroupWords + h) * kVerifyThreads];
+            raw.word[h] = staged.word(stage, g * kGroupWords + h);
           }
           unpack8(raw, v);
         } else {
@@ -527,7 +518,7 @@ __device__ __forceinline__ void stream_rows_staged(const TT* trow, const int32_t
         Raw8<DT> raw;
 #pragma unroll
         for (int h = 0; h < kDraftWords; ++h) {
-          raw.word[h] = stage[(g * kGroupWords + kTargetWords + h) * kVerifyThreads];
+          raw.word[h] = staged.word(stage, g * kGroupWords + kTargetWords + h);
         }
         unpack8(raw, v);
       } else {
@@ -535,10 +526,9 @@ __device__ __forceinline__ void stream_rows_staged(const TT* trow, const int32_t
       }
       accumulate8(s.draft, v, x, d_sum, r.inv_td);
     }
-    stage_index = stage_index + 1 == stages ? 0 : stage_index + 1;
     if (mark > abandon_above) break;
   }
-  copy_async_wait<0>();
+  staged.drain();
 }
 
 // This thread's statistics of the target row and (if drow) the draft row over [x0, x1): both
@@ -574,9 +564,10 @@ struct Proposal {
 
 // The race's ring (race_chunk): a stage is one iteration of a thread's race, 8 elements of the
 // target row and of the draft row (when it is raced against), 48 bytes a thread for a bf16
-// target with a float32 draft, 12 KB a block; a 9,504-element chunk is five iterations. As the
-// statistics pass's ring: each thread copies its own words ahead of their use (cp.async) and
-// reads them back, no barrier; the launcher plans the depth (VerifyParams::race_stages).
+// target with a float32 draft, 12 KB a block; a 9,504-element chunk is five iterations. A
+// ThreadRing (async_copy.cuh) like the statistics pass's: each thread copies its own words ahead
+// of their use and reads them back, no barrier; the launcher plans the depth
+// (VerifyParams::race_stages).
 constexpr int kMaxRaceStages = 8;
 // Resident blocks per SM the emit kernel is compiled for (without a minimum, ptxas capped the
 // registers at 64 and spilled), and which the launcher sizes the race's ring to keep.
@@ -664,59 +655,47 @@ __device__ void thread_race(const TT* trow, const DT* drow, int64_t x0, int64_t 
   }
   constexpr int kTargetWords = kElementsPerThread * int{sizeof(TT)} / 16;
   constexpr int kDraftWords = kElementsPerThread * int{sizeof(DT)} / 16;
-  constexpr int kStageStride = race_stage_words<TT, DT>() * kVerifyThreads;
-  // Word w of stage k of this thread: ring[k * stage stride + w * threads + thread].
-  uint4* const mine = ring + threadIdx.x;
-  int64_t ahead = first;  // the next iteration to issue, and its stage
-  int ahead_stage = 0;
+  ThreadRing<race_stage_words<TT, DT>(), kVerifyThreads, kMaxRaceStages> staged(ring, stages);
+  int64_t ahead = first;  // the next iteration to issue
   const auto issue = [&] {
     if (ahead + kElementsPerThread <= x1) {
-      uint4* const stage = mine + ahead_stage * kStageStride;
 #pragma unroll
       for (int h = 0; h < kTargetWords; ++h) {
-        copy_async_16(stage + h * kVerifyThreads, reinterpret_cast<const uint4*>(trow + ahead) + h,
-                      true);
+        staged.copy(h, reinterpret_cast<const uint4*>(trow + ahead) + h);
       }
       if (with_q) {
 #pragma unroll
         for (int h = 0; h < kDraftWords; ++h) {
-          copy_async_16(stage + (kTargetWords + h) * kVerifyThreads,
-                        reinterpret_cast<const uint4*>(drow + ahead) + h, true);
+          staged.copy(kTargetWords + h, reinterpret_cast<const uint4*>(drow + ahead) + h);
         }
       }
     }
-    copy_async_commit();  // a group per iteration, empty past the whole words: the waits count
+    staged.commit();  // empty past the whole words
     ahead += kStride;
-    ahead_stage = ahead_stage + 1 == stages ? 0 : ahead_stage + 1;
   };
   for (int k = 1; k < stages; ++k) issue();
-  int stage_index = 0;
   for (int64_t x = first; x < x1; x += kStride) {
     issue();  // stages - 1 iterations after this one
-    copy_async_wait_upto<kMaxRaceStages - 1>(stages - 1);
+    const uint4* const stage = staged.next();
     float v[kElementsPerThread], w[kElementsPerThread];
     if (x + kElementsPerThread <= x1) {
-      const uint4* const stage = mine + stage_index * kStageStride;
       Raw8<TT> t_raw;
 #pragma unroll
-      for (int h = 0; h < kTargetWords; ++h) t_raw.word[h] = stage[h * kVerifyThreads];
+      for (int h = 0; h < kTargetWords; ++h) t_raw.word[h] = staged.word(stage, h);
       unpack8(t_raw, v);
       if (with_q) {
         Raw8<DT> d_raw;
 #pragma unroll
-        for (int h = 0; h < kDraftWords; ++h) {
-          d_raw.word[h] = stage[(kTargetWords + h) * kVerifyThreads];
-        }
+        for (int h = 0; h < kDraftWords; ++h) d_raw.word[h] = staged.word(stage, kTargetWords + h);
         unpack8(d_raw, w);
       }
     } else {  // the row's last elements: one at a time
       load8(trow, x, x1, 0, v);
       if (with_q) load8(drow, x, x1, 0, w);
     }
-    stage_index = stage_index + 1 == stages ? 0 : stage_index + 1;
     race8(x, v, w);
   }
-  copy_async_wait<0>();
+  staged.drain();
 }
 
 // Writes request b's outputs, one slot k per thread (the draft-id loads in parallel, not a chain
