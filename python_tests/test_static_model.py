@@ -404,6 +404,23 @@ def test_head_segment_waits_follow_the_kernel_s_rounds():
     assert kernels.head_round_waits(3, 4) == 2 and kernels.head_round_waits(4, 4) == 1
 
 
+def test_load_phases_count_the_loads_an_mma_waits_on():
+    """A run of loads issued since the previous MMA is one HBM round trip, waited on by the next
+    MMA: all loads first is one trip, loads interleaved step by step one a step, and a round
+    whose last loads come after its first MMA (the head's round of 8 at 80 registers) two."""
+    def body(ops):
+        return [sass.Instr(16 * i, op) for i, op in enumerate(ops)]
+
+    ld, mma, alu = "LDG.E.CONSTANT R0, desc[UR4][R2.64]", "HMMA.16816.F32.BF16 R4, R8, R12, R4", \
+        "FADD R1, R1, R1"
+    assert kernels.load_phases(body([ld] * 12 + [mma] * 2), r"^LDG\.", r"^HMMA") == 1
+    assert kernels.load_phases(body([ld, ld, mma, alu, ld, mma, ld, ld, mma]),
+                               r"^LDG\.", r"^HMMA") == 3
+    assert kernels.load_phases(body([ld] * 38 + [mma] + [ld] * 10 + [mma] * 7),
+                               r"^LDG\.", r"^HMMA") == 2
+    assert kernels.load_phases(body([mma, alu, mma]), r"^LDG\.", r"^HMMA") == 0
+
+
 def test_loss_products_are_the_op_s_floating_point_operations():
     # Per chunk: three products with the LM head (z, t, d h) and three with W2 (the bias, d u,
     # d W2): 6 n V (d + r), the 9.2 TFLOP of docs/semantics.md §4 over N = 3584 rows.

@@ -637,13 +637,16 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
         # A warp's path: the previous token (L2), then per input segment (s, W1[x], h: r, r
-        # and d columns) its share of the 16-column steps in rounds, each round issuing its
-        # loads and then using them (one HBM wait, head_round_waits); then the block's barrier
-        # and warp 0's sum. The float32 state's rounds stop at 4 steps, the bf16 inputs' at 8.
+        # and d columns) its share of the 16-column steps in rounds (head_segment_rounds), each
+        # round's HBM round trips counted in its SASS (head_round_trips); then the block's
+        # barrier and warp 0's sum. The float32 state's rounds stop at 4 steps, the bf16
+        # inputs' at 8.
         head_warps = head_launch.threads // 32
         head_waits = 0
-        for columns, most in ((rank, 4), (rank, 8), (hidden, 8)):
-            head_waits += head_segment_waits(columns, head_warps, most)
+        for columns, most, three_parts in ((rank, 4, True), (rank, 8, False),
+                                           (hidden, 8, False)):
+            for size in head_segment_rounds(columns, head_warps, most):
+                head_waits += head_round_trips(binary, head_launch.kernel, size, three_parts)
         head_terms = [term(binary, head_launch.kernel, macs, rows * width * batch)]
         for launch, count in head_groups:
             launches.append(planned(launch, "rnn head [g;c;o]" + (", dependent" if launch.dependent
@@ -690,31 +693,69 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
                                                variant="sampled" if sampled else "greedy"))
 
 
-def head_round_waits(steps: int, most: int) -> int:
-    """HBM round trips of a warp's ``steps`` 16-column steps of one input segment in
-    rnn_head_mma_kernel (kernels/draft_rnn_head.cuh, head_mma_segment): rounds of ``most`` steps
-    while a whole one is left, then rounds of half as many, and so on down to one step, at most
-    one round of each; every round issues its loads before its MMAs."""
-    waits, rest, size = steps // most, steps % most, most
+def head_rounds(steps: int, most: int) -> List[int]:
+    """The rounds of a warp's ``steps`` 16-column steps of one input segment in
+    rnn_head_mma_kernel (kernels/draft_rnn_head.cuh, head_mma_segment), by size: rounds of
+    ``most`` steps while a whole one is left, then at most one round each of half as many, down to
+    one step."""
+    rounds, rest, size = [most] * (steps // most), steps % most, most
     while size > 1:
         size //= 2
         if rest >= size:
-            waits, rest = waits + 1, rest - size
-    return waits
+            rounds.append(size)
+            rest -= size
+    return rounds
+
+
+def head_round_waits(steps: int, most: int) -> int:
+    """How many rounds head_rounds makes of ``steps`` steps."""
+    return len(head_rounds(steps, most))
+
+
+def head_segment_rounds(columns: int, warps: int, most: int) -> List[int]:
+    """The rounds (head_rounds) of the warp of rnn_head_mma_kernel that makes the most over one
+    input segment of ``columns``: warps take ceil or floor of the 16-column steps over ``warps``,
+    and a share one step shorter may need more rounds (3 steps: 2 + 1; 4 steps: one round of 4).
+    The partial last step, if any, is one more single step, for a warp with a floor share when
+    the shares differ."""
+    whole, partial = divmod(columns, 16)
+    candidates = [head_rounds(n, most) for n in {-(-whole // warps), whole // warps}]
+    if partial:
+        candidates.append(head_rounds(whole // warps, most) + [1])
+    return max(candidates, key=len)
 
 
 def head_segment_waits(columns: int, warps: int, most: int) -> int:
-    """The most HBM round trips any warp of rnn_head_mma_kernel waits on over one input segment of
-    ``columns``: warps take ceil or floor of the 16-column steps over ``warps`` (and the partial
-    last step, if any, is one more for one warp); a share one step shorter may need more rounds
-    (3 steps: 2 + 1; 4 steps: one round of 4)."""
-    whole, partial = divmod(columns, 16)
-    shares = {-(-whole // warps), whole // warps}
-    waits = max(head_round_waits(n, most) for n in shares)
-    if partial:
-        # The partial step's warp (whole % warps) holds a floor share when the shares differ.
-        waits = max(waits, head_round_waits(whole // warps, most) + 1)
-    return waits
+    """The most rounds any warp makes over one input segment (head_segment_rounds)."""
+    return len(head_segment_rounds(columns, warps, most))
+
+
+def load_phases(instrs, load: str, use: str) -> int:
+    """The HBM round trips of one straight-line loop body in which ``use`` instructions (the
+    MMAs) consume ``load`` results: a run of loads issued since the previous use is waited on by
+    the next use, and the loads after that use issue only once it has its operands."""
+    phases, pending = 0, False
+    for ins in instrs:
+        if sass.matches(ins, load):
+            pending = True
+        elif sass.matches(ins, use) and pending:
+            phases, pending = phases + 1, False
+    return phases
+
+
+def head_round_trips(binary: Binary, kernel: KernelInfo, size: int, three_parts: bool) -> int:
+    """HBM round trips of one round of ``size`` steps of head_mma_segment, counted in its SASS
+    (load_phases): 16-bit inputs take one MMA and six 32-bit loads a step, float32 inputs
+    (``three_parts``) three MMAs, four 32-bit J loads and two 64-bit input loads. Capped at 80
+    registers, ptxas issues a round of 8's last loads after its first MMA: two round trips."""
+    mmas = 3 * size if three_parts else size
+    need = {r"^HMMA": mmas, r"^LDG\.E\.CONSTANT$": (4 if three_parts else 6) * size}
+    if three_parts:
+        need[r"^LDG\.E\.64\.CONSTANT$"] = 2 * size
+    spec = LoopSpec(f"head round of {size} ({'float32' if three_parts else '16-bit'} input)",
+                    need, 64 * size, (r"^HMMA", mmas))
+    _, path, _, _ = select_loop(binary, kernel, spec)
+    return load_phases(path.instrs, r"^LDG\.", r"^HMMA")
 
 
 def confidence_op(binary: Binary, planner: Planner, batch: int, block: int, hidden: int,
