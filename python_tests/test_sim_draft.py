@@ -662,14 +662,15 @@ RNN_CASES = sweep_params([
     rnn(34, 1, 50, 448, 8, "f32", F32, F16, I64, "padded"),
     rnn(9, 3, 300, 20, 16, "f32full", F32, F32, I32, "padded"),
     # A wide hidden input (d = 2560 as in the released checkpoints): rnn_head_mma_kernel's warps
-    # take 20 of its 160 16-column steps each, in rounds of 8, 8 and 4 (head_mma_segment).
+    # take 20 of its 160 16-column steps each, in rounds of 7, 7, 4 and 2 (head_mma_segment).
     rnn(4, 2, 100, 40, 2560, "bf16", BF16, BF16, I64, "aligned"),
-    # d = 1816: 113 whole steps and a partial one, so warp 0 takes rounds of 8, 4, 2 and 1 and
-    # warp 1 the partial step; bf16 (pair loads, rounds up to 8) and float32 (three parts a step,
-    # rounds up to 4). d = 1815 makes J's rows odd-length: element loads, rounds up to 2.
-    rnn(3, 2, 100, 20, 1816, "bf16", BF16, BF16, I64, "aligned"),
-    rnn(3, 2, 100, 20, 1816, "f16", F32, F32, I32, "contiguous"),
-    rnn(2, 2, 100, 24, 1815, "bf16", F16, BF16, I64, "contiguous"),
+    # d = 1688: 105 whole steps and a partial one. Warp 0 takes 14 steps, the others 13, warp 1
+    # the partial step: bf16 (pair loads) in rounds of 7 + 7 and 7 + 4 + 2, float32 (three parts
+    # a step) in rounds of 4 + 4 + 4 + 2 and 4 + 4 + 4 + 1. d = 1687 makes J's rows odd-length:
+    # element loads, rounds of 2 and a single step.
+    rnn(3, 2, 100, 20, 1688, "bf16", BF16, BF16, I64, "aligned"),
+    rnn(3, 2, 100, 20, 1688, "f16", F32, F32, I32, "contiguous"),
+    rnn(2, 2, 100, 24, 1687, "bf16", F16, BF16, I64, "contiguous"),
 ])
 
 

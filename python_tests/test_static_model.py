@@ -387,20 +387,19 @@ def test_head_segment_waits_follow_the_kernel_s_rounds():
 
     def kernel_rounds(warp: int, columns: int, most: int) -> int:
         whole = columns // 16
-        step, rounds, size = warp, 0, most
-        while size >= 1:
+        step, rounds = warp, 0
+        for size in [most] + [n for n in (4, 2, 1) if n < most]:
             while step + (size - 1) * warps < whole:
                 step, rounds = step + size * warps, rounds + 1
-            size //= 2
         assert step >= whole  # every whole step taken
         return rounds + (16 * step < columns)  # the partial last step, if it is this warp's
 
-    for most in (2, 4, 8):
+    for most in (2, 4, 7, 8):
         for columns in [16 * whole + tail for whole in range(40 * warps) for tail in (0, 7)]:
             busiest = max(kernel_rounds(w, columns, most) for w in range(warps))
             assert kernels.head_segment_waits(columns, warps, most) == busiest, (most, columns)
-    # d 2560: rounds of 8, 8 and 4 (five rounds of 4 before); 3 steps wait twice, 4 steps once.
-    assert kernels.head_segment_waits(2560, warps, 8) == 3
+    # d 2560: 20 steps a warp in rounds of 7, 7, 4 and 2; 3 steps wait twice, 4 steps once.
+    assert kernels.head_segment_rounds(2560, warps, 7) == [7, 7, 4, 2]
     assert kernels.head_round_waits(3, 4) == 2 and kernels.head_round_waits(4, 4) == 1
 
 

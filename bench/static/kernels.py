@@ -625,26 +625,27 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
         width = 2 * rank + hidden
         # The tensor-core head: a block per 16 rows x 8 requests, its warps splitting the
         # 16-column steps. A warp's step: one m16n8k16 (16 rows x 8 requests x 16 columns: 64
-        # multiply-adds a lane) from four 32-bit J loads and two of the inputs; rounds of 8 steps
-        # (head_mma_segment). The modelled loop is the bf16 hidden segment's (exact in bf16: one
-        # MMA a step), d of the 2r + d columns; the float32 state's r columns take three MMAs a
-        # step.
+        # multiply-adds a lane) from four 32-bit J loads and two of the inputs; rounds of
+        # kHeadRound16 steps (head_mma_segment). The modelled loop is the bf16 hidden segment's
+        # (exact in bf16: one MMA a step), d of the 2r + d columns; the float32 state's r
+        # columns take three MMAs a step.
         head_groups = kernel_launches(plan, "rnn_head_mma_kernel<__nv_bfloat16>")
         head_launch = head_groups[0][0]
+        round16, round_float = constant("kHeadRound16"), constant("kHeadRoundFloat")
         macs = LoopSpec("J x [s; W1[x]; h] (mma.sync, pair loads)",
-                        {r"^HMMA": 8, r"^LDG\.E\.CONSTANT$": 48}, 64, (r"^HMMA", 1),
-                        loads=r"^LDG\.E\.CONSTANT$")
+                        {r"^HMMA": round16, r"^LDG\.E\.CONSTANT$": 6 * round16}, 64,
+                        (r"^HMMA", 1), loads=r"^LDG\.E\.CONSTANT$")
         head_bytes = rows * width * BF16 + batch * hidden * BF16 + batch * rank * (BF16 + 2 * F32) \
             + batch * rows * F32
         # A warp's path: the previous token (L2), then per input segment (s, W1[x], h: r, r
         # and d columns) its share of the 16-column steps in rounds (head_segment_rounds), each
         # round's HBM round trips counted in its SASS (head_round_trips); then the block's
-        # barrier and warp 0's sum. The float32 state's rounds stop at 4 steps, the bf16
-        # inputs' at 8.
+        # barrier and warp 0's sum. The float32 state's rounds stop at kHeadRoundFloat steps,
+        # the bf16 inputs' at kHeadRound16.
         head_warps = head_launch.threads // 32
         head_waits = 0
-        for columns, most, three_parts in ((rank, 4, True), (rank, 8, False),
-                                           (hidden, 8, False)):
+        for columns, most, three_parts in ((rank, round_float, True), (rank, round16, False),
+                                           (hidden, round16, False)):
             for size in head_segment_rounds(columns, head_warps, most):
                 head_waits += head_round_trips(binary, head_launch.kernel, size, three_parts)
         head_terms = [term(binary, head_launch.kernel, macs, rows * width * batch)]
@@ -696,12 +697,11 @@ def draft_op(binary: Binary, planner: Planner, batch: int, block: int, vocab: in
 def head_rounds(steps: int, most: int) -> List[int]:
     """The rounds of a warp's ``steps`` 16-column steps of one input segment in
     rnn_head_mma_kernel (kernels/draft_rnn_head.cuh, head_mma_segment), by size: rounds of
-    ``most`` steps while a whole one is left, then at most one round each of half as many, down to
-    one step."""
-    rounds, rest, size = [most] * (steps // most), steps % most, most
-    while size > 1:
-        size //= 2
-        if rest >= size:
+    ``most`` steps while a whole one is left, then at most one round each of 4, 2 and 1 steps
+    (those below ``most``)."""
+    rounds, rest = [most] * (steps // most), steps % most
+    for size in (4, 2, 1):
+        if size < most and rest >= size:
             rounds.append(size)
             rest -= size
     return rounds

@@ -229,6 +229,14 @@ constexpr int kHeadMmaThreads = 32 * kHeadMmaWarps;
 // Three blocks an SM (80 registers): at B 64, r 256 the 48 x 8 blocks are all resident at once on
 // a 132-SM GPU, where the compiler's own choice for rounds of eight steps (128) allows two.
 constexpr int kHeadMmaBlocksPerSm = 3;
+// The most steps whose loads a warp issues together, before their MMAs (head_mma_segment): one
+// HBM round trip for the round. Seven steps of pair loads of 16-bit inputs hold 42 registers of
+// loads; within 80 registers ptxas issued only 38 of eight steps' 48 before the first MMA (two
+// round trips), all of seven's. An input converted to three parts (float32) takes two more load
+// words a step, and unaligned rows load each element apart (twice the registers): four and two.
+constexpr int kHeadRound16 = 7;
+constexpr int kHeadRoundFloat = 4;
+constexpr int kHeadRoundUnaligned = 2;
 
 template <typename W>
 __device__ __forceinline__ uint16_t head_bits(W v) {
@@ -291,13 +299,10 @@ __device__ __forceinline__ void head_mma_step(const W* jg, const W* jg8, int k, 
   }
 }
 
-// The most steps whose loads a warp issues together, before their MMAs: one HBM round trip for
-// the round. Eight steps of pair loads of 16-bit inputs hold 48 registers of loads; an input
-// converted to three parts (float32) holds two words more a step, and unaligned rows load each
-// element apart (twice the registers), so those rounds stop at four and two.
+// The round size of a segment's loop (kHeadRound16 and the two after it).
 template <bool kAligned, typename W, typename T>
 constexpr int head_round_steps() {
-  return !kAligned ? 2 : std::is_same_v<T, W> ? 8 : 4;
+  return !kAligned ? kHeadRoundUnaligned : std::is_same_v<T, W> ? kHeadRound16 : kHeadRoundFloat;
 }
 
 // Steps step, step + 8, ... in rounds of kRound (each round's loads issued before its MMAs) while
@@ -318,10 +323,10 @@ __device__ __forceinline__ int head_mma_rounds(const W* jg, const W* jg8, int st
 }
 
 // acc += J[rows, k0 + k] x in[k] over k in [0, len): the warp's share of the segment's 16-column
-// steps (w, w + 8, ...), the whole ones in rounds of head_round_steps, then halving rounds (at
-// most one each) for the rest, so a share of n steps waits on n / 8 round trips and at most three
-// more; then the partial last step if it is the warp's. The MMAs run in step order whatever the
-// rounds, so the sums are those of one step at a time.
+// steps (w, w + 8, ...), the whole ones in rounds of head_round_steps, then at most one round
+// each of 4, 2 and 1 steps for the rest, so a share of n steps waits on about n / 7 round trips
+// and at most three more; then the partial last step if it is the warp's. The MMAs run in step
+// order whatever the rounds, so the sums are those of one step at a time.
 template <bool kAligned, typename W, typename T>
 __device__ __forceinline__ void head_mma_segment(const W* jg, const W* jg8, int k0, int len,
                                                  const T* in, bool valid, int warp, int lane,
