@@ -379,8 +379,8 @@ def test_attention_split_chain_waits_once_per_ring_of_tiles_per_round():
     assert kernels.attention_split_chain(64, 2, 1).dram_waits == 1 + 64
 
 
-def test_head_segment_waits_follow_the_kernel_s_rounds():
-    """head_segment_waits against head_mma_segment's loops (kernels/draft_rnn_head.cuh) written
+def test_head_segment_rounds_follow_the_kernel_s_rounds():
+    """head_segment_rounds against head_mma_segment's loops (kernels/draft_rnn_head.cuh) written
     out step by step: for every segment length up to 40 whole steps a warp, with and without a
     partial last step, the most rounds (one HBM wait each) any warp makes."""
     warps = 8
@@ -397,10 +397,11 @@ def test_head_segment_waits_follow_the_kernel_s_rounds():
     for most in (2, 4, 7, 8):
         for columns in [16 * whole + tail for whole in range(40 * warps) for tail in (0, 7)]:
             busiest = max(kernel_rounds(w, columns, most) for w in range(warps))
-            assert kernels.head_segment_waits(columns, warps, most) == busiest, (most, columns)
+            assert len(kernels.head_segment_rounds(columns, warps, most)) == busiest, \
+                (most, columns)
     # d 2560: 20 steps a warp in rounds of 7, 7, 4 and 2; 3 steps wait twice, 4 steps once.
     assert kernels.head_segment_rounds(2560, warps, 7) == [7, 7, 4, 2]
-    assert kernels.head_round_waits(3, 4) == 2 and kernels.head_round_waits(4, 4) == 1
+    assert kernels.head_rounds(3, 4) == [2, 1] and kernels.head_rounds(4, 4) == [4]
 
 
 def test_load_phases_count_the_loads_an_mma_waits_on():

@@ -707,11 +707,6 @@ def head_rounds(steps: int, most: int) -> List[int]:
     return rounds
 
 
-def head_round_waits(steps: int, most: int) -> int:
-    """How many rounds head_rounds makes of ``steps`` steps."""
-    return len(head_rounds(steps, most))
-
-
 def head_segment_rounds(columns: int, warps: int, most: int) -> List[int]:
     """The rounds (head_rounds) of the warp of rnn_head_mma_kernel that makes the most over one
     input segment of ``columns``: warps take ceil or floor of the 16-column steps over ``warps``,
@@ -723,11 +718,6 @@ def head_segment_rounds(columns: int, warps: int, most: int) -> List[int]:
     if partial:
         candidates.append(head_rounds(whole // warps, most) + [1])
     return max(candidates, key=len)
-
-
-def head_segment_waits(columns: int, warps: int, most: int) -> int:
-    """The most rounds any warp makes over one input segment (head_segment_rounds)."""
-    return len(head_segment_rounds(columns, warps, most))
 
 
 def load_phases(instrs, load: str, use: str) -> int:
@@ -746,8 +736,8 @@ def load_phases(instrs, load: str, use: str) -> int:
 def head_round_trips(binary: Binary, kernel: KernelInfo, size: int, three_parts: bool) -> int:
     """HBM round trips of one round of ``size`` steps of head_mma_segment, counted in its SASS
     (load_phases): 16-bit inputs take one MMA and six 32-bit loads a step, float32 inputs
-    (``three_parts``) three MMAs, four 32-bit J loads and two 64-bit input loads. Capped at 80
-    registers, ptxas issues a round of 8's last loads after its first MMA: two round trips."""
+    (``three_parts``) three MMAs, four 32-bit J loads and two 64-bit input loads. A round whose
+    last loads ptxas issues only after its first MMA (short of registers) costs two."""
     mmas = 3 * size if three_parts else size
     need = {r"^HMMA": mmas, r"^LDG\.E\.CONSTANT$": (4 if three_parts else 6) * size}
     if three_parts:
